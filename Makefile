@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+# TORCH_SPEC picks the torch build: the default is the CPU build this project is developed on;
+# on a GPU machine, e.g. `make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?=
+PORT ?= 30000
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install install-test serve generate test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install $(TORCH_SPEC)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+serve: install
+	$(VENV)/bin/banyan serve $(if $(MODEL),--model $(MODEL),) --port $(PORT)
+
+generate: install
+	$(VENV)/bin/banyan generate $(if $(MODEL),--model $(MODEL),) --prompt "Once upon a time" --max-new-tokens 32
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Banyan: an LLM inference and serving engine."""

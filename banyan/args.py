@@ -1,0 +1,72 @@
+"""Engine arguments: one dataclass whose field docs are the `--help` text of the CLI."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+
+def _doc(text: str, **extra: object) -> dict[str, object]:
+    return {"help": text, **extra}
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = field(default=None, metadata=_doc(
+        "Local Hugging Face model folder (config.json, safetensors, tokenizer). "
+        "Omitted: the built-in demo model with random weights (its text is meaningless)."))
+    tokenizer: str | None = field(default=None, metadata=_doc(
+        "Tokenizer folder, when it differs from --model."))
+    dtype: str = field(default="auto", metadata=_doc(
+        "Weight and activation dtype: auto (the config's torch_dtype), float32, bfloat16, float16.",
+        choices=["auto", "float32", "bfloat16", "float16"]))
+    device: str = field(default="auto", metadata=_doc(
+        "auto (cuda when available, else cpu), cpu, cuda, cuda:N."))
+    kv_cache_memory: str | None = field(default=None, metadata=_doc(
+        "KV cache size: bytes, or with a unit (512MiB, 4GiB). Default: --mem-fraction of free memory."))
+    mem_fraction: float = field(default=0.25, metadata=_doc(
+        "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is unset."))
+    max_model_len: int | None = field(default=None, metadata=_doc(
+        "Longest sequence (prompt + output). Default: the model's max_position_embeddings."))
+    max_running_requests: int = field(default=128, metadata=_doc(
+        "Most requests decoding at once."))
+    max_prefill_tokens: int = field(default=4096, metadata=_doc(
+        "Token budget of one step for prompt tokens (decodes ride on top)."))
+    chunked_prefill_size: int = field(default=2048, metadata=_doc(
+        "Longest prompt chunk one request computes in one step; longer prompts are split."))
+    seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
+    num_threads: int | None = field(default=None, metadata=_doc(
+        "CPU threads for torch (default: all cores)."))
+    disable_tqdm: bool = field(default=False, metadata=_doc("No progress bars."))
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
+          "mib": 1024**2, "g": 10**9, "gb": 10**9, "gib": 1024**3}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB' -> 4294967296; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size (say 512MiB or 4GiB)")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {text!r}")
+    return size

@@ -1,0 +1,89 @@
+"""What crosses the scheduler/runner boundary: one plain dataclass each way.
+
+The scheduler describes a step as a `ForwardBatch` of Python lists (no torch), the runner turns it
+into tensors, runs the model and the sampler, and answers with a `StepOutput`. Both sit at the
+bottom of the package so the scheduler, runner, attention backends and models share them without
+importing each other.
+
+Token layout of one step (vLLM/SGLang style "flat" batch): request i contributes
+`extend_lens[i]` new tokens, whose KV goes to positions `[prefix_lens[i], prefix_lens[i] +
+extend_lens[i])` of its row in the request-to-token table. A decode is simply an extend of one
+token. All new tokens are concatenated in request order into `input_ids` / `out_slots`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from banyan.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """Everything the sampler needs about one request that samples a token this step."""
+
+    params: SamplingParams
+    prompt_ids: list[int]  # read-only view: for the repetition penalty
+    output_ids: list[int]  # read-only view: tokens generated so far (penalties, min_new_tokens)
+    # Seeded requests draw their noise from (seed, len(output_ids)): the same seed gives the
+    # same tokens whatever else is in the batch, and a retracted request resumes identically.
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class RowPrefix:
+    """KV slots already holding a request's first tokens (a prefix-cache hit), to be written into
+    table row `row` at positions [0, len(slots)) before the step runs."""
+
+    row: int
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step of work: per request (in batch order) its table row and token counts, plus the
+    flat new tokens and the KV slots they are written to."""
+
+    rows: list[int] = field(default_factory=list)  # [B] request-to-token table rows
+    prefix_lens: list[int] = field(default_factory=list)  # [B] tokens already in KV
+    extend_lens: list[int] = field(default_factory=list)  # [B] new tokens this step (>= 1)
+    input_ids: list[int] = field(default_factory=list)  # [T = sum(extend_lens)]
+    out_slots: list[int] = field(default_factory=list)  # [T] KV slot of each new token
+    # Indices into the batch (0..B-1) of requests whose last new token is the last token of their
+    # sequence so far: their final position's logits are sampled. Chunked-prefill chunks that do
+    # not reach the end of the prompt are absent.
+    sample_indices: list[int] = field(default_factory=list)
+    sampling: list[SamplingRow] = field(default_factory=list)  # [len(sample_indices)]
+    row_prefixes: list[RowPrefix] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token and, when asked, the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The runner's answer: one sampled token per entry of `ForwardBatch.sample_indices`."""
+
+    next_tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Seconds spent in each phase of the step (prepare, forward, sample), for telemetry.
+    timings: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,3 @@
+from banyan.sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]

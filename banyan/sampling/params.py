@@ -1,0 +1,103 @@
+"""Sampling parameters of one request, validated where they enter the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# Logprobs of more alternatives than this are refused: they cost a top-k over the vocabulary.
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def copy(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        ints = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+        for name in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, "must be an integer")
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty")
+        for name in floats:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be >= 0")
+        if self.min_new_tokens < 0:
+            raise bad("min_new_tokens", "must be >= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1 (disabled) or >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", "must be an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        for token_id in list(self.stop_token_ids) + [int(t) for t in self.logit_bias]:
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise ValueError(
+                    f"invalid sampling parameter: token id {token_id} outside the vocabulary"
+                    f" [0, {vocab_size})" if vocab_size else f"token id {token_id} is negative"
+                )
+        for token_id, bias in self.logit_bias.items():
+            if not math.isfinite(bias):
+                raise ValueError(f"invalid sampling parameter logit_bias[{token_id}]={bias!r}")
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
