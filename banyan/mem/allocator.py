@@ -34,11 +34,13 @@ class SlotAllocator:
         if n == 0:
             return []
         taken = self._free[-n:]
+        taken.reverse()  # ascending runs of slots: contiguous KV reads when the pool is fresh
         del self._free[-n:]
         return taken
 
     def free(self, slots: Iterable[int]) -> None:
-        self._free.extend(slots)
+        # Reversed so that the next alloc hands these back in their original order.
+        self._free.extend(reversed(list(slots)))
 
     def free_set(self) -> set[int]:
         return set(self._free)

@@ -1,0 +1,155 @@
+"""Builds one step: who runs, with how many tokens, in which KV slots.
+
+Order of service each step:
+1. every running request that is decoding gets its one token (decodes are never starved; when
+   slots run out, the most recently admitted requests are retracted to make room);
+2. running requests still in chunked prefill continue, under the step's prefill token budget;
+3. waiting requests are admitted while the budget, the row count and KV memory allow, keeping
+   a reservation for the tokens the running requests are still expected to generate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
+from banyan.scheduler.memory import KVManager
+from banyan.scheduler.queue import WaitingQueue
+from banyan.scheduler.request import Request, Status
+
+
+@dataclass(slots=True)
+class BudgetConfig:
+    max_running_requests: int
+    max_prefill_tokens: int  # prompt tokens per step, decodes not counted
+    chunked_prefill_size: int  # prompt tokens per request per step
+    # Admission reserves `ratio * min(tokens still to generate, clip)` slots per running request.
+    # The ratio starts high, decays as decodes succeed and jumps back on a retraction (SGLang's
+    # scheme): optimistic admission keeps the batch full, retraction catches the misses.
+    new_token_ratio_init: float = 0.7
+    new_token_ratio_min: float = 0.1
+    new_token_ratio_decay: float = 0.002
+    reserve_clip: int = 4096
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    batch: ForwardBatch = field(default_factory=ForwardBatch)
+    reqs: list[Request] = field(default_factory=list)  # batch order
+    sampled: list[Request] = field(default_factory=list)  # order of batch.sample_indices
+    retracted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.reqs
+
+
+class BatchBuilder:
+    def __init__(self, config: BudgetConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.new_token_ratio = config.new_token_ratio_init
+
+    def build(self, running: list[Request], waiting: WaitingQueue) -> ScheduledStep:
+        step = ScheduledStep()
+        self._schedule_decodes(step, running, waiting)
+        budget = self.config.max_prefill_tokens
+        for req in running:
+            if budget <= 0:
+                break
+            # Decodes scheduled above now have remaining == 0.
+            if req.remaining > 1:
+                budget -= self._add_chunk(step, req, budget)
+        self._admit(step, running, waiting, budget)
+        if step.retracted:
+            self.new_token_ratio = self.config.new_token_ratio_init
+        elif step.reqs:
+            self.new_token_ratio = max(
+                self.config.new_token_ratio_min,
+                self.new_token_ratio - self.config.new_token_ratio_decay,
+            )
+        return step
+
+    def _schedule_decodes(
+        self, step: ScheduledStep, running: list[Request], waiting: WaitingQueue
+    ) -> None:
+        decoding = [r for r in running if r.remaining == 1]
+        while decoding and self.kv.available < len(decoding):
+            victim = running.pop()  # the most recently admitted
+            self.retract(victim, waiting)
+            step.retracted.append(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+        for req in decoding:
+            self._add(step, req, 1)
+
+    def _add_chunk(self, step: ScheduledStep, req: Request, budget: int) -> int:
+        n = min(req.remaining, self.config.chunked_prefill_size, budget)
+        if self.kv.available < n:
+            return 0
+        self._add(step, req, n)
+        return n
+
+    def _admit(
+        self, step: ScheduledStep, running: list[Request], waiting: WaitingQueue, budget: int
+    ) -> None:
+        if step.retracted:
+            return  # memory is short: admitting now would only retract again
+        reserved = self._reserved(running)
+        for req in waiting.ordered():
+            if budget <= 0 or len(running) >= self.config.max_running_requests:
+                return
+            self.kv.match(req)
+            n = min(req.remaining, self.config.chunked_prefill_size, budget)
+            own_need = n + min(req.max_new_tokens - len(req.output_ids), self.config.reserve_clip)
+            if self.kv.available < n or self.kv.available - n < reserved + math.ceil(
+                (own_need - n) * self.new_token_ratio
+            ) * bool(running):
+                self.kv.unmatch(req)
+                return  # first come, first served: nobody overtakes the head of the queue
+            if req.num_retractions == 0:
+                req.cached_tokens = req.locked_len
+            waiting.remove(req)
+            req.status = Status.RUNNING
+            req.row = self.kv.alloc_row()
+            running.append(req)
+            self._add(step, req, n)
+            budget -= n
+            reserved += math.ceil((own_need - n) * self.new_token_ratio)
+
+    def _reserved(self, running: list[Request]) -> int:
+        clip = self.config.reserve_clip
+        future = sum(min(r.max_new_tokens - len(r.output_ids), clip) for r in running)
+        return math.ceil(future * self.new_token_ratio)
+
+    def _add(self, step: ScheduledStep, req: Request, n: int) -> None:
+        slots = self.kv.alloc_slots(n)
+        assert slots is not None, "caller checked availability"
+        batch = step.batch
+        assert req.row is not None
+        if req.row_synced < req.num_computed:
+            batch.row_prefixes.append(RowPrefix(req.row, req.slots[: req.num_computed]))
+        start = req.num_computed
+        batch.rows.append(req.row)
+        batch.prefix_lens.append(start)
+        batch.extend_lens.append(n)
+        batch.input_ids.extend(req.token_ids(start, start + n))
+        batch.out_slots.extend(slots)
+        req.slots.extend(slots)
+        req.row_synced = req.num_computed
+        if req.remaining == 0:
+            batch.sample_indices.append(len(step.reqs))
+            batch.sampling.append(
+                SamplingRow(req.params, req.prompt_ids, req.output_ids, req.params.seed)
+            )
+            step.sampled.append(req)
+        step.reqs.append(req)
+
+    def retract(self, req: Request, waiting: WaitingQueue) -> None:
+        """Free (or cache) a running request's KV and requeue it at the front, to be recomputed
+        from its prompt and the tokens it has generated so far."""
+        self.kv.release(req)
+        req.status = Status.WAITING
+        req.num_retractions += 1
+        waiting.push_front(req)

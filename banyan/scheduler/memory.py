@@ -1,0 +1,105 @@
+"""KV memory on the scheduler's side: slots (with prefix-cache eviction as the fallback), table
+rows, and the request-level cache operations (match on admission, cache or free on release).
+
+Index ranges of a running request's `slots` (what is whose):
+
+    [0, locked_len)            owned by the prefix cache, locked by this request
+    [locked_len, len(slots))   owned by the request; freed or offered to the cache on release
+"""
+
+from __future__ import annotations
+
+from banyan.cache.base import PrefixCache
+from banyan.mem.allocator import SlotAllocator
+from banyan.scheduler.request import Request
+
+
+class KVManager:
+    def __init__(self, allocator: SlotAllocator, cache: PrefixCache, num_rows: int) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.num_rows = num_rows
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        """Slots a new allocation could get: free now, or freed by evicting unlocked cache."""
+        return self.allocator.num_free + self.cache.evictable_size
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def alloc_slots(self, n: int) -> list[int] | None:
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def match(self, req: Request) -> None:
+        """Point a request that holds no KV at the longest cached prefix of its tokens, locked.
+        The last token is never matched: its logits must be computed."""
+        assert not req.slots and req.cache_handle is None
+        result = self.cache.match_prefix(req.token_ids(0, req.num_tokens - 1), req.namespace)
+        self.cache.lock(result.handle)
+        req.cache_handle = result.handle
+        req.slots = list(result.slots)
+        req.locked_len = len(result.slots)
+
+    def unmatch(self, req: Request) -> None:
+        """Undo `match` for a request that was not admitted after all."""
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = None
+        req.slots = []
+        req.locked_len = 0
+
+    def cache_unfinished(self, req: Request) -> None:
+        """After a prefill chunk: hand the computed prefix to the cache so others can share it,
+        and move the request onto the cache's copy (its duplicates are freed)."""
+        if not self.cache.keeps_prefixes:
+            return
+        n = req.num_computed
+        tokens = req.token_ids(0, n)
+        result = self.cache.insert(tokens, req.slots, req.namespace)
+        self.allocator.free(req.slots[req.locked_len : result.cached_len])
+        self.cache.lock(result.handle)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = result.handle
+        shared = self.cache.match_prefix(tokens, req.namespace).slots
+        if shared != req.slots[: len(shared)]:
+            req.row_synced = 0  # the table row must be rewritten with the cache's slots
+        req.slots = shared + req.slots[len(shared) :]
+        req.locked_len = len(shared)
+
+    def release(self, req: Request) -> None:
+        """Give up a request's KV (finished, aborted or retracted): its computed tokens are
+        offered to the cache, the rest freed, its lock and row dropped."""
+        if req.slots:
+            result = self.cache.insert(req.token_ids(0, req.num_computed), req.slots, req.namespace)
+            self.allocator.free(req.slots[req.locked_len : max(result.cached_len, req.locked_len)])
+        if req.cache_handle is not None:
+            self.cache.unlock(req.cache_handle)
+        if req.row is not None:
+            self._free_rows.append(req.row)
+        req.slots = []
+        req.locked_len = 0
+        req.cache_handle = None
+        req.row = None
+        req.row_synced = 0
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """free + cached + held by requests = every slot, each in exactly one place."""
+        free = self.allocator.free_set()
+        cached = self.cache.cached_slots()
+        held = [s for r in running for s in r.slots[r.locked_len :]]
+        everything = list(free) + cached + held
+        assert len(free) == self.allocator.num_free, "a slot is twice in the free list"
+        assert len(everything) == self.capacity, (
+            f"slots leaked or doubled: free {len(free)} + cached {len(cached)} + held "
+            f"{len(held)} != capacity {self.capacity}"
+        )
+        assert len(set(everything)) == self.capacity, "a slot is in two places"
+        assert len(self._free_rows) + sum(r.row is not None for r in running) == self.num_rows

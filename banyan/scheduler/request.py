@@ -1,0 +1,105 @@
+"""A request's scheduling state. Small on purpose: feature state lives beside it, not in it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from banyan.batch import TokenLogprobs
+from banyan.sampling.params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TextStream(Protocol):
+    """Turns generated token ids into safe-to-emit text and spots stop strings."""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Text now safe to emit, and whether a stop string completed (text trimmed before it)."""
+        ...
+
+    def finish(self) -> str:
+        """Held-back text, released when the request ends for another reason."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # effective: clipped so prompt + output fits max_model_len
+    eos_ids: frozenset[int] = frozenset()
+    namespace: str | None = None  # cache_salt: requests of different namespaces share no KV
+    text: TextStream | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    # KV state. slots[i] holds the KV of token i; len(slots) tokens are computed.
+    slots: list[int] = field(default_factory=list)
+    row: int | None = None  # request-to-token table row while running
+    cache_handle: Any = None  # locked prefix-cache node
+    locked_len: int = 0  # slots[:locked_len] belong to the prefix cache (locked)
+    row_synced: int = 0  # slots[:row_synced] are already written into the table row
+
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_retractions: int = 0
+    arrival_seq: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return len(self.slots)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is still to be computed before the next token can be sampled."""
+        return self.num_tokens - len(self.slots)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request: the new tokens and text, and whether it ended."""
+
+    rid: str
+    new_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
