@@ -5,15 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?=
-PORT ?= 30000
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test serve generate test clean
+.PHONY: install install-test serve test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 	$(PIP) install $(TORCH_SPEC)
 	$(PIP) install -e .
 	touch $@
@@ -26,10 +24,8 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
+# Until the HTTP server lands (issue 4), `make serve` runs a short offline generation.
 serve: install
-	$(VENV)/bin/banyan serve $(if $(MODEL),--model $(MODEL),) --port $(PORT)
-
-generate: install
 	$(VENV)/bin/banyan generate $(if $(MODEL),--model $(MODEL),) --prompt "Once upon a time" --max-new-tokens 32
 
 test: install-test

@@ -33,7 +33,8 @@ def apply_step(step: ScheduledStep, out: StepOutput, max_model_len: int) -> list
             not req.params.ignore_eos and token in req.eos_ids
         )
         if req.text is not None and not is_stop_token:
-            text, stopped = req.text.push(token)
+            delta = req.text.push(token)
+            text, stopped = delta.text, delta.stopped
             # Stop strings only count once min_new_tokens is reached (the sampler cannot block
             # them the way it blocks stop tokens).
             stopped = stopped and len(req.output_ids) >= req.params.min_new_tokens

@@ -22,12 +22,15 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class TextDelta(Protocol):
+    text: str  # safe to emit now
+    stopped: bool  # a stop string completed (the text is trimmed before it)
+
+
 class TextStream(Protocol):
     """Turns generated token ids into safe-to-emit text and spots stop strings."""
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Text now safe to emit, and whether a stop string completed (text trimmed before it)."""
-        ...
+    def push(self, token_id: int) -> TextDelta: ...
 
     def finish(self) -> str:
         """Held-back text, released when the request ends for another reason."""

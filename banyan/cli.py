@@ -1,0 +1,129 @@
+"""`banyan generate | bench`: the command line, generated from the argument dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import types
+import typing
+from typing import Any
+
+from banyan.args import EngineArgs
+from banyan.sampling.params import SamplingParams
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; `str` -> str (annotations are strings under __future__)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {**vars(typing), **vars(types)})  # noqa: S307 - our own hints
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+    """One flag per field: --field-name, typed from the annotation, help from the field doc."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(f.type)
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text,
+                                choices=f.metadata.get("choices"))
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=32)
+    group.add_argument("--min-new-tokens", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None,
+                       help="per-request seed: the same seed gives the same text")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--n", type=int, default=1, help="samples per prompt")
+
+
+def _sampling_from(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=ns.max_new_tokens, min_new_tokens=ns.min_new_tokens,
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty, frequency_penalty=ns.frequency_penalty,
+        presence_penalty=ns.presence_penalty, seed=ns.sample_seed, stop=ns.stop,
+        ignore_eos=ns.ignore_eos, n=ns.n,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="banyan", description="Banyan LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts, offline")
+    add_dataclass_args(gen.add_argument_group("engine"), EngineArgs)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    _add_sampling_args(gen)
+
+    from banyan.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from banyan.engine import Engine
+
+    args = engine_args_from(ns)
+    params = _sampling_from(ns)
+    try:
+        params.validate()
+        engine = Engine(**dataclasses.asdict(args))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with engine:
+        try:
+            outputs = engine.generate(ns.prompt, params, use_tqdm=False)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    for out in outputs:
+        for sample in out.outputs:
+            if ns.json:
+                print(json.dumps({"prompt": out.prompt, "index": sample.index, "text": sample.text,
+                                  "output_ids": sample.output_ids,
+                                  "finish_reason": sample.finish_reason,
+                                  "prompt_tokens": out.prompt_tokens}))
+            else:
+                print(f"{out.prompt}{sample.text}")
+                print(f"  [{sample.completion_tokens} tokens, finish_reason={sample.finish_reason}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    if ns.command == "generate":
+        return cmd_generate(ns)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The offline Python API: `banyan.Engine`, the Scheduler run in-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from banyan.args import EngineArgs
+from banyan.core import EngineCore, SampleGroup
+from banyan.outputs import CompletionOutput, RequestOutput, StreamChunk
+from banyan.sampling.params import SamplingParams
+from banyan.scheduler import RequestUpdate
+
+
+class Engine:
+    """
+    >>> with Engine(model="path/to/hf-folder", dtype="float32") as engine:
+    ...     outs = engine.generate(["Hello"], SamplingParams(max_new_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown Engine argument(s): {', '.join(sorted(unknown))}")
+        self.args = EngineArgs(model=model, **kwargs)
+        self.core = EngineCore.from_args(self.args)
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for rid in list(self.core.scheduler.requests):
+            self.core.abort(rid)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    input_ids: Sequence[int] | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> SampleGroup:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        ids = self.encode(prompt) if prompt is not None else list(input_ids or [])
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return self.core.add(rid, ids, params if params is not None else SamplingParams(),
+                             namespace=cache_salt)
+
+    def abort(self, request_id: str) -> None:
+        """End a request (all its samples) now; its KV returns to the pool at once."""
+        for rid in list(self.core.scheduler.requests):
+            if rid == request_id or rid.startswith(f"{request_id}#"):
+                self.core.abort(rid)
+
+    def step(self) -> list[RequestUpdate]:
+        return self.core.step()
+
+    # -- batch generation -----------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts (text, or token ids through input_ids) to completion, in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts and input_ids")
+        count = len(prompts) if prompts is not None else len(input_ids or [])
+        params_list = _per_prompt(sampling_params, count)
+        outputs: list[RequestOutput] = []
+        by_child: dict[str, tuple[RequestOutput, int]] = {}
+        added: list[SampleGroup] = []
+        try:
+            for i in range(count):
+                text = prompts[i] if prompts is not None else None
+                group = self.add_request(
+                    text, params_list[i], input_ids=None if input_ids is None else input_ids[i]
+                )
+                added.append(group)
+                out = RequestOutput(group.rid, text, group.prompt_ids, [
+                    CompletionOutput(index=k, logprobs=[] if params_list[i].logprobs is not None
+                                     else None) for k in range(len(group.child_rids))])
+                outputs.append(out)
+                for k, child in enumerate(group.child_rids):
+                    by_child[child] = (out, k)
+        except BaseException:
+            for group in added:
+                self.abort(group.rid)
+            raise
+        pending = len(by_child)
+        bar = tqdm(total=pending, desc="generate", unit="req",
+                   disable=not use_tqdm or self.args.disable_tqdm)
+        try:
+            while pending:
+                for update in self.core.step():
+                    entry = by_child.get(update.rid)
+                    if entry is None:
+                        continue
+                    out, k = entry
+                    _apply(out, k, update)
+                    if update.finish_reason is not None:
+                        pending -= 1
+                        bar.update(1)
+        except BaseException:
+            for group in added:
+                self.abort(group.rid)
+            raise
+        finally:
+            bar.close()
+        return outputs
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+               input_ids: Sequence[int] | None = None) -> Iterator[StreamChunk]:
+        """Yield text/token deltas of one request as they are generated (all samples when n > 1,
+        each chunk naming its sample index). Other queued work advances meanwhile."""
+        group = self.add_request(prompt, sampling_params, input_ids=input_ids)
+        index = {child: k for k, child in enumerate(group.child_rids)}
+        pending = len(index)
+        try:
+            while pending:
+                for update in self.core.step():
+                    if update.rid not in index:
+                        continue
+                    if update.finish_reason is not None:
+                        pending -= 1
+                    yield StreamChunk(
+                        group.rid, index[update.rid], update.text, update.new_token_ids,
+                        None if update.finish_reason is None else update.finish_reason.value,
+                        update.logprobs, update.prompt_tokens, update.cached_tokens,
+                    )
+        finally:
+            if pending:  # the consumer stopped early: free the request's KV now
+                self.abort(group.rid)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+    return params
+
+
+def _apply(out: RequestOutput, index: int, update: RequestUpdate) -> None:
+    sample = out.outputs[index]
+    sample.text += update.text
+    sample.output_ids.extend(update.new_token_ids)
+    if sample.logprobs is not None:
+        sample.logprobs.extend(update.logprobs)
+    out.cached_tokens = max(out.cached_tokens, update.cached_tokens)
+    if update.finish_reason is not None:
+        sample.finish_reason = update.finish_reason.value
+        sample.error = update.error

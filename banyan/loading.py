@@ -1,0 +1,90 @@
+"""Builds an EngineCore from EngineArgs: model folder, device, tokenizer, runner, scheduler."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from banyan.args import EngineArgs
+from banyan.cache.no_cache import NoPrefixCache
+from banyan.core import EngineCore
+from banyan.mem.allocator import SlotAllocator
+from banyan.runner.model_runner import ModelRunner
+from banyan.runner.step import ModelStepRunner
+from banyan.sampling.sampler import Sampler
+from banyan.scheduler import Scheduler, SchedulerConfig
+from banyan.scheduler.builder import BudgetConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        from banyan.demo import demo_model_dir
+
+        path = demo_model_dir()
+        logger.warning("Using the demo model (random weights: its text is meaningless). "
+                       "Pass --model /path/to/hf-folder for a real model.")
+        return path
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model folder {model!r} does not exist (Banyan loads local folders only)")
+    if not (path / "config.json").exists():
+        raise ValueError(f"model folder {model!r} has no config.json")
+    return path
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types here
+        raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
+
+
+def eos_token_ids(model_dir: Path, tokenizer: Any, hf_config: Any) -> frozenset[int]:
+    """EOS ids from the tokenizer, the model config and generation_config.json."""
+    ids: set[int] = set()
+    candidates: list[Any] = [tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
+    except Exception:  # noqa: BLE001 - generation_config.json is optional
+        pass
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def build_engine_core(args: EngineArgs) -> EngineCore:
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
+    runner = ModelRunner.from_engine_args(args, model_path=model_dir)
+    cfg = runner.model_config
+    max_model_len = min(args.max_model_len or cfg.max_position_embeddings, runner.max_context)
+    eos = eos_token_ids(model_dir, tokenizer, cfg.hf_config)
+    sampler = Sampler(cfg.vocab, runner.device, seed=args.seed, eos_token_ids=eos)
+    budget = BudgetConfig(
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
+    scheduler = Scheduler(
+        ModelStepRunner(runner, sampler),
+        SchedulerConfig(max_model_len=max_model_len, budget=budget),
+        SlotAllocator(runner.num_slots),
+        NoPrefixCache(),
+    )
+    core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
+    core.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return core
