@@ -34,13 +34,26 @@ class EngineArgs:
         "Token budget of one step for prompt tokens (decodes ride on top)."))
     chunked_prefill_size: int = field(default=2048, metadata=_doc(
         "Longest prompt chunk one request computes in one step; longer prompts are split."))
+    no_prefix_cache: bool = field(default=False, metadata=_doc(
+        "Disable RadixAttention prefix reuse: every prompt is computed in full (the baseline)."))
+    page_size: int = field(default=1, metadata=_doc(
+        "Tokens per KV page: the prefix cache shares whole pages only."))
+    schedule_policy: str = field(default="lpm", metadata=_doc(
+        "Order of the waiting queue: lpm (longest cached prefix first), dfs-weight (walk the "
+        "prefix tree, heavier subtrees first), fcfs.", choices=["lpm", "dfs-weight", "fcfs"]))
+    schedule_fcfs_threshold: int = field(default=128, metadata=_doc(
+        "lpm and dfs-weight fall back to fcfs when more requests than this are waiting."))
+    in_batch_prefix_threshold: int = field(default=32, metadata=_doc(
+        "A waiting request sharing at least this many uncached prompt tokens with one admitted "
+        "in the same step waits a step and reuses its KV instead of computing them again."))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))
     disable_tqdm: bool = field(default=False, metadata=_doc("No progress bars."))
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
+                     "page_size", "schedule_fcfs_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

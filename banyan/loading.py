@@ -10,6 +10,7 @@ import torch
 
 from banyan.args import EngineArgs
 from banyan.cache.no_cache import NoPrefixCache
+from banyan.cache.radix import RadixCache
 from banyan.core import EngineCore
 from banyan.mem.allocator import SlotAllocator
 from banyan.runner.model_runner import ModelRunner
@@ -17,6 +18,7 @@ from banyan.runner.step import ModelStepRunner
 from banyan.sampling.sampler import Sampler
 from banyan.scheduler import Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
+from banyan.scheduler.policy import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +81,15 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
     )
+    policy = PolicyConfig(args.schedule_policy, args.schedule_fcfs_threshold,
+                          args.in_batch_prefix_threshold)
+    allocator = SlotAllocator(runner.num_slots)
+    cache = NoPrefixCache() if args.no_prefix_cache else RadixCache(allocator, args.page_size)
     scheduler = Scheduler(
         ModelStepRunner(runner, sampler),
-        SchedulerConfig(max_model_len=max_model_len, budget=budget),
-        SlotAllocator(runner.num_slots),
-        NoPrefixCache(),
+        SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy),
+        allocator,
+        cache,
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
     core.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())

@@ -35,7 +35,9 @@ def greedy(max_new: int) -> SamplingParams:
 def check_pool_empty(engine: Engine) -> None:
     sched = engine.core.scheduler
     assert not sched.has_work
-    assert sched.kv.allocator.num_free == sched.kv.capacity
+    # Idle: every slot is free or held (unlocked) by the prefix cache.
+    assert sched.kv.cache.protected_size == 0
+    assert sched.kv.allocator.num_free + sched.kv.cache.evictable_size == sched.kv.capacity
     sched.kv.check_integrity(sched.running)
 
 
@@ -207,7 +209,7 @@ def test_abort_mid_generation_frees_everything(engine: Engine) -> None:
     got: list[int] = []
     for _ in range(3):
         got += [t for u in engine.step() if u.rid == "bystander" for t in u.new_token_ids]
-    assert engine.core.scheduler.kv.allocator.num_free < engine.core.scheduler.kv.capacity
+    assert engine.core.scheduler.kv.cache.protected_size + engine.core.scheduler.kv.allocator.num_free < engine.core.scheduler.kv.capacity
     engine.abort(group.rid)
     while engine.core.has_work:
         for u in engine.step():

@@ -36,9 +36,17 @@ class PrefixCache(ABC):
 
     #: False for the no-reuse baseline: the scheduler skips caching unfinished requests.
     keeps_prefixes: bool = True
+    page_size: int = 1
+
+    def aligned_len(self, n: int) -> int:
+        """n rounded down to whole pages: the most of n tokens the cache can take or match."""
+        return n // self.page_size * self.page_size
 
     @abstractmethod
-    def match_prefix(self, tokens: Sequence[int], namespace: str | None = None) -> MatchResult: ...
+    def match_prefix(self, tokens: Sequence[int], namespace: str | None = None, *,
+                     count_stats: bool = True) -> MatchResult:
+        """count_stats=False for look-ups that are not a request's admission (scheduling
+        policy, re-matching after an insert), so hit-rate counters stay exact."""
 
     @abstractmethod
     def insert(

@@ -11,7 +11,8 @@ from banyan.cache.base import InsertResult, MatchResult, PrefixCache
 class NoPrefixCache(PrefixCache):
     keeps_prefixes = False
 
-    def match_prefix(self, tokens: Sequence[int], namespace: str | None = None) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], namespace: str | None = None, *,
+                     count_stats: bool = True) -> MatchResult:
         return MatchResult(slots=[], handle=None)
 
     def insert(

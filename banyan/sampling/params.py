@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, replace
 
 # Logprobs of more alternatives than this are refused: they cost a top-k over the vocabulary.
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this are greedy: logits / 1e-6 overflows float32 into inf and the softmax
+# into NaN, and the distribution is a point mass anyway (vLLM uses the same epsilon).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -31,7 +34,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:
@@ -91,13 +94,22 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        for token_id in list(self.stop_token_ids) + [int(t) for t in self.logit_bias]:
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+        # JSON clients send logit_bias keys as strings ({"50256": -100}).
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = float(value)
+            except (TypeError, ValueError):
                 raise ValueError(
-                    f"invalid sampling parameter: token id {token_id} outside the vocabulary"
-                    f" [0, {vocab_size})" if vocab_size else f"token id {token_id} is negative"
-                )
-        for token_id, bias in self.logit_bias.items():
-            if not math.isfinite(bias):
-                raise ValueError(f"invalid sampling parameter logit_bias[{token_id}]={bias!r}")
-        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                    f"invalid sampling parameter logit_bias[{key!r}]={value!r}: token ids must be"
+                    " integers and biases numbers"
+                ) from None
+            if not math.isfinite(bias[int(key)]):
+                raise ValueError(f"invalid sampling parameter logit_bias[{key!r}]={value!r}")
+        for token_id in list(self.stop_token_ids) + list(bias):
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"invalid sampling parameter: token id {token_id!r} is not an int")
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                where = "negative" if vocab_size is None else f"outside [0, {vocab_size})"
+                raise ValueError(f"invalid sampling parameter: token id {token_id} is {where}")
+        self.logit_bias = bias

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
 from banyan.scheduler.memory import KVManager
+from banyan.scheduler.policy import SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import Request, Status
 
@@ -46,9 +47,10 @@ class ScheduledStep:
 
 
 class BatchBuilder:
-    def __init__(self, config: BudgetConfig, kv: KVManager) -> None:
+    def __init__(self, config: BudgetConfig, kv: KVManager, policy: SchedulePolicy) -> None:
         self.config = config
         self.kv = kv
+        self.policy = policy
         self.new_token_ratio = config.new_token_ratio_init
 
     def build(self, running: list[Request], waiting: WaitingQueue) -> ScheduledStep:
@@ -97,7 +99,7 @@ class BatchBuilder:
         if step.retracted:
             return  # memory is short: admitting now would only retract again
         reserved = self._reserved(running)
-        for req in waiting.ordered():
+        for req in self.policy.order(waiting):
             if budget <= 0 or len(running) >= self.config.max_running_requests:
                 return
             self.kv.match(req)
@@ -110,6 +112,7 @@ class BatchBuilder:
                 return  # first come, first served: nobody overtakes the head of the queue
             if req.num_retractions == 0:
                 req.cached_tokens = req.locked_len
+                self.kv.count_admission(req)
             waiting.remove(req)
             req.status = Status.RUNNING
             req.row = self.kv.alloc_row()

@@ -20,6 +20,9 @@ class KVManager:
         self.cache = cache
         self.num_rows = num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        # Prompt tokens looked up in / served from the prefix cache at first admission.
+        self.prefix_queried = 0
+        self.prefix_hit = 0
 
     @property
     def available(self) -> int:
@@ -43,11 +46,24 @@ class KVManager:
         """Point a request that holds no KV at the longest cached prefix of its tokens, locked.
         The last token is never matched: its logits must be computed."""
         assert not req.slots and req.cache_handle is None
-        result = self.cache.match_prefix(req.token_ids(0, req.num_tokens - 1), req.namespace)
+        result = self.cache.match_prefix(req.token_ids(0, req.num_tokens - 1), req.namespace,
+                                         count_stats=False)
         self.cache.lock(result.handle)
         req.cache_handle = result.handle
         req.slots = list(result.slots)
         req.locked_len = len(result.slots)
+
+    def count_admission(self, req: Request) -> None:
+        self.prefix_queried += len(req.prompt_ids)
+        self.prefix_hit += req.locked_len
+
+    def explain(self, tokens: list[int], namespace: str | None = None) -> dict[str, object]:
+        """How much of `tokens` the cache holds now, and (radix cache) why the rest missed:
+        "evicted" (it was cached and has been evicted) or "unseen"."""
+        result = self.cache.match_prefix(tokens, namespace, count_stats=False)
+        return {"matched": len(result.slots), "query": len(tokens),
+                "miss_cause": getattr(result, "miss_cause", "unseen" if len(result.slots) <
+                                      len(tokens) else "none")}
 
     def unmatch(self, req: Request) -> None:
         """Undo `match` for a request that was not admitted after all."""
@@ -68,7 +84,7 @@ class KVManager:
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
         req.cache_handle = result.handle
-        shared = self.cache.match_prefix(tokens, req.namespace).slots
+        shared = self.cache.match_prefix(tokens, req.namespace, count_stats=False).slots
         if shared != req.slots[: len(shared)]:
             req.row_synced = 0  # the table row must be rewritten with the cache's slots
         req.slots = shared + req.slots[len(shared) :]
@@ -78,8 +94,11 @@ class KVManager:
         """Give up a request's KV (finished, aborted or retracted): its computed tokens are
         offered to the cache, the rest freed, its lock and row dropped."""
         if req.slots:
-            result = self.cache.insert(req.token_ids(0, req.num_computed), req.slots, req.namespace)
+            n = req.num_computed
+            result = self.cache.insert(req.token_ids(0, n), req.slots, req.namespace)
             self.allocator.free(req.slots[req.locked_len : max(result.cached_len, req.locked_len)])
+            # A partial last page is never cached: it stays ours to free.
+            self.allocator.free(req.slots[max(self.cache.aligned_len(n), req.locked_len) :])
         if req.cache_handle is not None:
             self.cache.unlock(req.cache_handle)
         if req.row is not None:

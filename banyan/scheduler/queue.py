@@ -29,7 +29,3 @@ class WaitingQueue:
 
     def remove(self, req: Request) -> None:
         self._queue.remove(req)
-
-    def ordered(self) -> list[Request]:
-        """Candidates in admission order for this step."""
-        return list(self._queue)

@@ -19,6 +19,7 @@ from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.builder import BatchBuilder, BudgetConfig
 from banyan.scheduler.memory import KVManager
 from banyan.scheduler.output import apply_step
+from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Status
 
@@ -33,6 +34,7 @@ class Runner(Protocol):
 class SchedulerConfig:
     max_model_len: int
     budget: BudgetConfig
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     check_integrity: bool = False  # assert the KV bookkeeping after every step (tests)
 
 
@@ -56,7 +58,7 @@ class Scheduler:
         self.runner = runner
         self.config = config
         self.kv = KVManager(allocator, cache, config.budget.max_running_requests)
-        self.builder = BatchBuilder(config.budget, self.kv)
+        self.builder = BatchBuilder(config.budget, self.kv, SchedulePolicy(config.policy, cache))
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -140,11 +142,11 @@ class Scheduler:
             return updates
         t2 = time.perf_counter()
         updates += apply_step(step, out, self.config.max_model_len)
-        for req in step.reqs:
+        for req, n in zip(step.reqs, step.batch.extend_lens):
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)
-            elif req.remaining > 1:
+            elif n > 1:  # a prefill (chunk): share it with waiting requests now, not at the end
                 self.kv.cache_unfinished(req)
         if self.config.check_integrity:
             self.kv.check_integrity(self.running)

@@ -1,0 +1,1 @@
+"""Model code (the Llama family) and its Hugging Face checkpoint loader."""

@@ -1,0 +1,164 @@
+"""The Llama family as one implementation: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+Works on a flat token batch: all new tokens of all requests concatenated, [T], with their
+positions. Attention goes through the backend carried by the step's metadata, which stores K/V
+in the pool and reads each request's context back; the model holds no KV and no step state.
+
+Projections are fused (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`): one GEMM instead of
+three (two), which matters on CPU. `checkpoint_layout` tells the loader where each Hugging Face
+tensor goes, so errors still name HF tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from banyan.attention.base import AttentionMetadata
+from banyan.layers.activation import silu_and_mul
+from banyan.layers.norm import RMSNorm
+from banyan.layers.rotary import RotaryEmbedding, apply_rotary
+from banyan.models.config import ModelConfig
+
+
+@dataclass(slots=True, frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor lands: rows [start, start + rows) of parameter `param`
+    (the whole parameter when rows is None)."""
+
+    param: str
+    start: int = 0
+    rows: int | None = None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, D/2]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(T, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)  # Qwen3: per-head RMSNorm, before RoPE
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = meta.backend.forward(q, k, v, self.layer_id, meta)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.q_size))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # Pre-norm residual blocks in HF's exact op order, so bf16 rounds the same way.
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.rope_type, cfg.rope_theta, cfg.head_dim)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None  # logits use embed_tokens.weight
+        else:
+            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # input_ids, positions: [T] -> final-normed hidden states [T, hidden]
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, h.dtype)  # once per step, shared by all layers
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn_meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] (only the tokens that sample) -> [S, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def checkpoint_layout(self) -> dict[str, WeightSlot]:
+        """Every tensor a Hugging Face checkpoint must hold -> where it goes in this module.
+
+        A tied lm_head is absent (HF does not save it); the loader ignores one if present.
+        """
+        cfg = self.config
+        out: dict[str, WeightSlot] = {
+            "model.embed_tokens.weight": WeightSlot("embed_tokens.weight"),
+            "model.norm.weight": WeightSlot("norm.weight"),
+        }
+        if self.lm_head is not None:
+            out["lm_head.weight"] = WeightSlot("lm_head.weight")
+        qkv_parts = (
+            ("q_proj", 0, cfg.q_size),
+            ("k_proj", cfg.q_size, cfg.kv_size),
+            ("v_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+        )
+        for i in range(cfg.layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            out[hf + "input_layernorm.weight"] = WeightSlot(ours + "input_layernorm.weight")
+            out[hf + "post_attention_layernorm.weight"] = WeightSlot(
+                ours + "post_attention_layernorm.weight"
+            )
+            for name, start, rows in qkv_parts:
+                out[f"{hf}self_attn.{name}.weight"] = WeightSlot(
+                    ours + "self_attn.qkv_proj.weight", start, rows
+                )
+                if cfg.attention_bias:
+                    out[f"{hf}self_attn.{name}.bias"] = WeightSlot(
+                        ours + "self_attn.qkv_proj.bias", start, rows
+                    )
+            out[hf + "self_attn.o_proj.weight"] = WeightSlot(ours + "self_attn.o_proj.weight")
+            if cfg.o_proj_bias:
+                out[hf + "self_attn.o_proj.bias"] = WeightSlot(ours + "self_attn.o_proj.bias")
+            if cfg.qk_norm:
+                out[hf + "self_attn.q_norm.weight"] = WeightSlot(ours + "self_attn.q_norm.weight")
+                out[hf + "self_attn.k_norm.weight"] = WeightSlot(ours + "self_attn.k_norm.weight")
+            for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                fused = f"{ours}mlp.gate_up_proj.{kind}"
+                out[f"{hf}mlp.gate_proj.{kind}"] = WeightSlot(fused, 0, cfg.intermediate)
+                out[f"{hf}mlp.up_proj.{kind}"] = WeightSlot(
+                    fused, cfg.intermediate, cfg.intermediate
+                )
+                out[f"{hf}mlp.down_proj.{kind}"] = WeightSlot(f"{ours}mlp.down_proj.{kind}")
+        return out

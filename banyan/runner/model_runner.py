@@ -1,0 +1,265 @@
+"""ModelRunner: owns the model, the KV pool, the request-to-token table and the attention backend,
+and turns one `ForwardBatch` (plain lists from the scheduler) into logits.
+
+Per step: validate the batch (cheap C-speed min/max over the lists, so a scheduler bug is a
+ValueError rather than a CUDA device assert), build the input tensors once, write the table,
+let the backend plan, run the model, and compute logits only at the last new token of each
+request that samples. Sampling is not done here (see banyan/sampling).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from banyan.attention.base import AttentionMetadata
+from banyan.attention.torch_backend import TorchAttentionBackend
+from banyan.batch import ForwardBatch
+from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
+from banyan.mem.req_table import ReqToTokenTable
+from banyan.models.config import ModelConfig
+from banyan.models.loader import load_model
+
+if TYPE_CHECKING:
+    from banyan.args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """A step's tensors on the device, built once from the batch's lists."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    sample_tokens: torch.Tensor | None  # [S] int64 flat index of each sampling request's last token
+    attn_meta: AttentionMetadata
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache now: free GPU memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str | torch.dtype | None = "auto",
+        device: str | torch.device = "cpu",
+        kv_cache_bytes: int | None = None,
+        num_slots: int | None = None,
+        max_rows: int = 128,
+        max_context: int | None = None,
+        mem_fraction: float | None = None,
+        show_progress: bool = True,
+    ) -> None:
+        """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
+        mem_fraction of the memory available after the weights are loaded (that last one capped
+        at max_rows * max_context + 1 slots).
+        max_context: longest sequence a table row holds (default max_position_embeddings)."""
+        if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
+            raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
+        self.device = resolve_device(device)
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        cfg = self.model_config
+        self.model = load_model(
+            model_path, dtype=dtype, device=self.device, show_progress=show_progress, config=cfg
+        )
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.max_rows = max_rows
+        self.max_context = max_context or cfg.max_position_embeddings
+        if num_slots is None and kv_cache_bytes is not None:
+            num_slots = num_slots_for_bytes(
+                kv_cache_bytes, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype
+            )
+        elif num_slots is None:
+            assert mem_fraction is not None
+            budget = int(available_memory(self.device) * mem_fraction)
+            num_slots = num_slots_for_bytes(
+                budget, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype
+            )
+            # The implicit default is bounded by what running rows can reference at once, so a
+            # CPU host does not zero a quarter of its RAM for a small model. An explicit size
+            # is honoured as given (a prefix cache can use slots beyond the rows).
+            useful = self.max_rows * self.max_context + 1
+            if num_slots > useful:
+                logger.info(
+                    "KV cache: %d slots capped to %d (max_rows x max_context + 1)",
+                    num_slots,
+                    useful,
+                )
+                num_slots = useful
+        self.pool = KVPool(
+            cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device
+        )
+        self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
+        self.backend = TorchAttentionBackend(self.pool, self.table)
+        self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
+        logger.info(
+            "KV cache: %d slots (%.1f MiB, %d bytes per token), table %d rows x %d positions",
+            num_slots,
+            self.pool.total_bytes / 2**20,
+            self.pool.bytes_per_slot,
+            self.max_rows,
+            self.max_context,
+        )
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, max_rows: int | None = None, model_path: str | Path | None = None
+    ) -> ModelRunner:
+        """The runner EngineArgs describe. max_rows defaults to max_running_requests; the
+        model to args.model, else the built-in demo model."""
+        from banyan.args import parse_bytes
+
+        path = model_path or args.model
+        if path is None:
+            from banyan.demo import demo_model_dir
+
+            path = demo_model_dir()
+        kv_bytes = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None else None
+        return cls(
+            path,
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_bytes=kv_bytes,
+            max_rows=max_rows or args.max_running_requests,
+            max_context=args.max_model_len,
+            mem_fraction=args.mem_fraction,
+            show_progress=not args.disable_tqdm,
+        )
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_slot(
+            self.model_config.layers,
+            self.model_config.kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step -> logits [len(batch.sample_indices), vocab] float32, in that order."""
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            inputs = self.prepare(batch)
+            t1 = time.perf_counter()
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+            if inputs.sample_tokens is None:
+                logits = hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            else:
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_tokens))
+            t2 = time.perf_counter()
+        # Host-side times: on CUDA "forward" is launch time unless the caller synchronizes
+        # (the sampler's .tolist() does, and is charged to sampling).
+        self.timings = {"prepare": t1 - t0, "forward": t2 - t1}
+        return logits
+
+    def prepare(self, batch: ForwardBatch) -> StepInputs:
+        """Validate the batch, build its tensors, write the table, plan attention."""
+        self.validate(batch)
+        dev = self.device
+        ext = torch.tensor(batch.extend_lens, dtype=torch.int64)
+        starts = torch.cumsum(ext, 0) - ext  # flat index of each request's first new token
+        if batch.is_decode_only:
+            positions = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+            token_rows = torch.tensor(batch.rows, dtype=torch.int64)
+        else:
+            pre = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+            # position of flat token t of request i = prefix_i + (t - start_i)
+            positions = torch.repeat_interleave(pre - starts, ext) + torch.arange(batch.num_tokens)
+            token_rows = torch.repeat_interleave(torch.tensor(batch.rows, dtype=torch.int64), ext)
+        sample_tokens = None
+        if batch.sample_indices:
+            last = starts + ext - 1
+            sample_tokens = last[torch.tensor(batch.sample_indices, dtype=torch.int64)].to(dev)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(dev)
+        out_slots = torch.tensor(batch.out_slots, dtype=torch.int64).to(dev)
+        positions = positions.to(dev)
+        self.table.write_batch(batch, token_rows.to(dev), positions, out_slots)
+        meta = self.backend.plan(batch, out_slots)
+        return StepInputs(input_ids, positions, sample_tokens, meta)
+
+    def validate(self, batch: ForwardBatch) -> None:
+        """ValueError on a batch that would index out of the pool, table or vocabulary."""
+        b = batch.batch_size
+        if b == 0:
+            raise ValueError("empty ForwardBatch")
+        if len(batch.prefix_lens) != b or len(batch.extend_lens) != b:
+            raise ValueError(
+                f"ForwardBatch: rows/prefix_lens/extend_lens lengths differ "
+                f"({b}, {len(batch.prefix_lens)}, {len(batch.extend_lens)})"
+            )
+        t = batch.num_tokens
+        if len(batch.out_slots) != t or sum(batch.extend_lens) != t:
+            raise ValueError(
+                f"ForwardBatch: {t} input_ids, {len(batch.out_slots)} out_slots, "
+                f"sum(extend_lens)={sum(batch.extend_lens)}"
+            )
+        if min(batch.extend_lens) < 1 or min(batch.prefix_lens) < 0:
+            raise ValueError("ForwardBatch: extend_lens must be >= 1 and prefix_lens >= 0")
+        if min(batch.rows) < 0 or max(batch.rows) >= self.max_rows or len(set(batch.rows)) != b:
+            raise ValueError(
+                f"ForwardBatch: rows must be distinct and in [0, {self.max_rows}), got {batch.rows}"
+            )
+        longest = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True))
+        if longest > self.max_context:
+            raise ValueError(
+                f"ForwardBatch: a sequence reaches {longest} tokens, "
+                f"over max_context={self.max_context}"
+            )
+        # Slot 0 (padding) is allowed: padded tokens may write there.
+        _check_range("out_slots", batch.out_slots, self.num_slots)
+        _check_range("input_ids", batch.input_ids, self.vocab_size)
+        if batch.sample_indices:
+            _check_range("sample_indices", batch.sample_indices, b)
+        for p in batch.row_prefixes:
+            if not 0 <= p.row < self.max_rows or len(p.slots) > self.max_context:
+                raise ValueError(
+                    f"ForwardBatch: row_prefix for row {p.row} with {len(p.slots)} slots "
+                    "is out of range"
+                )
+            if p.slots:
+                _check_range("row_prefixes slots", p.slots, self.num_slots)
+
+
+def _check_range(what: str, values: list[int], end: int) -> None:
+    lo, hi = min(values), max(values)
+    if lo < 0 or hi >= end:
+        raise ValueError(f"ForwardBatch: {what} must be in [0, {end}), got values in [{lo}, {hi}]")

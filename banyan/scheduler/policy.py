@@ -1,0 +1,107 @@
+"""Cache-aware ordering of the waiting queue.
+
+- fcfs: arrival order (retracted requests first: they had been admitted before the rest).
+- lpm: longest cached prefix first, so requests that will hit the cache run while their prefix
+  is still there (and before other traffic evicts it).
+- dfs-weight: walk the radix tree depth-first, heavier subtrees (more waiting requests) first, so
+  requests sharing a prefix run back to back.
+
+Both cache-aware policies fall back to fcfs when the queue is longer than `fcfs_threshold`:
+matching every waiting request every step costs more than it saves.
+
+In-batch prefix sharing: a request whose cached match is short but which shares a long prefix
+with a request placed before it in this step's order is deferred to a later step, by when the
+first one has computed (and cached) the shared part.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from banyan.cache.base import PrefixCache
+from banyan.mem.allocator import SlotAllocator
+from banyan.scheduler.queue import WaitingQueue
+from banyan.scheduler.request import Request
+
+POLICIES = ("lpm", "dfs-weight", "fcfs")
+
+
+@dataclass(slots=True)
+class PolicyConfig:
+    name: str = "lpm"
+    fcfs_threshold: int = 128
+    # Check a request against the others of this step when its cached match is at most this
+    # long, and defer it when it shares at least this many uncached tokens with one of them.
+    in_batch_threshold: int = 32
+
+
+class SchedulePolicy:
+    def __init__(self, config: PolicyConfig, cache: PrefixCache) -> None:
+        if config.name not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {config.name!r}")
+        self.config = config
+        self.cache = cache
+        self.cache_aware = config.name != "fcfs" and cache.keeps_prefixes
+
+    def order(self, waiting: WaitingQueue) -> list[Request]:
+        """Candidates for admission this step, best first; deferred requests are left out."""
+        reqs = list(waiting)
+        if not self.cache_aware or len(reqs) > self.config.fcfs_threshold or len(reqs) < 2:
+            return reqs
+        matches = {}
+        nodes = {}
+        for req in reqs:
+            result = self.cache.match_prefix(req.token_ids(0, req.num_tokens - 1), req.namespace,
+                                             count_stats=False)
+            matches[req] = len(result.slots)
+            nodes[req] = result.handle
+        if self.config.name == "lpm":
+            reqs.sort(key=lambda r: -matches[r])  # stable: arrival order among equals
+        else:
+            reqs = _dfs_weight_order(reqs, nodes)
+        return self._without_in_batch_followers(reqs, matches)
+
+    def _without_in_batch_followers(self, reqs: list[Request],
+                                    matches: dict[Request, int]) -> list[Request]:
+        from banyan.cache.radix import RadixCache
+
+        threshold = self.config.in_batch_threshold
+        seen = RadixCache(SlotAllocator(2))  # keys only: the "slots" stored are dummies
+        kept: list[Request] = []
+        for req in reqs:
+            if matches[req] <= threshold:
+                tokens = req.token_ids(0, req.num_tokens - 1)
+                key = (req.namespace or "") + "\x00"
+                shared = len(seen.match_prefix(tokens, key, count_stats=False).slots)
+                if kept and shared >= threshold:
+                    continue  # follows a request of this step: it will hit the cache next step
+                seen.insert(tokens, tokens, key)
+            kept.append(req)
+        return kept
+
+
+def _dfs_weight_order(reqs: list[Request], nodes: dict[Request, Any]) -> list[Request]:
+    """Requests grouped under their deepest matched tree node; subtrees with more waiting
+    requests first."""
+    at_node: dict[Any, list[Request]] = defaultdict(list)
+    weight: dict[Any, int] = defaultdict(int)
+    children: dict[Any, list[Any]] = defaultdict(list)
+    roots: list[Any] = []
+    for req in reqs:
+        node = nodes[req]
+        at_node[node].append(req)
+        while node is not None:
+            if weight[node] == 0:
+                parent = getattr(node, "parent", None)
+                (children[parent] if parent is not None else roots).append(node)
+            weight[node] += 1
+            node = getattr(node, "parent", None)
+    ordered: list[Request] = []
+    stack = sorted(roots, key=lambda n: weight[n])  # heaviest on top
+    while stack:
+        node = stack.pop()
+        ordered.extend(at_node.get(node, ()))
+        stack.extend(sorted(children.get(node, ()), key=lambda n: weight[n]))
+    return ordered

@@ -1,0 +1,250 @@
+"""Incremental detokenization and stop strings, on the project's byte-level BPE (Llama 3 / Qwen
+style) and on a SentencePiece-style tokenizer (Metaspace with byte fallback, Llama 2 / Mistral
+style), whose decoder strips the leading space of a decode."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from banyan.demo import training_corpus
+from banyan.detok import IncrementalDetokenizer, StopStringMatcher, TextAccumulator
+from banyan.sampling.params import SamplingParams
+
+TEXTS = [
+    "Once upon a time, there was a café in Zürich.",
+    "你好，世界！今天天气很好。東京 日本語のテキスト",
+    "emoji 😀🎉👍🏽 and a family 👨‍👩‍👧 walk by  with  spaces\tand\n\nnewlines",
+    "Ελληνικά, русский текст, naïve façade — “quotes” ≤ ≥ → λ",
+    "def f(x):\n    return x ** 2  # 🐍\n",
+]
+
+
+@pytest.fixture(scope="module")
+def bytelevel(tokenizer_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def metaspace() -> Any:
+    return train_metaspace_tokenizer()
+
+
+def train_metaspace_tokenizer() -> Any:
+    """BPE over Metaspace pieces with <0xNN> byte-fallback tokens and Llama 2's decoder chain."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  limit_alphabet=120, show_progress=False)
+    tok.train_from_iterator(training_corpus(100_000) + TEXTS[:2], trainer)
+    spec = json.loads(tok.to_str())
+    trained = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+    # Byte tokens right after the specials, as in Llama 2's vocabulary.
+    vocab = trained[:3] + [f"<0x{b:02X}>" for b in range(256)] + trained[3:]
+    spec["model"].update(vocab={t: i for i, t in enumerate(vocab)}, byte_fallback=True,
+                         fuse_unk=True)
+    for added in spec["added_tokens"]:
+        added["id"] = vocab.index(added["content"])
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(params=["bytelevel", "metaspace"])
+def tokenizer(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(request.param)
+
+
+def stream(tokenizer: Any, prompt: list[int], output: list[int], skip: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    return [detok.push(t) for t in output] + [detok.finish()]
+
+
+def continuation(tokenizer: Any, prompt: list[int], output: list[int],
+                 skip: bool = True) -> str | None:
+    """What the output adds to the prompt's text, decoded in one go; None when the prompt ends
+    inside a character that the output completes (no text is "added" then: the prompt's own
+    text changes)."""
+    full = tokenizer.decode(prompt + output, skip_special_tokens=skip)
+    head = tokenizer.decode(prompt, skip_special_tokens=skip)
+    return full[len(head):] if full.startswith(head) else None
+
+
+# --- incremental detokenizer ----------------------------------------------------------------------
+
+def test_multibyte_text_streams_exactly(tokenizer: Any) -> None:
+    held_back = 0
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for cut in range(len(ids)):  # every prompt/output split, prompt empty included
+            prompt, output = ids[:cut], ids[cut:]
+            want = continuation(tokenizer, prompt, output)
+            if want is None:
+                continue
+            deltas = stream(tokenizer, prompt, output)
+            assert "".join(deltas) == want
+            assert not any("\ufffd" in d for d in deltas)
+            assert deltas[-1] == ""  # valid text leaves nothing to flush
+            held_back += deltas.count("")
+        assert "".join(stream(tokenizer, [], ids)) == tokenizer.decode(ids) == text
+    assert held_back > 0  # characters really were split across tokens
+
+
+def test_leading_space_of_the_first_output_token_is_kept(tokenizer: Any) -> None:
+    prompt = tokenizer.encode("Once upon a", add_special_tokens=False)
+    output = tokenizer.encode("Once upon a time", add_special_tokens=False)[len(prompt):]
+    assert "".join(stream(tokenizer, prompt, output)) == " time"
+
+
+def test_random_ids_on_byte_level_match_one_shot_decode(bytelevel: Any) -> None:
+    # Random byte-level tokens are mostly invalid UTF-8: the flush must still give the exact text.
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(300):
+        prompt = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(6))]
+        output = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(1, 25))]
+        for skip in (True, False):
+            deltas = stream(bytelevel, prompt, output, skip)
+            want = continuation(bytelevel, prompt, output, skip)
+            if want is not None:
+                assert "".join(deltas) == want
+                checked += 1
+    assert checked > 300
+
+
+def test_random_ids_on_byte_fallback_never_fail(metaspace: Any) -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        output = [rng.randrange(len(metaspace)) for _ in range(20)]
+        deltas = stream(metaspace, [], output)
+        assert len("".join(deltas)) >= len(output) // 4  # text, not lost
+
+
+def test_special_tokens_skipped_or_kept(bytelevel: Any) -> None:
+    im_end = bytelevel.convert_tokens_to_ids("<|im_end|>")
+    output = bytelevel.encode("hé", add_special_tokens=False) + [im_end]
+    output += bytelevel.encode(" 😀 ok", add_special_tokens=False)
+    assert "".join(stream(bytelevel, [], output, skip=True)) == "hé 😀 ok"
+    assert "".join(stream(bytelevel, [], output, skip=False)) == "hé<|im_end|> 😀 ok"
+
+
+def test_incomplete_character_is_flushed_at_the_end(bytelevel: Any) -> None:
+    ids = bytelevel.encode("ab😀", add_special_tokens=False)
+    assert len(bytelevel.decode(ids[-1:])) == 1  # the emoji's last byte has a token of its own
+    deltas = stream(bytelevel, [], ids[:-1])
+    assert deltas[-1].endswith("\ufffd") and "".join(deltas) == bytelevel.decode(ids[:-1])
+
+
+# --- stop strings ---------------------------------------------------------------------------------
+
+def test_stop_string_matcher() -> None:
+    matcher = StopStringMatcher(["END", "\n\n", "ab"])
+    assert matcher.find("xx END yy", new_chars=3) is None  # completed before the new characters
+    match = matcher.find("xx END yy", new_chars=6)
+    assert match is not None and (match.start, match.stop) == (3, "END")
+    match = matcher.find("q\n\nabEND", new_chars=8)
+    assert match is not None and (match.start, match.stop) == (1, "\n\n")  # the earliest wins
+    assert matcher.holdback("text E") == 1
+    assert matcher.holdback("text EN") == 2
+    assert matcher.holdback("text\n") == 1
+    assert matcher.holdback("text a") == 1
+    assert matcher.holdback("text") == 0
+    assert not StopStringMatcher([]) and StopStringMatcher([]).holdback("abc") == 0
+
+
+def accumulate(tokenizer: Any, output: list[int], stop: list[str]) -> tuple[list[str], bool, Any]:
+    acc = TextAccumulator(tokenizer, [], stop=stop)
+    emitted: list[str] = []
+    for token in output:
+        delta = acc.push(token)
+        emitted.append(delta.text)
+        if delta.stopped:
+            return emitted, True, acc
+    emitted.append(acc.finish())
+    return emitted, False, acc
+
+
+def test_stop_string_spanning_two_tokens_is_trimmed(tokenizer: Any) -> None:
+    text = "Once upon a time, 你好 the end"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[:i + 1]) for i in range(len(ids))]
+    stop = "on a ti"
+    assert not any(stop in tokenizer.decode([t]) for t in ids)  # no single token holds it
+    emitted, stopped, acc = accumulate(tokenizer, ids, [stop, "zzz"])
+    assert stopped and "".join(emitted) == acc.text == "Once up"
+    # Nothing of the stop string leaked out before it was complete.
+    first_stop_char = next(i for i, p in enumerate(pieces) if len(p) > len("Once up"))
+    assert "".join(emitted[:first_stop_char + 1]) == "Once up"
+    assert acc.push(ids[-1]).stopped and acc.finish() == ""
+
+
+def test_stop_string_at_the_start_gives_empty_text(tokenizer: Any) -> None:
+    ids = tokenizer.encode("你好 world", add_special_tokens=False)
+    emitted, stopped, acc = accumulate(tokenizer, ids, ["你"])
+    assert stopped and acc.text == "" and "".join(emitted) == ""
+
+
+def test_held_back_text_is_released_when_no_stop_matches(tokenizer: Any) -> None:
+    ids = tokenizer.encode("the quick brown fox END", add_special_tokens=False)
+    emitted, stopped, acc = accumulate(tokenizer, ids, ["ENDING", "fox jumps"])
+    assert not stopped
+    assert "".join(emitted[:-1]) == "the quick brown fox "  # "END" could still begin "ENDING"
+    assert emitted[-1] == "END" and acc.text == "the quick brown fox END"
+
+
+def test_accumulator_matches_a_naive_reference(tokenizer: Any) -> None:
+    """Random texts and stop strings: the output is the text up to the earliest stop string found
+    when it first completes, and everything emitted is exactly that text."""
+    rng = random.Random(2)
+    for _ in range(150):
+        text = rng.choice(TEXTS) + " " + rng.choice(TEXTS)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            at, length = rng.randrange(len(text)), rng.randrange(1, 6)
+            stops.append(text[at:at + length] if rng.random() < 0.7 else "§" * length)
+        deltas = stream(tokenizer, [], ids)
+        seen, want = "", None
+        for delta in deltas:
+            seen += delta
+            found = [seen.find(s) for s in stops if s in seen]
+            if found:
+                want = seen[:min(found)]
+                break
+        emitted, stopped, acc = accumulate(tokenizer, ids, stops)
+        assert stopped == (want is not None)
+        assert "".join(emitted) == acc.text == (want if stopped else text)
+
+
+def test_from_params_uses_stop_and_skip_special_tokens(bytelevel: Any) -> None:
+    eot = bytelevel.convert_tokens_to_ids("<|endoftext|>")
+    params = SamplingParams(stop=["lo w"], skip_special_tokens=False)
+    acc = TextAccumulator.from_params(bytelevel, [eot], params)
+    ids = [eot] + bytelevel.encode("hello world", add_special_tokens=False)
+    texts = [acc.push(t).text for t in ids]
+    assert acc.stopped and "".join(texts) == acc.text == "<|endoftext|>hel"
+
+
+def test_stop_strings_count_only_from_min_new_tokens(bytelevel: Any) -> None:
+    ids = bytelevel.encode("ab ab ab", add_special_tokens=False)
+    words = [len(bytelevel.decode(ids[:i + 1])) for i in range(len(ids))]  # text length per token
+    second = next(i for i, n in enumerate(words) if n >= len("ab ab")) + 1  # tokens to 2nd "ab"
+    params = SamplingParams(stop=["ab"], min_new_tokens=second, max_new_tokens=50)
+    acc = TextAccumulator.from_params(bytelevel, [], params)
+    texts = []
+    for token in ids:
+        delta = acc.push(token)
+        texts.append(delta.text)
+        if delta.stopped:
+            break
+    # The first "ab" came before min_new_tokens and streamed; the second one stopped.
+    assert delta.stopped and "".join(texts) == acc.text == "ab "

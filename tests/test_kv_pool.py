@@ -1,0 +1,53 @@
+"""KV pool sizing and the request-to-token table's writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from banyan.batch import ForwardBatch, RowPrefix
+from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
+from banyan.mem.req_table import ReqToTokenTable
+
+
+def test_bytes_per_slot_and_budget() -> None:
+    assert (
+        kv_bytes_per_slot(layers=2, kv_heads=4, head_dim=8, dtype=torch.bfloat16)
+        == 2 * 2 * 4 * 8 * 2
+    )
+    per = kv_bytes_per_slot(3, 2, 16, torch.float32)
+    assert num_slots_for_bytes(per * 10 + per - 1, 3, 2, 16, torch.float32) == 10
+    with pytest.raises(ValueError, match="at least 2"):
+        num_slots_for_bytes(per, 3, 2, 16, torch.float32)
+
+
+def test_pool_shapes_zeroed_and_store() -> None:
+    pool = KVPool(layers=2, num_slots=6, kv_heads=2, head_dim=4, dtype=torch.float16, device="cpu")
+    assert pool.k[1].shape == (6, 2, 4) and pool.v[0].dtype == torch.float16
+    assert pool.total_bytes == 6 * 2 * 2 * 2 * 4 * 2
+    assert not pool.k[0].any()  # slot 0 and unused slots are finite (zero)
+    k = torch.ones(2, 2, 4, dtype=torch.float16)
+    pool.store(1, torch.tensor([3, 5]), k, 2 * k)
+    assert pool.k[1][[3, 5]].eq(1).all() and pool.v[1][[3, 5]].eq(2).all()
+    assert not pool.k[1][[0, 1, 2, 4]].any() and not pool.k[0].any()
+    with pytest.raises(ValueError):
+        KVPool(1, 1, 1, 4, torch.float32, "cpu")
+
+
+def test_table_write_batch_with_prefixes() -> None:
+    table = ReqToTokenTable(max_rows=4, max_context=10, device="cpu")
+    batch = ForwardBatch(
+        rows=[2, 0],
+        prefix_lens=[3, 0],
+        extend_lens=[2, 3],
+        input_ids=[1] * 5,
+        out_slots=[20, 21, 30, 31, 32],
+        row_prefixes=[RowPrefix(2, [7, 8, 9]), RowPrefix(3, [])],
+    )
+    token_rows = torch.tensor([2, 2, 0, 0, 0])
+    positions = torch.tensor([3, 4, 0, 1, 2])
+    table.write_batch(batch, token_rows, positions, torch.tensor(batch.out_slots))
+    assert table.read(2, 6).tolist() == [7, 8, 9, 20, 21, 0]
+    assert table.read(0, 4).tolist() == [30, 31, 32, 0]
+    assert not table.table[[1, 3]].any()
+    assert table.table.dtype == torch.int32

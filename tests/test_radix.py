@@ -1,0 +1,458 @@
+"""RadixCache: exact unit cases, then a state machine against a naive model of cached prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from banyan.cache import IntegrityError, RadixCache, check_integrity
+from banyan.cache.radix import RadixNode
+from banyan.mem.allocator import SlotAllocator
+
+
+class RecordingAllocator(SlotAllocator):
+    """Remembers each `free` call, so tests can assert which slots eviction freed, in order."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.freed: list[list[int]] = []
+
+    def free(self, slots: Iterable[int]) -> None:
+        slots = list(slots)
+        self.freed.append(slots)
+        super().free(slots)
+
+
+def make(num_slots: int = 64, page_size: int = 1) -> tuple[RecordingAllocator, RadixCache]:
+    alloc = RecordingAllocator(num_slots)
+    return alloc, RadixCache(alloc, page_size=page_size)
+
+
+def put(cache: RadixCache, alloc: SlotAllocator, tokens: list[int], ns: str | None = None) -> Any:
+    """A finished request's release: fresh slots offered, duplicates and tail freed."""
+    slots = alloc.alloc(len(tokens))
+    assert slots is not None
+    res = cache.insert(tokens, slots, ns)
+    alloc.free(slots[: res.cached_len] + slots[cache.aligned_len(len(tokens)) :])
+    return res
+
+
+# ---- exact unit cases ------------------------------------------------------------------------
+
+
+def test_split_on_partial_match() -> None:
+    alloc, cache = make()
+    res = cache.insert([1, 2, 3, 4, 5], [11, 12, 13, 14, 15])
+    assert res.cached_len == 0
+    leaf = res.handle
+    leaf_time = leaf.last_access
+    m = cache.match_prefix([1, 2, 3, 9])
+    assert m.slots == [11, 12, 13]
+    head = m.handle
+    assert isinstance(head, RadixNode)
+    assert (head.key, head.slots) == ([1, 2, 3], [11, 12, 13])
+    assert list(head.children.values()) == [leaf]
+    assert (leaf.key, leaf.slots, leaf.parent) == ([4, 5], [14, 15], head)
+    assert leaf.last_access == leaf_time  # the untouched suffix keeps its access time
+    assert head.last_access > leaf_time
+    assert cache.num_nodes == 2
+    # The old handle still denotes the whole sequence.
+    cache.lock(leaf)
+    assert (cache.protected_size, cache.evictable_size) == (5, 0)
+    cache.unlock(leaf)
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).slots == [11, 12, 13, 14, 15]
+    cache.check_invariants()
+
+
+def test_insert_reports_duplicates_and_keeps_first_slots() -> None:
+    _, cache = make()
+    assert cache.insert([1, 2, 3], [5, 6, 7]).cached_len == 0
+    res = cache.insert([1, 2, 3, 4, 5], [20, 21, 22, 23, 24])
+    assert res.cached_len == 3  # caller frees 20, 21, 22; the tree took 23, 24
+    assert cache.match_prefix([1, 2, 3, 4, 5]).slots == [5, 6, 7, 23, 24]
+    again = cache.insert([1, 2, 3, 4, 5], [30, 31, 32, 33, 34])
+    assert again.cached_len == 5 and again.handle is res.handle
+    diverge = cache.insert([1, 2, 9], [40, 41, 42])  # splits [1, 2, 3] at 2
+    assert diverge.cached_len == 2
+    assert sorted(cache.cached_slots()) == [5, 6, 7, 23, 24, 42]
+    assert cache.evictable_size == 6 and cache.protected_size == 0
+    with pytest.raises(ValueError):
+        cache.insert([1, 2], [1])
+    cache.check_invariants()
+
+
+def test_lru_eviction_order_exact() -> None:
+    alloc, cache = make()
+    cache.insert([1, 2], [11, 12])  # t1
+    cache.insert([3, 4], [13, 14])  # t2
+    cache.insert([5, 6], [15, 16])  # t3
+    cache.match_prefix([1, 2, 7])  # A is now the most recent
+    assert cache.evict(1) == 2  # whole leaves: at least 1, here 2
+    assert alloc.freed == [[13, 14]]
+    assert cache.evict(100) == 4
+    assert alloc.freed == [[13, 14], [15, 16], [11, 12]]
+    assert cache.cached_slots() == [] and cache.evictable_size == 0
+    assert cache.evict(5) == 0
+
+
+def test_eviction_of_split_leaf_and_parent_becoming_leaf() -> None:
+    alloc, cache = make()
+    cache.insert([1, 2, 3, 4], [11, 12, 13, 14])  # t1
+    cache.insert([7], [17])  # t2
+    cache.match_prefix([1, 2])  # t3: splits into [1, 2] (t3) and [3, 4] (still t1)
+    cache.insert([1, 2, 5], [11, 12, 15])  # t4: [1, 2] gets a second child [5]
+    assert cache.evict(1) == 2
+    assert alloc.freed == [[13, 14]]
+    assert cache.evict(2) == 2  # [7] (t2), then [5] (t4); [1, 2] was bumped to t4 too
+    assert alloc.freed == [[13, 14], [17], [15]]
+    assert cache.evict(1) == 2  # the parent joined the candidates when it became a leaf
+    assert alloc.freed[-1] == [11, 12]
+    cache.check_invariants()
+
+
+def test_locked_nodes_survive_eviction_and_sizes_move() -> None:
+    alloc, cache = make()
+    a = cache.insert([1, 2, 3], [11, 12, 13]).handle
+    cache.insert([1, 2, 4, 5], [11, 12, 14, 15])
+    cache.lock(a)
+    assert (cache.protected_size, cache.evictable_size) == (3, 2)
+    cache.lock(a)
+    assert cache.evict(100) == 2
+    assert alloc.freed == [[14, 15]]
+    assert sorted(cache.cached_slots()) == [11, 12, 13]
+    cache.unlock(a)
+    assert (cache.protected_size, cache.evictable_size) == (3, 0)
+    cache.unlock(a)
+    assert (cache.protected_size, cache.evictable_size) == (0, 3)
+    with pytest.raises(ValueError):
+        cache.unlock(a)
+    assert cache.evict(100) == 3  # [3] (split off when [1, 2, 4, 5] came), then [1, 2]
+    assert alloc.freed[-2:] == [[13], [11, 12]]
+    with pytest.raises(ValueError):
+        cache.lock(a)  # evicted: locking it would protect nothing
+    cache.lock(None)  # the no-cache handle is accepted
+    cache.check_invariants()
+
+
+def test_split_of_a_locked_node_keeps_it_locked() -> None:
+    alloc, cache = make()
+    leaf = cache.insert([1, 2, 3, 4], [11, 12, 13, 14]).handle
+    cache.lock(leaf)
+    head = cache.match_prefix([1, 2, 9]).handle
+    assert head.lock == 1 and (cache.protected_size, cache.evictable_size) == (4, 0)
+    assert cache.evict(100) == 0
+    cache.unlock(leaf)
+    assert head.lock == 0 and cache.evictable_size == 4
+    assert cache.evict(100) == 4
+    assert alloc.freed == [[13, 14], [11, 12]]
+
+
+def test_page_alignment() -> None:
+    alloc, cache = make(page_size=4)
+    toks = list(range(100, 110))
+    slots = list(range(1, 11))
+    res = cache.insert(toks, slots)
+    assert res.cached_len == 0
+    assert sorted(cache.cached_slots()) == slots[:8]  # slots[8:] stay the caller's
+    assert cache.evictable_size == 8
+    assert cache.match_prefix(toks[:7]).slots == slots[:4]
+    assert cache.match_prefix(toks).slots == slots[:8]
+    m = cache.match_prefix(toks[:6] + [0, 0, 0, 0])  # diverges inside the second page
+    assert m.slots == slots[:4] and m.query_len == 8 and m.miss_cause == "unseen"
+    # Sharing 6 tokens shares one page; the second page is a new node under the split.
+    other = cache.insert(toks[:6] + [1, 1], [21, 22, 23, 24, 25, 26, 27, 28])
+    assert other.cached_len == 4
+    assert other.handle.slots == [25, 26, 27, 28] and other.handle.parent.key == toks[:4]
+    short = cache.insert([1, 2, 3], [31, 32, 33])  # no whole page: nothing taken
+    assert short.cached_len == 0 and short.handle.is_root
+    cache.lock(short.handle)  # a root handle locks nothing
+    assert cache.protected_size == 0
+    assert cache.match_prefix([100, 101, 102]).slots == []
+    cache.check_invariants()
+
+
+def test_long_keys_compare_in_chunks() -> None:
+    for page in (1, 4):
+        _, cache = make(num_slots=512, page_size=page)
+        toks = list(range(300))
+        cache.insert(toks, list(range(1, 301)))
+        probe = toks[:130] + [-1] * 50
+        assert len(cache.match_prefix(probe).slots) == 130 - 130 % page
+        cache.check_invariants()
+
+
+def test_namespaces_isolate() -> None:
+    alloc, cache = make()
+    cache.insert([1, 2, 3], [11, 12, 13], "a")
+    assert cache.match_prefix([1, 2, 3]).slots == []
+    assert cache.match_prefix([1, 2, 3], "b").slots == []
+    assert cache.match_prefix([1, 2, 3], "a").slots == [11, 12, 13]
+    assert cache.insert([1, 2, 3], [21, 22, 23], "b").cached_len == 0
+    assert cache.match_prefix([1, 2, 3], "b").slots == [21, 22, 23]
+    assert cache.evict(100) == 6
+    assert cache._roots == {}  # emptied namespaces leave nothing behind
+    cache.check_invariants()
+
+
+def test_flush_refuses_while_locked() -> None:
+    alloc, cache = make()
+    put(cache, alloc, [1, 2, 3])
+    h = put(cache, alloc, [4, 5], "x").handle
+    before = sorted(cache.cached_slots())
+    cache.lock(h)
+    assert cache.flush() is False
+    assert sorted(cache.cached_slots()) == before and alloc.num_free == alloc.capacity - 5
+    cache.unlock(h)
+    assert cache.flush() is True
+    assert cache.cached_slots() == [] and cache.evictable_size == cache.protected_size == 0
+    assert alloc.num_free == alloc.capacity
+    assert cache.match_prefix([1, 2, 3]).slots == []
+    check_integrity(alloc, cache, [])
+
+
+def test_miss_cause_and_stats() -> None:
+    alloc, cache = make()
+    put(cache, alloc, [1, 2, 3])
+    put(cache, alloc, [1, 2, 3, 4, 5])
+    put(cache, alloc, [9, 9], "t")
+    hot = cache.match_prefix([1, 2, 3]).handle  # a shared prefix stays; its tail is evicted
+    cache.lock(hot)
+    assert cache.evict(100) == 4
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).miss_cause == "evicted"
+    assert cache.match_prefix([1, 2, 3, 4, 9]).miss_cause == "unseen"  # only the 4 agrees
+    assert cache.match_prefix([1, 2, 3]).miss_cause == "none"
+    cache.unlock(hot)
+    cache.evict(100)
+    assert cache.stats.evicted_tokens == 7
+    assert cache.match_prefix([1, 2], count_stats=False).miss_cause == "evicted"
+    assert cache.match_prefix([1, 7]).miss_cause == "unseen"
+    assert cache.match_prefix([9, 9], "t").miss_cause == "evicted"  # its root was pruned
+    assert cache.match_prefix([9, 9], "u").miss_cause == "unseen"
+    s = cache.stats
+    assert (s.matches, s.query_tokens, s.hit_tokens, s.evicted_misses) == (7, 23, 12, 2)
+    assert s.hit_rate == pytest.approx(12 / 23)
+
+
+def test_heap_stays_bounded_under_lock_cycles() -> None:
+    alloc, cache = make()
+    put(cache, alloc, [1, 2, 3])
+    for _ in range(1000):
+        m = cache.match_prefix([1, 2, 3])
+        cache.lock(m.handle)
+        cache.unlock(m.handle)
+    assert len(cache._heap) <= 2 * cache.num_nodes + 65
+    assert cache.evict(1) == 3
+
+
+def test_integrity_catches_leaks_and_doubles() -> None:
+    alloc, cache = make(num_slots=8)
+    slots = alloc.alloc(3)
+    assert slots is not None
+    cache.insert([1, 2, 3], slots)
+    check_integrity(alloc, cache, [])
+    with pytest.raises(IntegrityError, match="two places"):
+        check_integrity(alloc, cache, [slots[0]])
+    held = alloc.alloc(2)
+    with pytest.raises(IntegrityError, match="leaked"):
+        check_integrity(alloc, cache, held[:1])
+
+
+# ---- state machine against a naive model ------------------------------------------------------
+
+POOL = 48
+Key = tuple[str | None, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Req:
+    ns: str | None
+    tokens: list[int]
+    slots: list[int]  # [0, locked_len) the tree's, locked; the rest the request's own
+    locked_len: int
+    handle: Any
+
+    @property
+    def computed(self) -> int:
+        return len(self.slots)
+
+
+# Prompts as a cut of one of a few base sequences plus a random tail: shared prefixes diverging
+# anywhere, mid-page included, which independent random lists rarely produce.
+_BASES = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0], [0, 1, 2, 0, 2, 2, 1, 1, 0, 0, 2, 1]]
+tokens_st = st.builds(
+    lambda base, cut, tail: base[:cut] + tail,
+    st.sampled_from(_BASES),
+    st.integers(0, 16),
+    st.lists(st.integers(0, 2), max_size=6),
+)
+ns_st = st.sampled_from([None, "a"])
+
+
+class RadixMachine(RuleBasedStateMachine):
+    """The scheduler's use of the cache, checked against `ref`: every cached page-aligned prefix
+    (namespace, tokens) -> the slots of its last page."""
+
+    page_size = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = SlotAllocator(POOL)
+        self.cache = RadixCache(self.alloc, page_size=self.page_size)
+        self.ref: dict[Key, tuple[int, ...]] = {}
+        self.reqs: list[Req] = []
+
+    # -- the naive model --
+
+    def ref_match(self, ns: str | None, toks: list[int]) -> list[int]:
+        out: list[int] = []
+        p = self.page_size
+        for k in range(p, len(toks) + 1, p):
+            page = self.ref.get((ns, tuple(toks[:k])))
+            if page is None:
+                break
+            out.extend(page)
+        return out
+
+    def ref_insert(self, ns: str | None, toks: list[int], slots: list[int]) -> int:
+        p, present, cached_len = self.page_size, True, 0
+        for k in range(p, len(toks) + 1, p):
+            key = (ns, tuple(toks[:k]))
+            if key in self.ref and present:
+                cached_len = k
+            else:
+                assert key not in self.ref  # prefix-closed
+                present = False
+                self.ref[key] = tuple(slots[k - p : k])
+        return cached_len
+
+    def locked_keys(self) -> set[Key]:
+        p = self.page_size
+        return {
+            (r.ns, tuple(r.tokens[:k])) for r in self.reqs for k in range(p, r.locked_len + 1, p)
+        }
+
+    def sync_after_evict(self, asked: int, freed: int) -> None:
+        cached = set(self.cache.cached_slots())
+        gone = [k for k, v in self.ref.items() if not cached.issuperset(v)]
+        assert all(cached.isdisjoint(self.ref[k]) for k in gone), "a page half evicted"
+        assert not set(gone) & self.locked_keys(), "evicted a locked prefix"
+        assert freed == self.page_size * len(gone)
+        assert freed >= asked or self.cache.evictable_size == 0
+        for k in gone:
+            del self.ref[k]
+
+    def evict(self, n: int) -> None:
+        self.sync_after_evict(n, self.cache.evict(n))
+
+    def alloc_slots(self, n: int) -> list[int] | None:
+        if n > self.alloc.num_free:
+            self.evict(n - self.alloc.num_free)
+        return self.alloc.alloc(n)
+
+    def offer(self, r: Req, n: int) -> int:
+        """insert the first n computed tokens; free the request's duplicates; return cached_len."""
+        res = self.cache.insert(r.tokens[:n], r.slots[:n], r.ns)
+        assert res.cached_len == self.ref_insert(r.ns, r.tokens[:n], r.slots[:n])
+        assert res.cached_len >= r.locked_len
+        self.alloc.free(r.slots[r.locked_len : res.cached_len])
+        return res.cached_len
+
+    def check_match(self, ns: str | None, toks: list[int], count: bool = True) -> Any:
+        m = self.cache.match_prefix(toks, ns, count_stats=count)
+        assert m.slots == self.ref_match(ns, toks)
+        return m
+
+    # -- rules --
+
+    @precondition(lambda self: len(self.reqs) < 4)
+    @rule(toks=tokens_st, ns=ns_st)
+    def admit(self, toks: list[int], ns: str | None) -> None:
+        m = self.check_match(ns, toks)
+        self.cache.lock(m.handle)
+        self.reqs.append(Req(ns, toks, list(m.slots), len(m.slots), m.handle))
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), cache_chunk=st.booleans())
+    def prefill_chunk(self, data: st.DataObject, cache_chunk: bool) -> None:
+        r = data.draw(st.sampled_from(self.reqs))
+        left = len(r.tokens) - r.computed
+        if left == 0:
+            return
+        new = self.alloc_slots(data.draw(st.integers(1, left)))
+        if new is None:
+            return
+        r.slots += new
+        if not cache_chunk:
+            return
+        self.offer(r, r.computed)
+        old, toks = r.handle, r.tokens[: r.computed]
+        m = self.check_match(r.ns, toks, count=False)
+        assert len(m.slots) == self.cache.aligned_len(len(toks))
+        self.cache.lock(m.handle)
+        self.cache.unlock(old)
+        r.slots[: len(m.slots)] = m.slots
+        r.handle, r.locked_len = m.handle, len(m.slots)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), finish=st.booleans())
+    def release(self, data: st.DataObject, finish: bool) -> None:
+        r = data.draw(st.sampled_from(self.reqs))
+        if finish:
+            cached_len = self.offer(r, r.computed)
+            self.alloc.free(r.slots[max(cached_len, self.cache.aligned_len(r.computed)) :])
+        else:  # abort without caching
+            self.alloc.free(r.slots[r.locked_len :])
+        self.cache.unlock(r.handle)
+        self.reqs.remove(r)
+
+    @rule(toks=tokens_st, ns=ns_st)
+    def insert_fresh(self, toks: list[int], ns: str | None) -> None:
+        slots = self.alloc_slots(len(toks))
+        if slots is None:
+            return
+        r = Req(ns, toks, slots, 0, None)
+        cached_len = self.offer(r, len(toks))
+        self.alloc.free(slots[max(cached_len, self.cache.aligned_len(len(toks))) :])
+
+    @rule(toks=tokens_st, ns=ns_st)
+    def match(self, toks: list[int], ns: str | None) -> None:
+        self.check_match(ns, toks)
+
+    @rule(n=st.integers(0, POOL))
+    def evict_some(self, n: int) -> None:
+        self.evict(n)
+
+    @rule()
+    def flush(self) -> None:
+        locked = any(r.locked_len for r in self.reqs)
+        assert self.cache.flush() is not locked
+        if not locked:
+            self.ref.clear()
+
+    @invariant()
+    def consistent(self) -> None:
+        in_use = [s for r in self.reqs for s in r.slots[r.locked_len :]]
+        check_integrity(self.alloc, self.cache, in_use)
+        protected = self.page_size * len(self.locked_keys())
+        assert self.cache.protected_size == protected
+        assert self.cache.evictable_size == self.page_size * len(self.ref) - protected
+        assert sorted(self.cache.cached_slots()) == sorted(s for v in self.ref.values() for s in v)
+        for r in self.reqs:
+            assert r.slots[: r.locked_len] == self.ref_match(r.ns, r.tokens[: r.locked_len])
+
+
+class PagedRadixMachine(RadixMachine):
+    page_size = 4
+
+
+_settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestRadixMachine = RadixMachine.TestCase
+TestRadixMachine.settings = _settings
+TestPagedRadixMachine = PagedRadixMachine.TestCase
+TestPagedRadixMachine.settings = _settings
