@@ -84,7 +84,7 @@ class SchedulePolicy:
 
 def _dfs_weight_order(reqs: list[Request], nodes: dict[Request, Any]) -> list[Request]:
     """Requests grouped under their deepest matched tree node; subtrees with more waiting
-    requests first."""
+    requests first, and deeper matches before the requests waiting at an ancestor."""
     at_node: dict[Any, list[Request]] = defaultdict(list)
     weight: dict[Any, int] = defaultdict(int)
     children: dict[Any, list[Any]] = defaultdict(list)
@@ -99,9 +99,13 @@ def _dfs_weight_order(reqs: list[Request], nodes: dict[Request, Any]) -> list[Re
             weight[node] += 1
             node = getattr(node, "parent", None)
     ordered: list[Request] = []
-    stack = sorted(roots, key=lambda n: weight[n])  # heaviest on top
+    # Iterative post-order (prefix trees can be deeper than Python's recursion limit).
+    stack = [(n, False) for n in sorted(roots, key=lambda n: weight[n])]  # heaviest on top
     while stack:
-        node = stack.pop()
-        ordered.extend(at_node.get(node, ()))
-        stack.extend(sorted(children.get(node, ()), key=lambda n: weight[n]))
+        node, expanded = stack.pop()
+        if expanded:
+            ordered.extend(at_node.get(node, ()))
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in sorted(children.get(node, ()), key=lambda n: weight[n]))
     return ordered
