@@ -98,6 +98,7 @@ def build_random_model(
     *,
     tokenizer_dir: str | Path | None = None,
     tokenizer_vocab: int = 512,
+    tokenizer_corpus_bytes: int = 1_000_000,
     seed: int = 0,
     dtype: str = "float32",
     max_shard_size: str | None = None,
@@ -114,7 +115,7 @@ def build_random_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:
-        tokenizer = train_tokenizer(out, tokenizer_vocab)
+        tokenizer = train_tokenizer(out, tokenizer_vocab, tokenizer_corpus_bytes)
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         tokenizer.save_pretrained(str(out))

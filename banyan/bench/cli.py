@@ -17,7 +17,8 @@ def add_bench_parser(sub: Any) -> None:
     off = modes.add_parser("offline", help="a workload through the in-process Engine")
     add_dataclass_args(off.add_argument_group("engine"), EngineArgs)
     w = off.add_argument_group("workload")
-    w.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
+    w.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"],
+                   default="random")
     w.add_argument("--num-requests", type=int, default=64)
     w.add_argument("--input-len", type=int, default=128)
     w.add_argument("--output-len", type=int, default=128)
@@ -26,6 +27,10 @@ def add_bench_parser(sub: Any) -> None:
     w.add_argument("--prompts-per-group", type=int, default=8)
     w.add_argument("--system-len", type=int, default=1024)
     w.add_argument("--question-len", type=int, default=64)
+    w.add_argument("--conversations", type=int, default=8)
+    w.add_argument("--turns", type=int, default=4)
+    w.add_argument("--no-shuffle", action="store_true",
+                   help="shared-prefix: submit groups in order instead of shuffled")
     w.add_argument("--bench-seed", type=int, default=0)
     w.add_argument("--batch1", action="store_true",
                    help="also time one request (input-len in / output-len out) and compare its "
@@ -35,8 +40,18 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def run_offline(ns: argparse.Namespace) -> int:
-    from banyan.bench.offline import machine_info, memory_bandwidth_gbs, run_workload, write_result
-    from banyan.bench.workloads import random_workload, shared_prefix_workload
+    from banyan.bench.offline import (
+        machine_info,
+        memory_bandwidth_gbs,
+        run_multi_turn,
+        run_workload,
+        write_result,
+    )
+    from banyan.bench.workloads import (
+        multi_turn_workload,
+        random_workload,
+        shared_prefix_workload,
+    )
     from banyan.cli import engine_args_from
     from banyan.engine import Engine
 
@@ -46,16 +61,22 @@ def run_offline(ns: argparse.Namespace) -> int:
     if ns.workload == "random":
         workload = random_workload(ns.num_requests, ns.input_len, ns.output_len, vocab,
                                    ns.range_ratio, ns.bench_seed)
-    else:
+    elif ns.workload == "shared-prefix":
         workload = shared_prefix_workload(ns.groups, ns.prompts_per_group, ns.system_len,
-                                          ns.question_len, ns.output_len, vocab, ns.bench_seed)
+                                          ns.question_len, ns.output_len, vocab, ns.bench_seed,
+                                          shuffle=not ns.no_shuffle)
+    else:
+        workload = multi_turn_workload(ns.conversations, ns.turns, ns.system_len,
+                                       ns.question_len, ns.output_len, vocab, ns.bench_seed)
     warm = random_workload(4, 32, 4, vocab, seed=12345)
     run_workload(engine, warm)  # first-call costs (allocator warm-up, lazy init) stay out
+    engine.core.scheduler.kv.cache.flush()  # the warm-up's prompts must not count as hits
+    runner = run_multi_turn if ns.workload == "multi-turn" else run_workload
     result: dict[str, Any] = {
-        "workload": workload.name, "workload_params": workload.params,
+        "workload": ns.workload, "workload_params": workload.params,
         "engine_args": dataclasses.asdict(args), "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "result": run_workload(engine, workload),
+        "result": runner(engine, workload),
     }
     if ns.batch1:
         result["batch1"] = batch1(engine, ns.input_len, ns.output_len, vocab)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from banyan.bench.workloads import Workload
+from banyan.bench.workloads import MultiTurnWorkload, Workload
 from banyan.sampling.params import SamplingParams
 
 
@@ -70,6 +70,35 @@ def run_workload(engine: Any, workload: Workload) -> dict[str, Any]:
         "hit_rate_vs_optimum": cached / workload.reusable_tokens if workload.reusable_tokens else None,
         "retractions": stats.total_retractions - retractions0,
     }
+
+
+def run_multi_turn(engine: Any, workload: MultiTurnWorkload) -> dict[str, Any]:
+    """All conversations advance one turn per round (a round is one batch); turn t's prompt is
+    the history: every earlier message and answer, then the new message."""
+    params = SamplingParams(max_new_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+    histories = [[] for _ in workload.system]  # type: list[list[int]]
+    prompt_tokens = out_tokens = cached = reusable = 0
+    t0 = time.perf_counter()
+    for turn in range(len(workload.messages[0])):
+        prompts = []
+        for c, history in enumerate(histories):
+            if turn == 0:
+                history.extend(workload.system[c])
+            reusable += max(0, len(history) - 1) if turn else 0
+            history.extend(workload.messages[c][turn])
+            prompts.append(list(history))
+        outputs = engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+        for history, prompt, out in zip(histories, prompts, outputs):
+            history.extend(out.output_ids)
+            prompt_tokens += len(prompt)
+            out_tokens += out.completion_tokens
+            cached += out.cached_tokens
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "requests": len(histories) * len(workload.messages[0]),
+            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / elapsed,
+            "total_tok_s": (out_tokens + prompt_tokens) / elapsed, "cached_tokens": cached,
+            "hit_rate_vs_optimum": cached / reusable if reusable else None}
 
 
 def write_result(result: dict[str, Any], out: str | None) -> None:

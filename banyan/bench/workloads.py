@@ -60,3 +60,28 @@ def shared_prefix_workload(groups: int, prompts_per_group: int, system_len: int,
     return Workload("shared-prefix", reqs, reusable, dict(
         groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
         question_len=question_len, output_len=output_len, seed=seed, shuffle=shuffle))
+
+
+@dataclass(slots=True)
+class MultiTurnWorkload:
+    """C conversations x T turns: turn t resends the whole history (earlier prompts and answers)
+    plus a new user message of `turn_len` tokens. Turns of one conversation are sequential."""
+
+    system: list[list[int]]  # per conversation: its first message
+    messages: list[list[list[int]]]  # [conversation][turn] -> the new user tokens of that turn
+    output_len: int
+    params: dict[str, object] = field(default_factory=dict)
+
+
+def multi_turn_workload(conversations: int, turns: int, first_len: int, turn_len: int,
+                        output_len: int, vocab: int, seed: int = 0,
+                        first_id: int = 3) -> MultiTurnWorkload:
+    rng = random.Random(seed)
+    return MultiTurnWorkload(
+        system=[_tokens(rng, first_len, vocab, first_id) for _ in range(conversations)],
+        messages=[[_tokens(rng, turn_len, vocab, first_id) for _ in range(turns)]
+                  for _ in range(conversations)],
+        output_len=output_len,
+        params=dict(conversations=conversations, turns=turns, first_len=first_len,
+                    turn_len=turn_len, output_len=output_len, seed=seed),
+    )
