@@ -66,6 +66,23 @@ class Engine:
     def step(self) -> list[RequestUpdate]:
         return self.core.step()
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (e.g. after a weight reload); False while requests run."""
+        return self.core.scheduler.kv.cache.flush()
+
+    def explain_prefix(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None,
+                       cache_salt: str | None = None) -> dict[str, object]:
+        """How much of a prompt the prefix cache holds now, and why the rest would miss:
+        {"matched", "query", "miss_cause": "none" | "evicted" | "unseen"}."""
+        ids = self.encode(prompt) if prompt is not None else list(input_ids or [])
+        return self.core.scheduler.kv.explain(ids, cache_salt)
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up in the prefix cache at admission, and those it served."""
+        kv = self.core.scheduler.kv
+        return {"queried_tokens": kv.prefix_queried, "hit_tokens": kv.prefix_hit,
+                "cached_slots": kv.cache.cached_size, "free_slots": kv.allocator.num_free}
+
     # -- batch generation -----------------------------------------------------------------
 
     def generate(

@@ -216,3 +216,20 @@ def test_outputs_identical_with_and_without_prefix_cache(llama_dir: Path, settin
                 if "kv_cache_memory" in setting:
                     assert kv.cache.stats.evicted_tokens > 0
     assert results[False] == results[True]
+
+
+def test_engine_explains_misses_and_flushes(llama_dir: Path) -> None:
+    prompt = list(range(3, 83))
+    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True) as engine:
+        assert engine.explain_prefix(input_ids=prompt)["miss_cause"] == "unseen"
+        engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=2))
+        seen = engine.explain_prefix(input_ids=prompt)
+        assert seen["matched"] == len(prompt) and seen["miss_cause"] == "none"
+        assert engine.explain_prefix(input_ids=prompt, cache_salt="other")["matched"] == 0
+        stats = engine.prefix_cache_stats()
+        assert stats["queried_tokens"] == len(prompt) and stats["hit_tokens"] == 0
+        [again] = engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=2))
+        assert again.cached_tokens == len(prompt) - 1
+        assert engine.prefix_cache_stats()["hit_tokens"] == len(prompt) - 1
+        assert engine.flush_cache() is True
+        assert engine.explain_prefix(input_ids=prompt)["matched"] == 0
