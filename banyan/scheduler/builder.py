@@ -99,7 +99,7 @@ class BatchBuilder:
         if step.retracted:
             return  # memory is short: admitting now would only retract again
         reserved = self._reserved(running)
-        for req in self.policy.order(waiting):
+        for req in self.policy.order(waiting, running):
             if budget <= 0 or len(running) >= self.config.max_running_requests:
                 return
             self.kv.match(req)

@@ -9,9 +9,9 @@
 Both cache-aware policies fall back to fcfs when the queue is longer than `fcfs_threshold`:
 matching every waiting request every step costs more than it saves.
 
-In-batch prefix sharing: a request whose cached match is short but which shares a long prefix
-with a request placed before it in this step's order is deferred to a later step, by when the
-first one has computed (and cached) the shared part.
+In-batch prefix sharing: a request that shares a long uncached prefix with a request placed
+before it in this step's order, or with a running request still computing its prompt, is
+deferred to a later step, by when the first one has computed (and cached) the shared part.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ POLICIES = ("lpm", "dfs-weight", "fcfs")
 class PolicyConfig:
     name: str = "lpm"
     fcfs_threshold: int = 128
-    # Check a request against the others of this step when its cached match is at most this
-    # long, and defer it when it shares at least this many uncached tokens with one of them.
+    # Defer a request that shares at least this many uncached tokens with one admitted earlier
+    # in the step or still prefilling.
     in_batch_threshold: int = 32
 
 
@@ -45,7 +45,7 @@ class SchedulePolicy:
         self.cache = cache
         self.cache_aware = config.name != "fcfs" and cache.keeps_prefixes
 
-    def order(self, waiting: WaitingQueue) -> list[Request]:
+    def order(self, waiting: WaitingQueue, running: list[Request]) -> list[Request]:
         """Candidates for admission this step, best first; deferred requests are left out."""
         reqs = list(waiting)
         if not self.cache_aware or len(reqs) > self.config.fcfs_threshold or len(reqs) < 2:
@@ -61,23 +61,27 @@ class SchedulePolicy:
             reqs.sort(key=lambda r: -matches[r])  # stable: arrival order among equals
         else:
             reqs = _dfs_weight_order(reqs, nodes)
-        return self._without_in_batch_followers(reqs, matches)
+        prefilling = [r for r in running if r.remaining > 1]
+        return self._without_in_batch_followers(reqs, matches, prefilling)
 
-    def _without_in_batch_followers(self, reqs: list[Request],
-                                    matches: dict[Request, int]) -> list[Request]:
+    def _without_in_batch_followers(self, reqs: list[Request], matches: dict[Request, int],
+                                    prefilling: list[Request]) -> list[Request]:
         from banyan.cache.radix import RadixCache
 
         threshold = self.config.in_batch_threshold
-        seen = RadixCache(SlotAllocator(2))  # keys only: the "slots" stored are dummies
+        # Prompts being computed now (running, or admitted earlier in this order), by key only:
+        # the "slots" stored are dummies.
+        computing = RadixCache(SlotAllocator(2))
+        for req in prefilling:
+            tokens = req.token_ids(0, req.num_tokens - 1)
+            computing.insert(tokens, tokens, req.namespace)
         kept: list[Request] = []
         for req in reqs:
-            if matches[req] <= threshold:
-                tokens = req.token_ids(0, req.num_tokens - 1)
-                key = (req.namespace or "") + "\x00"
-                shared = len(seen.match_prefix(tokens, key, count_stats=False).slots)
-                if kept and shared >= threshold:
-                    continue  # follows a request of this step: it will hit the cache next step
-                seen.insert(tokens, tokens, key)
+            tokens = req.token_ids(0, req.num_tokens - 1)
+            shared = len(computing.match_prefix(tokens, req.namespace, count_stats=False).slots)
+            if shared - matches[req] >= threshold and (kept or prefilling):
+                continue  # it will find those tokens in the cache in a step or two
+            computing.insert(tokens, tokens, req.namespace)
             kept.append(req)
         return kept
 
