@@ -226,3 +226,15 @@ def test_stream_closed_early_aborts(engine: Engine) -> None:
     next(stream)
     stream.close()
     check_pool_empty(engine)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("setting", ["chunked", "retraction"])
+def test_greedy_matches_transformers_on_cuda(llama_dir: Path, workload, setting: str) -> None:
+    """The same equivalence on a GPU, in float32 (bf16 logits are checked in test_models)."""
+    prompts, max_new, expected = workload
+    with Engine(str(llama_dir), dtype="float32", device="cuda", disable_tqdm=True,
+                **SETTINGS[setting]) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=[greedy(n) for n in max_new])
+        assert [o.output_ids for o in outs] == expected
+        check_pool_empty(engine)
