@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?=
+PORT ?= 30000
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
@@ -24,9 +25,9 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-# Until the HTTP server lands (issue 4), `make serve` runs a short offline generation.
+# The OpenAI-compatible server on http://127.0.0.1:$(PORT) (the demo model unless MODEL=dir).
 serve: install
-	$(VENV)/bin/banyan generate $(if $(MODEL),--model $(MODEL),) --prompt "Once upon a time" --max-new-tokens 32
+	$(VENV)/bin/banyan serve $(if $(MODEL),--model $(MODEL),) --port $(PORT)
 
 test: install-test
 	$(PY) -m pytest -q tests

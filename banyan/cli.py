@@ -1,4 +1,5 @@
-"""`banyan generate | bench`: the command line, generated from the argument dataclasses."""
+"""`banyan serve | generate | bench`: the command line, generated from the argument
+dataclasses."""
 
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="banyan", description="Banyan LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from banyan.server.args import ServerArgs
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_dataclass_args(serve.add_argument_group("engine"), EngineArgs)
+    add_dataclass_args(serve.add_argument_group("server"), ServerArgs)
+    serve.set_defaults(func=cmd_serve)
+
     gen = sub.add_parser("generate", help="generate text for one or more prompts, offline")
     add_dataclass_args(gen.add_argument_group("engine"), EngineArgs)
     gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
@@ -115,6 +123,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 print(f"{out.prompt}{sample.text}")
                 print(f"  [{sample.completion_tokens} tokens, finish_reason={sample.finish_reason}]")
     return 0
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from banyan.server.args import ServerArgs
+    from banyan.server.launch import run_server
+
+    try:
+        engine_args = engine_args_from(ns)
+        server_args = ServerArgs(**{name: getattr(ns, name) for name in ServerArgs.field_names()})
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_server(engine_args, server_args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,167 @@
+"""The FastAPI app: routes, the API-key check, and errors in OpenAI's shape everywhere.
+
+Built by `build_app(state)`; all state lives in the ServerState object (no module globals).
+Handlers read their bodies themselves (`errors.read_body`) so that validation errors are 400s in
+OpenAI's shape and the body-size limit holds, instead of FastAPI's 422 and unbounded bodies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import banyan
+from banyan.server.engine_client import EngineDeadError
+from banyan.server.errors import ApiError, engine_dead, error_body
+from banyan.server.metrics import step_times_dict
+from banyan.server.native import NativeServing
+from banyan.server.openai_serving import OpenAIServing
+from banyan.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # monitoring works without the API key
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on every path but OPEN_PATHS (pure ASGI: no buffering of
+    streamed responses, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        if not secrets.compare_digest(got, self.expected):
+            response = JSONResponse(error_body(401, "invalid or missing API key (send "
+                                                    "`Authorization: Bearer KEY`)"),
+                                    status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Banyan", version=banyan.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    openai = OpenAIServing(state)
+    native = NativeServing(state)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
+        return engine_dead().response()
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {exc}"), status_code=500)
+
+    def require_engine() -> None:
+        if state.client.dead:
+            raise engine_dead()
+
+    # ---- OpenAI ------------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        require_engine()
+        return await openai.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        require_engine()
+        return await openai.chat(request)
+
+    def model_card() -> dict[str, object]:
+        return {"id": state.model_name, "object": "model", "created": int(state.started),
+                "owned_by": "banyan", "root": state.model_path,
+                "max_model_len": state.engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        state.check_model(model)
+        return JSONResponse(model_card())
+
+    # ---- native ------------------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        require_engine()
+        return await native.generate(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await native.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await native.detokenize(request)
+
+    # ---- operations --------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.client.dead:
+            return engine_dead().response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        require_engine()
+        reply = await state.client.control("info")
+        args = dataclasses.asdict(state.args)
+        args["api_key"] = None if state.args.api_key is None else "***"
+        stats = state.metrics.engine
+        return JSONResponse({
+            "version": banyan.__version__, "model": state.model_name,
+            "model_path": state.model_path, "api_server_pid": os.getpid(),
+            "server_args": args, **reply.data,
+            "last_stats_step_times": step_times_dict(stats.times),
+        })
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        require_engine()
+        reply = await state.client.control("flush_cache")
+        if not reply.ok:
+            raise ApiError(400, reply.message)
+        return JSONResponse({"success": True, "message": reply.message})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if state.args.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.args.api_key)
+    return app

@@ -1,0 +1,347 @@
+"""The engine process: an EngineCore stepped in a loop, fed and drained over ZMQ.
+
+Each iteration takes every request message already waiting (without blocking while there is
+work; blocking on a poll with a timeout when idle), runs one step, and sends all of the step's
+request updates in one message together with a stats snapshot. Nothing a client sends can end
+the loop: a request the engine refuses is answered with a rejected update, and a failing step
+aborts the requests it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from banyan.args import EngineArgs
+from banyan.core import EngineCore
+from banyan.scheduler import RequestUpdate
+from banyan.scheduler.request import Status
+from banyan.server.ipc import (
+    AbortRequest,
+    AddRequest,
+    ControlReply,
+    ControlRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    PullSocket,
+    PushSocket,
+    Shutdown,
+    StepTimes,
+    ToEngine,
+    Update,
+    UpdateBatch,
+)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200  # how long an idle engine sleeps in poll before checking its parent again
+MAX_DRAIN = 4096  # messages taken per iteration, so a flood of adds cannot starve the step
+BUSY_WINDOW = 256  # steps over which the device-busy fraction is reported
+
+
+@dataclass(slots=True)
+class _Counters:
+    generation_tokens: int = 0
+    steps: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
+    # (wall, busy) of the recent steps, for a busy fraction that tracks the present load
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=BUSY_WINDOW))
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, inbox: PullSocket, outbox: PushSocket,
+                 parent_pid: int | None) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.stopping = False
+        self.counters = _Counters()
+        self.groups: dict[str, list[str]] = {}  # user rid -> child rids still in the scheduler
+        self.parent_of: dict[str, str] = {}  # child rid -> user rid
+        self.arrivals: dict[str, float] = {}  # child rid -> arrival, until first admitted
+        self._last_parent_check = time.monotonic()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.stopping:
+            t_iter = time.perf_counter()
+            idle = not self.core.has_work
+            handled = self._drain(IDLE_POLL_MS if idle else 0)
+            if self.stopping:
+                break
+            if not self.core.has_work:
+                if handled:  # aborts or adds that ended at once: show the idle state
+                    self._send(UpdateBatch([], self.stats()))
+                self._check_parent()
+                continue
+            t_work = time.perf_counter() if idle else t_iter
+            updates = self._step()
+            self._account(t_work, time.perf_counter())  # before the snapshot: it counts this step
+            t_send = time.perf_counter()
+            self._send(UpdateBatch([self._update(u) for u in updates], self.stats(),
+                                   self._admitted(t_work)))
+            sending = time.perf_counter() - t_send  # shows in the next snapshot
+            self.counters.times.other += sending
+            self.counters.times.wall += sending
+            if time.monotonic() - self._last_parent_check > 1.0:
+                self._check_parent()
+
+    def _drain(self, timeout_ms: int) -> int:
+        if not self.inbox.poll(timeout_ms):
+            return 0
+        handled = 0
+        while handled < MAX_DRAIN:
+            try:
+                msg = self.inbox.recv_nowait()
+            except msgspec.DecodeError:  # cannot happen between our own processes; never fatal
+                logger.exception("undecodable message from the API server dropped")
+                handled += 1
+                continue
+            if msg is None:
+                break
+            handled += 1
+            self._handle(msg)
+            if self.stopping:
+                break
+        return handled
+
+    def _handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.rid)
+        elif isinstance(msg, ControlRequest):
+            self._send(self._control(msg))
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            group = self.core.add(msg.rid, msg.prompt_ids, msg.params, namespace=msg.namespace)
+        except Exception as exc:  # noqa: BLE001 - a bad request must never end the loop
+            internal = not isinstance(exc, ValueError)
+            if internal:
+                logger.exception("request %s could not be added", msg.rid)
+            reason = f"internal error: {exc}" if internal else str(exc)
+            self._send(UpdateBatch([Update(msg.rid, [], "", "abort", error=reason,
+                                           refused=500 if internal else 400)], self.stats()))
+            return
+        self.groups[msg.rid] = list(group.child_rids)
+        now = time.perf_counter()
+        for child in group.child_rids:
+            self.parent_of[child] = msg.rid
+            self.arrivals[child] = now
+
+    def _abort(self, rid: str) -> None:
+        updates = []
+        for child in self.groups.pop(rid, []):
+            self.arrivals.pop(child, None)
+            self.parent_of.pop(child, None)
+            update = self.core.abort(child)
+            if update is not None:
+                updates.append(self._update(update))
+        if updates:
+            self._send(UpdateBatch(updates, self.stats()))
+
+    def _step(self) -> list[RequestUpdate]:
+        try:
+            updates = self.core.step()
+        except Exception as exc:  # noqa: BLE001 - a scheduler bug must not kill the engine
+            logger.exception("engine step failed; aborting every request")
+            updates = []
+            for rid in list(self.core.scheduler.requests):
+                update = self.core.abort(rid)
+                if update is not None:
+                    update.error = f"internal error: {exc}"
+                    updates.append(update)
+        for update in updates:
+            self.counters.generation_tokens += len(update.new_token_ids)
+            if update.finish_reason is not None:
+                self._forget(update.rid)
+        return updates
+
+    def _forget(self, child: str) -> None:
+        self.arrivals.pop(child, None)
+        parent = self.parent_of.pop(child, None)
+        children = self.groups.get(parent) if parent is not None else None
+        if children is not None and child in children:
+            children.remove(child)
+            if not children:
+                del self.groups[parent]
+
+    def _admitted(self, step_start: float) -> list[float]:
+        """Queue times of the requests this step admitted for the first time (a request that
+        is no longer waiting was admitted at the step's start, when the scheduler ran)."""
+        waits = []
+        requests = self.core.scheduler.requests
+        for child, arrival in list(self.arrivals.items()):
+            req = requests.get(child)
+            if req is None or req.status is not Status.WAITING:
+                waits.append(max(step_start - arrival, 0.0))
+                del self.arrivals[child]
+        return waits
+
+    def _account(self, start: float, end: float) -> None:
+        last = self.core.scheduler.last_step
+        times = self.counters.times
+        wall = end - start
+        timings = last.timings
+        phases = {"schedule": last.schedule, "prepare": timings.get("prepare", 0.0),
+                  "forward": timings.get("forward", 0.0), "sample": timings.get("sample", 0.0),
+                  "output": last.output}
+        times.schedule += phases["schedule"]
+        times.prepare += phases["prepare"]
+        times.forward += phases["forward"]
+        times.sample += phases["sample"]
+        times.output += phases["output"]
+        times.other += max(wall - sum(phases.values()), 0.0)
+        times.wall += wall
+        self.counters.steps += 1
+        self.counters.recent.append((wall, phases["forward"] + phases["sample"]))
+
+    # ---- replies -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sched = self.core.scheduler
+        kv = sched.kv
+        c = self.counters
+        recent_wall = sum(w for w, _ in c.recent)
+        last = sched.last_step
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_capacity=kv.capacity, kv_free=kv.allocator.num_free,
+            kv_evictable=kv.cache.evictable_size, kv_protected=kv.cache.protected_size,
+            prompt_tokens=kv.prefix_queried, generation_tokens=c.generation_tokens,
+            prefix_cache_queries=kv.prefix_queried, prefix_cache_hits=kv.prefix_hit,
+            retractions=sched.total_retractions, steps=c.steps,
+            times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
+            busy_fraction=(sum(b for _, b in c.recent) / recent_wall) if recent_wall else 0.0,
+            last_step={"schedule": last.schedule, "run": last.run, "output": last.output,
+                       **last.timings, "num_tokens": float(last.num_tokens),
+                       "num_reqs": float(last.num_reqs)},
+        )
+
+    def _control(self, msg: ControlRequest) -> ControlReply:
+        if msg.kind == "ping":
+            return ControlReply(msg.id, True)
+        if msg.kind == "info":
+            return ControlReply(msg.id, True, data=self._info())
+        if msg.kind == "flush_cache":
+            if self.core.has_work:
+                return ControlReply(msg.id, False, "cannot flush the cache while requests are "
+                                    "running or waiting; retry when the server is idle")
+            if not self.core.scheduler.kv.cache.flush():
+                return ControlReply(msg.id, False, "cannot flush: cached prefixes are in use")
+            return ControlReply(msg.id, True, "Cache flushed.")
+        return ControlReply(msg.id, False, f"unknown control request {msg.kind!r}")
+
+    def _info(self) -> dict[str, object]:
+        import dataclasses
+
+        stats = self.stats()
+        return {
+            "engine_pid": os.getpid(),
+            "engine_args": dataclasses.asdict(self.core.args),
+            "max_model_len": self.core.max_model_len,
+            "vocab_size": self.core.vocab_size,
+            "kv_capacity": stats.kv_capacity,
+            "kv_free": stats.kv_free,
+            "kv_evictable": stats.kv_evictable,
+            "kv_protected": stats.kv_protected,
+            "kv_usage": stats.kv_usage,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_requests": len(self.core.scheduler.requests),
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+            "retractions": stats.retractions,
+            "steps": stats.steps,
+            "busy_fraction": stats.busy_fraction,
+            "step_times": {f: getattr(stats.times, f) for f in StepTimes.__struct_fields__},
+            "last_step": stats.last_step,
+        }
+
+    @staticmethod
+    def _update(u: RequestUpdate) -> Update:
+        return Update(u.rid, u.new_token_ids, u.text,
+                      None if u.finish_reason is None else u.finish_reason.value,
+                      u.logprobs, u.prompt_tokens, u.cached_tokens, u.error)
+
+    def _send(self, msg: UpdateBatch | ControlReply) -> None:
+        try:
+            self.outbox.send(msg)
+        except zmq.Again:  # the API server is gone; its death is noticed by _check_parent
+            logger.warning("API server is not reading; output dropped")
+
+    def _check_parent(self) -> None:
+        """Exit when the API server died without telling us (SIGKILL): no orphans."""
+        self._last_parent_check = time.monotonic()
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.warning("API server process %d is gone; engine exiting", self.parent_pid)
+            self.stopping = True
+
+
+def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid: int,
+                log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process (spawned by the launcher)."""
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group; the API server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    outbox = PushSocket(ctx, outbox_addr, bind=False)
+    inbox = PullSocket(ctx, inbox_addr, bind=False, kind=ToEngine)
+    loop: EngineLoop | None = None
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if loop is not None:
+            loop.stopping = True
+        else:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        try:
+            core = EngineCore.from_args(args)
+        except Exception as exc:  # noqa: BLE001 - report any start-up failure to the launcher
+            logger.exception("engine failed to start")
+            _send_blocking(outbox, EngineFailed(f"{type(exc).__name__}: {exc}"))
+            raise SystemExit(1) from None
+        loop = EngineLoop(core, inbox, outbox, parent_pid)
+        _send_blocking(outbox, EngineReady(os.getpid(), core.max_model_len, core.vocab_size,
+                                           core.scheduler.kv.capacity, sorted(core.eos_ids)))
+        logger.info("engine ready (pid %d)", os.getpid())
+        loop.run()
+        for rid in list(core.scheduler.requests):
+            core.abort(rid)
+        logger.info("engine stopped")
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+
+
+def _send_blocking(sock: PushSocket, msg: EngineReady | EngineFailed,
+                   timeout: float = 30.0) -> None:
+    """The first message may go out before the connection is up: retry briefly."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.send(msg)
+            return
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)

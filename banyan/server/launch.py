@@ -1,0 +1,112 @@
+"""`banyan serve`: start the engine process, wait until it is ready, serve HTTP, and on SIGTERM
+or SIGINT stop both.
+
+The engine process is started with multiprocessing's spawn context (a fresh interpreter: safe
+with CUDA, no inherited sockets or threads). Its arguments travel by pickle once at start-up,
+between our own processes; everything after that goes over ZMQ as msgpack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from banyan.args import EngineArgs
+from banyan.model_files import load_tokenizer, resolve_model_dir
+from banyan.server.args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "banyan-demo"
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    level = getattr(logging, server_args.log_level.upper())
+    logging.getLogger().setLevel(level)
+    try:
+        model_dir = resolve_model_dir(engine_args.model)  # builds the demo model once if needed
+        tokenizer = load_tokenizer(Path(engine_args.tokenizer) if engine_args.tokenizer
+                                   else model_dir)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    name = server_args.served_model_name or engine_args.model or DEMO_MODEL_NAME
+    # The engine gets the resolved folder, so it does not build or look up the demo model again.
+    engine_args = dataclasses.replace(engine_args, model=str(model_dir))
+    try:
+        return asyncio.run(_serve(engine_args, server_args, name, str(model_dir), tokenizer,
+                                  level))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: str,
+                 model_path: str, tokenizer: object, level: int) -> int:
+    import uvicorn
+
+    from banyan.server.api_server import build_app
+    from banyan.server.engine_client import EngineClient
+    from banyan.server.engine_proc import engine_main
+    from banyan.server.metrics import ServerMetrics
+    from banyan.server.state import ServerState
+    from banyan.server.tokens import TokenizerSide
+
+    ipc_dir = tempfile.mkdtemp(prefix="banyan-ipc-")
+    inbox, outbox = f"ipc://{ipc_dir}/to-engine", f"ipc://{ipc_dir}/from-engine"
+    process = multiprocessing.get_context("spawn").Process(
+        target=engine_main, args=(engine_args, inbox, outbox, os.getpid(), level),
+        name="banyan-engine", daemon=True)
+    client = EngineClient(process, inbox, outbox, ServerMetrics(model_name))
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    # Until uvicorn installs its own handlers, SIGTERM cancels the start-up (and cleans up).
+    loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
+    try:
+        process.start()
+        logger.info("engine process %d starting (model %s)", process.pid, model_path)
+        try:
+            ready = await client.wait_ready(server_args.engine_start_timeout)
+        except RuntimeError as exc:
+            logger.error("%s", exc)
+            return 1
+        logger.info("engine ready: max_model_len %d, KV cache %d tokens", ready.max_model_len,
+                    ready.kv_capacity)
+        state = ServerState(server_args, engine_args, model_name, model_path,
+                            TokenizerSide(tokenizer, ready.vocab_size), client, client.metrics)
+        config = uvicorn.Config(
+            build_app(state), host=server_args.host, port=server_args.port,
+            log_level=server_args.log_level, access_log=server_args.access_log,
+            timeout_graceful_shutdown=max(int(server_args.shutdown_timeout), 1), lifespan="off",
+            timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        loop.remove_signal_handler(signal.SIGTERM)
+        # uvicorn handles SIGINT/SIGTERM while serving (graceful shutdown), then restores the
+        # previous handlers and raises the signal again: make that a no-op, so the cleanup below
+        # runs instead of the process dying (SIG_DFL) or the cleanup being cancelled (asyncio's
+        # SIGINT handler).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _ignore_signal)
+        logger.info("serving %s on http://%s:%d", model_name, server_args.host,
+                    server_args.port)
+        await server.serve()
+        return 0
+    except asyncio.CancelledError:
+        logger.info("start-up interrupted")
+        return 143
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        await client.shutdown(server_args.shutdown_timeout + 5.0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        logger.info("server stopped")
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    logger.info("signal %d: already shutting down", signum)

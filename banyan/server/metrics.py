@@ -1,0 +1,131 @@
+"""Prometheus metrics of the server, named in vLLM's style with a `banyan:` prefix.
+
+Two sources:
+- request latencies (time to first token, inter-token latency, end to end) and finished requests
+  by reason are measured here, in the API server, where the client's view of time is;
+- engine state (running/waiting, KV usage, token and prefix-cache counters, retractions, the step
+  time split) comes with every engine output message as an `EngineStats` snapshot of cumulative
+  values, exported by a custom collector at scrape time (counters that the engine owns cannot be
+  `inc()`-ed here without double counting).
+
+Everything lives in one registry per server object (no module-level global registry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from banyan.server.ipc import EngineStats, StepTimes
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read ours.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+PHASES = ("schedule", "prepare", "forward", "sample", "output", "other")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "banyan:time_to_first_token_seconds", "Time from request arrival to its first token.",
+            labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(
+            "banyan:inter_token_latency_seconds", "Time between two tokens of one sample.",
+            labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(
+            "banyan:e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.queue_time = Histogram(
+            "banyan:request_queue_time_seconds",
+            "Time a request waited in the engine's queue before it was first scheduled.",
+            labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        success = Counter(
+            "banyan:request_success", "Finished requests (samples) by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self.finished = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.engine = EngineStats()
+        self.registry.register(_EngineCollector(self))
+
+    def count_finished(self, reason: str) -> None:
+        self.finished.get(reason, self.finished["error"]).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """The latest EngineStats snapshot, as gauges and counters."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._metrics.engine
+        name = self._metrics.model_name
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            return family
+
+        yield gauge("banyan:num_requests_running", "Requests (samples) in the running batch.",
+                    s.num_running)
+        yield gauge("banyan:num_requests_waiting", "Requests (samples) waiting to be scheduled.",
+                    s.num_waiting)
+        yield gauge("banyan:kv_cache_usage_perc",
+                    "Fraction of KV cache slots in use (1 = full); evictable cached prefixes "
+                    "count as free.", s.kv_usage)
+        yield gauge("banyan:kv_cache_capacity_tokens", "KV cache slots (tokens) in the pool.",
+                    s.kv_capacity)
+        yield gauge("banyan:kv_cache_free_tokens", "KV cache slots on the free list.", s.kv_free)
+        yield gauge("banyan:prefix_cache_tokens",
+                    "KV cache slots held by the prefix cache (evictable or locked).",
+                    s.kv_evictable + s.kv_protected)
+        yield counter("banyan:prompt_tokens", "Prompt tokens of admitted requests (cached ones "
+                      "included).", s.prompt_tokens)
+        yield counter("banyan:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("banyan:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("banyan:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      s.prefix_cache_hits)
+        yield counter("banyan:num_retractions",
+                      "Running requests retracted because the KV cache was full (preemptions).",
+                      s.retractions)
+        yield counter("banyan:engine_steps", "Engine steps run.", s.steps)
+        phase = CounterMetricFamily(
+            "banyan:step_phase_seconds",
+            "Engine loop time by phase: schedule, prepare (inputs), forward, sample, output "
+            "(handling the sampled tokens), other (receiving requests, sending outputs).",
+            labels=["model_name", "phase"])
+        for p in PHASES:
+            phase.add_metric([name, p], getattr(s.times, p))
+        yield phase
+        yield counter("banyan:step_wall_seconds", "Wall time of engine loop iterations that ran "
+                      "a step.", s.times.wall)
+        yield counter("banyan:device_busy_seconds", "Time the device computed (forward and "
+                      "sampling) within the step wall time.", s.times.busy)
+        yield counter("banyan:execution_idle_seconds", "Step wall time the device waited on the "
+                      "host (scheduling, input preparation, output handling, IPC).",
+                      max(s.times.wall - s.times.busy, 0.0))
+        yield gauge("banyan:device_busy_fraction", "Device-busy share of the wall time over the "
+                    "recent steps (1 - execution-idle fraction).", s.busy_fraction)
+
+
+def step_times_dict(times: StepTimes) -> dict[str, float]:
+    return {f: getattr(times, f) for f in StepTimes.__struct_fields__} | {"busy": times.busy}

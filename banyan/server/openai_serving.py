@@ -1,0 +1,257 @@
+"""POST /v1/completions and /v1/chat/completions: prompts in, engine requests out, and the
+engine's updates turned into OpenAI responses or SSE streams."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from banyan.server.engine_client import EngineDeadError, EngineRequest, RequestRejected, Stream
+from banyan.server.errors import ApiError, bad_request, engine_dead, from_value_error, read_body
+from banyan.server.ipc import Update
+from banyan.server.openai_format import (
+    DONE,
+    ChoiceState,
+    CompletionLogprobs,
+    chat_logprobs,
+    chat_response,
+    chunk,
+    completion_response,
+    new_id,
+    now_s,
+    sse,
+    sse_error,
+    usage,
+    usage_chunk,
+)
+from banyan.server.protocol import ChatCompletionRequest, CompletionRequest
+from banyan.server.state import ServerState, SSEResponse, check_ids, collect
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Job:
+    """One API request in flight: what the response builders need to know about it."""
+
+    id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    echo_texts: list[str]  # per prompt, when echo
+    n: int
+    stream: Stream
+    include_usage: bool
+    logprobs: int | None  # completions: k; chat: top_logprobs when logprobs=true
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+class OpenAIServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    # ---- completions -------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        st = self.state
+        body: CompletionRequest = await read_body(request, CompletionRequest,
+                                                  st.args.max_request_bytes)
+        st.check_model(body.model)
+        st.check_n(body.n)
+        _check_stream_options(body.stream, body.stream_options is not None)
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        raw = body.prompts()
+        if not raw:
+            raise bad_request("prompt must not be empty", "prompt")
+        if len(raw) > st.args.max_prompts:
+            raise bad_request(f"{len(raw)} prompts in one request; the limit is "
+                              f"{st.args.max_prompts}", "prompt")
+        prompts: list[list[int]] = []
+        echo_texts: list[str] = []
+        for p in raw:
+            if isinstance(p, str):
+                prompts.append(check_ids(st, st.tok.encode(p), "prompt"))
+                echo_texts.append(p)
+            else:
+                prompts.append(check_ids(st, p, "prompt"))
+                echo_texts.append(st.tok.decode(p, skip_special_tokens=False) if body.echo else "")
+        explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+        requests = []
+        job_id = new_id("cmpl")
+        for i, ids in enumerate(prompts):
+            max_new = st.max_new_tokens(len(ids), body.max_tokens, explicit)
+            params = st.validate(body.sampling_params(max_new, body.logprobs))
+            requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt))
+        job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
+                   body.n, self._submit(requests), body.include_usage, body.logprobs)
+        if body.stream:
+            return SSEResponse(self._stream_completion(job), job.stream.close)
+        states = await self._collect(request, job)
+        choices = []
+        for i, s in enumerate(states):
+            p = i // job.n
+            logprobs = None
+            if job.logprobs is not None:
+                log = CompletionLogprobs(st.tok)
+                head = log.prompt(prompts[p]) if body.echo else None
+                logprobs = log.output(s.logprobs)
+                if head is not None:
+                    logprobs = CompletionLogprobs.merge(head, logprobs)
+            text = (job.echo_texts[p] if body.echo else "") + s.full_text
+            choices.append({"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": s.finish_reason})
+        return JSONResponse(completion_response(job.id, job.created, job.model, choices,
+                                                usage([len(p) for p in prompts], states, job.n)))
+
+    async def _stream_completion(self, job: _Job) -> AsyncIterator[str]:
+        obj = "text_completion"
+        logs = ([CompletionLogprobs(self.state.tok) for _ in range(job.num_choices)]
+                if job.logprobs is not None else None)
+
+        def event(index: int, text: str, logprobs: Any, finish: str | None) -> str:
+            return sse(chunk(job.id, obj, job.created, job.model, [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                job.include_usage))
+
+        async def body(states: list[ChoiceState]) -> AsyncIterator[str]:
+            if job.echo_texts:
+                for i in range(job.num_choices):
+                    p = i // job.n
+                    yield event(i, job.echo_texts[p],
+                                logs[i].prompt(job.prompts[p]) if logs else None, None)
+            async for index, update in job.stream.events():
+                states[index].add(update)
+                _raise_update_error(update)
+                if update.text or update.logprobs or update.finish_reason is not None:
+                    yield event(index, update.text,
+                                logs[index].output(update.logprobs) if logs else None,
+                                update.finish_reason)
+
+        async for text in self._sse(job, obj, body):
+            yield text
+
+    # ---- chat --------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        st = self.state
+        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest,
+                                                      st.args.max_request_bytes)
+        st.check_model(body.model)
+        st.check_n(body.n)
+        _check_stream_options(body.stream, body.stream_options is not None)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        try:
+            messages = [m.template_dict() for m in body.messages]
+            text = st.tok.chat_prompt(messages, body.add_generation_prompt,
+                                      body.continue_final_message, body.chat_template_kwargs)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        ids = check_ids(st, st.tok.encode_chat(text), "messages")
+        requested = body.requested_max_tokens
+        max_new = st.max_new_tokens(
+            len(ids), requested, requested is not None, "messages",
+            "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = st.validate(body.sampling_params(max_new, k))
+        job_id = new_id("chatcmpl")
+        job = _Job(job_id, now_s(), st.model_name, [ids], [], body.n,
+                   self._submit([EngineRequest(job_id, ids, params, body.cache_salt)]),
+                   body.include_usage, k)
+        if body.stream:
+            return SSEResponse(self._stream_chat(job), job.stream.close)
+        states = await self._collect(request, job)
+        choices = [{"index": i, "message": {"role": "assistant", "content": s.full_text},
+                    "logprobs": ({"content": chat_logprobs(st.tok, s.logprobs)}
+                                 if k is not None else None),
+                    "finish_reason": s.finish_reason} for i, s in enumerate(states)]
+        return JSONResponse(chat_response(job.id, job.created, job.model, choices,
+                                          usage([len(ids)], states, job.n)))
+
+    async def _stream_chat(self, job: _Job) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk"
+        tok = self.state.tok
+
+        def event(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
+            return sse(chunk(job.id, obj, job.created, job.model, [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                job.include_usage))
+
+        async def body(states: list[ChoiceState]) -> AsyncIterator[str]:
+            for i in range(job.num_choices):
+                yield event(i, {"role": "assistant", "content": ""}, None, None)
+            async for index, update in job.stream.events():
+                states[index].add(update)
+                _raise_update_error(update)
+                if update.text or update.logprobs or update.finish_reason is not None:
+                    logprobs = ({"content": chat_logprobs(tok, update.logprobs)}
+                                if job.logprobs is not None else None)
+                    delta = {"content": update.text} if update.text else {}
+                    yield event(index, delta, logprobs, update.finish_reason)
+
+        async for text in self._sse(job, obj, body):
+            yield text
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    def _submit(self, requests: list[EngineRequest]) -> Stream:
+        try:
+            return self.state.client.submit(requests)
+        except EngineDeadError:
+            raise engine_dead() from None
+
+    async def _collect(self, request: Request, job: _Job) -> list[ChoiceState]:
+        states = [ChoiceState() for _ in range(job.num_choices)]
+        try:
+            await collect(request, job.stream, lambda i, u: states[i].add(u))
+        except EngineDeadError:
+            raise engine_dead() from None
+        except RequestRejected as exc:
+            raise from_value_error(exc) from None
+        for s in states:
+            if s.error:
+                raise ApiError(500, s.error)
+        return states
+
+    async def _sse(self, job: _Job, obj: str, body: Any) -> AsyncIterator[str]:
+        """The events of `body`, the usage chunk when asked, [DONE]; an error after the stream
+        started goes out as a `data: {"error": ...}` event, then [DONE]."""
+        states = [ChoiceState() for _ in range(job.num_choices)]
+        try:
+            async for text in body(states):
+                yield text
+            if job.include_usage:
+                yield sse(usage_chunk(job.id, obj, job.created, job.model,
+                                      usage([len(p) for p in job.prompts], states, job.n)))
+        except EngineDeadError:
+            yield sse_error(503, engine_dead().message)
+        except RequestRejected as exc:
+            err = from_value_error(exc)
+            yield sse_error(err.status, err.message)
+        except ApiError as exc:
+            yield sse_error(exc.status, exc.message)
+        except Exception as exc:  # noqa: BLE001 - the stream must end properly
+            logger.exception("stream %s failed", job.id)
+            yield sse_error(500, f"internal error: {exc}")
+        finally:
+            job.stream.close()
+        yield DONE
+
+
+def _check_stream_options(stream: bool, has_options: bool) -> None:
+    if has_options and not stream:
+        raise bad_request("stream_options can only be given with stream=true", "stream_options")
+
+
+def _raise_update_error(update: Update) -> None:
+    if update.error:
+        raise ApiError(500, update.error)

@@ -1,0 +1,199 @@
+"""Request bodies of the HTTP API (pydantic), and their translation into SamplingParams.
+
+Shapes follow OpenAI's API plus the extensions vLLM and SGLang accept (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, cache_salt, ...). Unknown fields
+are ignored, as both engines do, so clients that send newer OpenAI fields keep working.
+Responses are plain dicts built in `openai_format`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+from banyan.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
+
+TokenId = Annotated[int, Strict()]  # no silent true -> 1 or 1.0 -> 1 for token ids
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Sampling fields shared by completions and chat."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            # str keys as JSON sends them; SamplingParams.validate() turns them into ints
+            logit_bias=dict(self.logit_bias or {}),  # type: ignore[arg-type]
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: of strings, or of token id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, tool_call_id, ...) pass through to the chat template.
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"message content of type {part.type!r} is not supported "
+                                     "(text only)")
+                texts.append(part.text)
+            data["content"] = "".join(texts)
+        elif self.content is None:
+            data["content"] = ""
+        return data
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)  # deprecated by OpenAI, still sent
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class NativeSamplingParams(_Body):
+    """SGLang's /generate `sampling_params`."""
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def to_params(self, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, n=self.n, seed=self.seed,
+            logit_bias=dict(self.logit_bias or {}),  # type: ignore[arg-type]
+            logprobs=logprobs,
+        )
+
+
+class GenerateRequest(_Body):
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    rid: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+

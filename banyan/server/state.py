@@ -1,0 +1,131 @@
+"""What every HTTP handler shares: arguments, tokenizer side, engine client, metrics; and the
+request checks common to all generation endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from banyan.args import EngineArgs
+from banyan.sampling.params import SamplingParams
+from banyan.server.args import ServerArgs
+from banyan.server.engine_client import EngineClient, Stream
+from banyan.server.errors import ApiError, bad_request, from_value_error
+from banyan.server.ipc import EngineReady
+from banyan.server.metrics import ServerMetrics
+from banyan.server.tokens import TokenizerSide
+
+
+@dataclass(slots=True)
+class ServerState:
+    args: ServerArgs
+    engine_args: EngineArgs
+    model_name: str
+    model_path: str
+    tok: TokenizerSide
+    client: EngineClient
+    metrics: ServerMetrics
+    started: float = field(default_factory=time.time)
+
+    @property
+    def engine(self) -> EngineReady:
+        assert self.client.info is not None, "the engine is not ready"
+        return self.client.info
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_n(self, n: int) -> None:
+        if n > self.args.max_n:
+            raise bad_request(f"n={n} is more than this server allows ({self.args.max_n})", "n")
+
+    def max_new_tokens(self, prompt_len: int, requested: int | None, explicit: bool,
+                       prompt_param: str = "prompt", tokens_param: str = "max_tokens") -> int:
+        """Tokens to generate for a prompt: what was asked (refused with 400 when it cannot fit)
+        or, for a default, as many as fit the context and the KV cache."""
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {prompt_len} tokens (and at least one token must be generated). Please "
+                f"reduce the length of the prompt.", prompt_param)
+        capacity = self.engine.kv_capacity
+        if prompt_len >= capacity:
+            raise bad_request(f"the prompt of {prompt_len} tokens does not fit in the KV cache "
+                              f"({capacity} tokens)", prompt_param)
+        room = min(limit, capacity) - prompt_len
+        if requested is None:
+            return room
+        if explicit and prompt_len + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} for the completion). Please reduce the length of the prompt or "
+                f"the completion.", tokens_param)
+        if explicit and prompt_len + requested > capacity:
+            raise bad_request(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({requested}) can never fit "
+                f"in the KV cache ({capacity} tokens)", tokens_param)
+        return min(requested, room)
+
+    def validate(self, params: SamplingParams) -> SamplingParams:
+        try:
+            params.validate(self.engine.vocab_size)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        return params
+
+
+def check_ids(state: ServerState, ids: Iterable[int], param: str) -> list[int]:
+    ids = list(ids)
+    if not ids:
+        raise bad_request("the prompt is empty: at least one token is needed", param)
+    try:
+        state.tok.check_ids(ids)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+    return ids
+
+
+async def close_on_disconnect(request: Request, stream: Stream) -> None:
+    """For a non-streamed response: the request body is read, so the next ASGI message can only
+    be the disconnect. Close (abort) the stream the moment it comes."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            stream.close()
+            return
+
+
+async def collect(request: Request, stream: Stream, on_update: Callable[[int, Any], None]) -> None:
+    watcher = asyncio.create_task(close_on_disconnect(request, stream))
+    try:
+        async for index, update in stream.events():
+            on_update(index, update)
+    finally:
+        watcher.cancel()
+        stream.close()
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always release their engine requests: Starlette cancels the body
+    iterator when the client goes away (and may never start it), so closing happens here."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

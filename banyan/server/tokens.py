@@ -1,0 +1,109 @@
+"""The API server's tokenizer side: prompts to token ids (chat templates included) and token ids
+to the strings and bytes that logprobs show.
+
+Output text is not decoded here: the engine's TextAccumulator streams exact incremental deltas
+(see docs/architecture.md), so this side only encodes prompts and names single tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def _unicode_to_bytes() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE writes each byte as one printable
+    character; this maps them back, so a token's exact bytes are known even when they are
+    half of a UTF-8 character."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenizerSide:
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._byte_map: dict[str, int] | None = None
+        if backend is not None:
+            from tokenizers import decoders
+
+            if isinstance(backend.decoder, decoders.ByteLevel):
+                self._byte_map = _unicode_to_bytes()
+        self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._names: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, bytes)
+
+    # ---- prompts ----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation rendered by the model's chat template; ValueError when there is
+        no template or it rejects the conversation."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # continuing the last message adds no new turn
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except Exception as exc:  # noqa: BLE001 - jinja raises many types
+            raise ValueError(f"the chat template could not render these messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise ValueError("the chat template did not produce text")
+        return text
+
+    def encode_chat(self, text: str) -> list[int]:
+        # The template already wrote the special tokens (BOS, role markers): add none.
+        return self.encode(text, add_special_tokens=False)
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- single tokens ----------------------------------------------------------------------
+
+    def token(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, UTF-8 bytes) of one token. The text is the token decoded alone (U+FFFD where it
+        holds part of a character); the bytes are exact for byte-level and byte-fallback
+        vocabularies."""
+        named = self._names.get(token_id)
+        if named is None:
+            named = self._name(token_id)
+            self._names[token_id] = named
+        return named
+
+    def token_text(self, token_id: int) -> str:
+        return self.token(token_id)[0]
+
+    def _name(self, token_id: int) -> tuple[str, list[int]]:
+        if not 0 <= token_id < self.vocab_size:
+            return "", []
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        raw = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token_id not in self._special and isinstance(raw, str):
+            if self._byte_map is not None and all(ch in self._byte_map for ch in raw):
+                return text, [self._byte_map[ch] for ch in raw]
+            if len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
+                try:
+                    return text, [int(raw[3:5], 16)]  # SentencePiece byte fallback
+                except ValueError:
+                    pass
+        return text, list(text.encode("utf-8"))
