@@ -1,4 +1,4 @@
-"""`banyan serve | generate | bench`: the command line, generated from the argument
+"""`banyan serve | generate | route | bench`: the command line, generated from the argument
 dataclasses."""
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(serve.add_argument_group("server"), ServerArgs)
     serve.set_defaults(func=cmd_serve)
 
+    from banyan.router.cli import add_dp_args, add_route_parser
+
+    add_dp_args(serve)
+    add_route_parser(sub)
+
     gen = sub.add_parser("generate", help="generate text for one or more prompts, offline")
     add_dataclass_args(gen.add_argument_group("engine"), EngineArgs)
     gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
@@ -135,6 +140,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if ns.dp != 1:
+        from banyan.router.cli import run_serve_dp
+
+        return run_serve_dp(ns, engine_args, server_args)
     return run_server(engine_args, server_args)
 
 

@@ -1,0 +1,211 @@
+"""Processes: `banyan route` (the router alone) and `banyan serve --dp N` (N engine replicas, each
+a `banyan serve` process of its own on a free localhost port, plus the router in this process).
+
+SIGTERM or SIGINT stops the router gracefully (open requests get --shutdown-timeout), then the
+replicas (SIGTERM, SIGKILL if they outstay their own shutdown). On Linux the replicas also get
+SIGTERM if this process dies without cleaning up (PR_SET_PDEATHSIG), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from banyan.args import EngineArgs
+from banyan.router.args import RouterArgs
+from banyan.server.args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the router --------------------------------------------------------------------------------
+
+
+def _set_log_level(level: str) -> None:
+    logging.getLogger().setLevel(getattr(logging, level.upper()))
+    # httpx logs every request at INFO: the health checks alone would flood the log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def run_router(args: RouterArgs) -> int:
+    _set_log_level(args.log_level)
+    if not args.workers:
+        logger.warning("no --worker given: add workers with POST /workers")
+    try:
+        return asyncio.run(_serve_router(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve_router(args: RouterArgs) -> int:
+    import uvicorn
+
+    from banyan.router.app import build_app, build_router
+
+    router = build_router(args)
+    try:
+        await router.start()
+        config = uvicorn.Config(build_app(router), host=args.host, port=args.port,
+                                log_level=args.log_level, access_log=args.access_log,
+                                lifespan="off", timeout_keep_alive=5,
+                                timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        # As in banyan.server.launch: uvicorn re-raises the signal it caught after serving;
+        # with these handlers that is a no-op and the cleanup below runs.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _ignore_signal)
+        logger.info("router (%s) on http://%s:%d", args.policy, args.host, args.port)
+        await server.serve()
+        return 0 if server.started else 1
+    finally:
+        await router.stop()
+        logger.info("router stopped")
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    logger.info("signal %d: already shutting down", signum)
+
+
+# ---- serve --dp N ------------------------------------------------------------------------------
+
+
+def dataclass_argv(obj: Any) -> list[str]:
+    """The command-line flags that rebuild `obj` (a flat argument dataclass) in a child."""
+    argv: list[str] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGTERM when this process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: nothing to import after fork
+    pr_set_pdeathsig = 1
+    return lambda: libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def start_replicas(engine_args: EngineArgs, server_args: ServerArgs,
+                   dp: int) -> list[tuple[subprocess.Popen[bytes], str]]:
+    """N `banyan serve` processes on free localhost ports, the CPU threads split between them;
+    returns (process, url) pairs. Started before any thread exists here (preexec_fn)."""
+    threads = engine_args.num_threads or os.cpu_count() or 1
+    per_replica = max(1, threads // dp)
+    preexec = _parent_death_signal()
+    replicas = []
+    for i in range(dp):
+        port = free_port()
+        e = dataclasses.replace(engine_args, num_threads=per_replica)
+        s = dataclasses.replace(server_args, host="127.0.0.1", port=port)
+        cmd = [sys.executable, "-m", "banyan.cli", "serve", *dataclass_argv(e),
+               *dataclass_argv(s)]
+        proc = subprocess.Popen(cmd, preexec_fn=preexec)  # noqa: PLW1509 - no threads yet
+        logger.info("replica %d: pid %d on port %d, %d thread(s)", i, proc.pid, port,
+                    per_replica)
+        replicas.append((proc, f"http://127.0.0.1:{port}"))
+    return replicas
+
+
+def stop_replicas(replicas: list[tuple[subprocess.Popen[bytes], str]], timeout: float) -> None:
+    for proc, _ in replicas:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc, url in replicas:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            logger.warning("replica %s did not stop in %.0f s: killing it", url, timeout)
+            proc.kill()
+            proc.wait()
+
+
+async def wait_healthy(replicas: list[tuple[subprocess.Popen[bytes], str]],
+                       timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = dict((url, proc) for proc, url in replicas)
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while pending:
+            for url, proc in list(pending.items()):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"replica {url} exited with {proc.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        del pending[url]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas not healthy after {timeout:.0f} s: "
+                                   f"{sorted(pending)}")
+            if pending:
+                await asyncio.sleep(0.2)
+
+
+def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: RouterArgs,
+           dp: int) -> int:
+    from banyan.model_files import resolve_model_dir
+    from banyan.server.launch import DEMO_MODEL_NAME
+
+    _set_log_level(server_args.log_level)
+    try:
+        model_dir = resolve_model_dir(engine_args.model)  # the demo model: built once, here
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    # Every replica serves under the name a single `banyan serve` would have used.
+    server_args = dataclasses.replace(
+        server_args, served_model_name=(server_args.served_model_name or engine_args.model
+                                        or DEMO_MODEL_NAME))
+    engine_args = dataclasses.replace(engine_args, model=str(model_dir))
+    replicas = start_replicas(engine_args, server_args, dp)
+    try:
+        return asyncio.run(_dp_main(replicas, server_args, router_args))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_replicas(replicas, server_args.shutdown_timeout + 15.0)
+        logger.info("replicas stopped")
+
+
+async def _dp_main(replicas: list[tuple[subprocess.Popen[bytes], str]],
+                   server_args: ServerArgs, router_args: RouterArgs) -> int:
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    loop.add_signal_handler(signal.SIGTERM, main_task.cancel)  # until uvicorn's handlers
+    try:
+        await wait_healthy(replicas, server_args.engine_start_timeout + 30.0)
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    except asyncio.CancelledError:
+        logger.info("start-up interrupted")
+        return 143
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    logger.info("%d replicas healthy", len(replicas))
+    args = dataclasses.replace(router_args, workers=[url for _, url in replicas])
+    return await _serve_router(args)
