@@ -13,6 +13,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
+        if "result" not in data:  # bench serve and side-by-side files have their own tables
+            continue
         r = data["result"]
         hit = r.get("hit_rate_vs_optimum")
         print(f"| {path.stem} | {r['elapsed_s']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} "

@@ -1,11 +1,20 @@
-"""`banyan bench offline ...` argument parsing and dispatch."""
+"""`banyan bench offline | serve` argument parsing and dispatch."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
+import math
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from banyan.bench.workload_args import add_workload_args, workload_from_args, workload_vocab
+
+logger = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -14,96 +23,146 @@ def add_bench_parser(sub: Any) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks")
     modes = bench.add_subparsers(dest="mode", required=True)
+
     off = modes.add_parser("offline", help="a workload through the in-process Engine")
     add_dataclass_args(off.add_argument_group("engine"), EngineArgs)
-    w = off.add_argument_group("workload")
-    w.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"],
-                   default="random")
-    w.add_argument("--num-requests", type=int, default=64)
-    w.add_argument("--input-len", type=int, default=128)
-    w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--range-ratio", type=float, default=1.0)
-    w.add_argument("--groups", type=int, default=8)
-    w.add_argument("--prompts-per-group", type=int, default=8)
-    w.add_argument("--system-len", type=int, default=1024)
-    w.add_argument("--question-len", type=int, default=64)
-    w.add_argument("--conversations", type=int, default=8)
-    w.add_argument("--turns", type=int, default=4)
-    w.add_argument("--no-shuffle", action="store_true",
-                   help="shared-prefix: submit groups in order instead of shuffled")
-    w.add_argument("--bench-seed", type=int, default=0)
-    w.add_argument("--batch1", action="store_true",
+    add_workload_args(off, ("--bench-seed",))
+    o = off.add_argument_group("offline")
+    o.add_argument("--history", choices=["model", "scripted"], default="model",
+                   help="dependent workloads: put the engine's answer (model) or the scripted "
+                        "one (what bench serve sends) into the next prompt")
+    o.add_argument("--batch1", action="store_true",
                    help="also time one request (input-len in / output-len out) and compare its "
                         "decode speed with the memory-bandwidth bound")
-    w.add_argument("--out", default=None, help="write the JSON result here")
+    _add_output_args(off)
     off.set_defaults(func=run_offline)
+
+    srv = modes.add_parser("serve", help="a workload against an OpenAI-compatible server")
+    s = srv.add_argument_group("server")
+    s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000 (or .../v1)")
+    s.add_argument("--model", default=None,
+                   help="model name in the API (default: the first one /v1/models lists)")
+    s.add_argument("--tokenizer", required=True,
+                   help="local tokenizer folder (the served model's), for prompts and counts")
+    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    s.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="completions: send token ids (exact) or text of exact token length")
+    s.add_argument("--request-rate", type=float, default=math.inf,
+                   help="new conversations per second, Poisson arrivals (default: all at once)")
+    s.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    s.add_argument("--extra-body", type=json.loads, default={},
+                   help='JSON merged into every request body, e.g. \'{"top_k": 1}\'')
+    s.add_argument("--vocab-size", type=int, default=None,
+                   help="draw prompt ids below this (default: the tokenizer's vocabulary)")
+    s.add_argument("--no-warmup", action="store_true", help="skip the unrecorded first request")
+    s.add_argument("--no-flush-cache", action="store_true",
+                   help="keep the server's prefix cache (by default the run starts by asking "
+                        "for /flush_cache or /reset_prefix_cache, so that an earlier run of the "
+                        "same workload does not count as hits)")
+    add_workload_args(srv, ("--seed", "--bench-seed"))
+    _add_output_args(srv)
+    srv.set_defaults(func=run_serve_cmd)
+
+
+def _add_output_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", default=None, help="write the JSON result (every request) here")
+    g.add_argument("--plot", default=None, help="write a PNG of latencies and throughput here")
+    g.add_argument("--json", action="store_true", help="also print the JSON result")
+    if not any(a.dest == "disable_tqdm" for a in parser._actions):
+        g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def run_offline(ns: argparse.Namespace) -> int:
-    from banyan.bench.offline import (
-        machine_info,
-        memory_bandwidth_gbs,
-        run_multi_turn,
-        run_workload,
-        write_result,
-    )
-    from banyan.bench.workloads import (
-        multi_turn_workload,
-        random_workload,
-        shared_prefix_workload,
-    )
+    from banyan.bench.offline import bandwidth_bound, batch1, machine_info, run_workload
+    from banyan.bench.report import format_table, plot, write_json
+    from banyan.bench.workloads import random_workload
     from banyan.cli import engine_args_from
     from banyan.engine import Engine
 
     args = engine_args_from(ns)
     engine = Engine(**dataclasses.asdict(args))
-    vocab = engine.core.vocab_size
-    if ns.workload == "random":
-        workload = random_workload(ns.num_requests, ns.input_len, ns.output_len, vocab,
-                                   ns.range_ratio, ns.bench_seed)
-    elif ns.workload == "shared-prefix":
-        workload = shared_prefix_workload(ns.groups, ns.prompts_per_group, ns.system_len,
-                                          ns.question_len, ns.output_len, vocab, ns.bench_seed,
-                                          shuffle=not ns.no_shuffle)
-    else:
-        workload = multi_turn_workload(ns.conversations, ns.turns, ns.system_len,
-                                       ns.question_len, ns.output_len, vocab, ns.bench_seed)
+    vocab = workload_vocab(engine.tokenizer, engine.core.vocab_size)
+    workload = workload_from_args(ns, vocab)
     warm = random_workload(4, 32, 4, vocab, seed=12345)
-    run_workload(engine, warm)  # first-call costs (allocator warm-up, lazy init) stay out
+    run_workload(engine, warm, use_tqdm=False)  # first-call costs stay out of the timing
     engine.core.scheduler.kv.cache.flush()  # the warm-up's prompts must not count as hits
-    runner = run_multi_turn if ns.workload == "multi-turn" else run_workload
-    result: dict[str, Any] = {
-        "workload": ns.workload, "workload_params": workload.params,
+    result = run_workload(engine, workload, history=ns.history, use_tqdm=True)
+    records = result.pop("records")
+    out: dict[str, Any] = {
+        "mode": "offline", "workload": ns.workload, "workload_params": workload.params,
+        "reusable_tokens": result["reusable_tokens"],
         "engine_args": dataclasses.asdict(args), "machine": machine_info(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "result": runner(engine, workload),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "result": result,
     }
     if ns.batch1:
-        result["batch1"] = batch1(engine, ns.input_len, ns.output_len, vocab)
-        bw = memory_bandwidth_gbs()
-        weight_bytes = engine.core.weight_bytes
-        bound = bw * 1e9 / weight_bytes
-        result["batch1"].update(memory_bandwidth_gbs=bw, weight_bytes=weight_bytes,
-                                decode_bound_tok_s=bound,
-                                fraction_of_bound=result["batch1"]["decode_tok_s"] / bound)
-    write_result(result, ns.out)
+        out["batch1"] = batch1(engine, ns.input_len, ns.output_len, vocab)
+        out["batch1"].update(bandwidth_bound(engine, out["batch1"]["decode_tok_s"]))
+    out["records"] = records
+    info = {"Workload": f"{ns.workload} ({len(workload.requests)} requests)",
+            "Engine": f"banyan offline, {args.dtype}, "
+                      f"prefix cache {'off' if args.no_prefix_cache else 'on'}"}
+    if "batch1" in out:
+        b = out["batch1"]
+        info["Batch-1 decode (tok/s)"] = (f"{b['decode_tok_s']:.1f} of bound "
+                                          f"{b['decode_bound_tok_s']:.0f} "
+                                          f"({b['fraction_of_bound']:.0%})")
+    print(format_table("Offline Benchmark Result", info, result["summary"],
+                       result["step_split"]))
+    write_json(out, ns.out, echo=ns.json)
+    if ns.plot:
+        plot(records, f"banyan offline: {ns.workload}", ns.plot)
     return 0
 
 
-def batch1(engine: Any, input_len: int, output_len: int, vocab: int) -> dict[str, float]:
-    from banyan.bench.workloads import random_workload
-    from banyan.sampling.params import SamplingParams
+def run_serve_cmd(ns: argparse.Namespace) -> int:
+    from banyan.bench.metrics import summarize
+    from banyan.bench.offline import machine_info
+    from banyan.bench.report import format_table, plot, write_json
+    from banyan.bench.serve import ServeOptions, run_serve
+    from banyan.model_files import load_tokenizer
 
-    req = random_workload(1, input_len, output_len, vocab, seed=7).requests[0]
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    for chunk in engine.stream(input_ids=req.prompt_ids, sampling_params=params):
-        n += len(chunk.token_ids)
-        if first is None and chunk.token_ids:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None
-    return {"elapsed_s": end - t0, "ttft_s": first - t0, "output_tokens": n,
-            "output_tok_s": n / (end - t0), "decode_tok_s": (n - 1) / (end - first)}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    try:
+        tokenizer = load_tokenizer(Path(ns.tokenizer))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    vocab = ns.vocab_size or workload_vocab(tokenizer)
+    workload = workload_from_args(ns, vocab)
+    opts = ServeOptions(
+        base_url=ns.base_url, model=ns.model, endpoint=ns.endpoint,
+        prompt_format=ns.prompt_format, request_rate=ns.request_rate,
+        concurrency=ns.concurrency, seed=ns.bench_seed, timeout_s=ns.timeout,
+        api_key=ns.api_key, extra_body=ns.extra_body, warmup=not ns.no_warmup,
+        flush_cache=not ns.no_flush_cache, progress=not ns.disable_tqdm)
+    try:
+        run = run_serve(workload, tokenizer, opts)
+    except Exception as exc:  # noqa: BLE001 - unreachable server, bad model list, ...
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(run.records, run.duration_s, run.reusable_tokens)
+    out = {
+        "mode": "serve", "base_url": ns.base_url, "model": run.model, "endpoint": ns.endpoint,
+        "prompt_format": ns.prompt_format if ns.endpoint == "completions" else "chat",
+        "request_rate": None if math.isinf(ns.request_rate) else ns.request_rate,
+        "concurrency": ns.concurrency, "max_in_flight": run.max_in_flight,
+        "workload": ns.workload, "workload_params": workload.params,
+        "reusable_tokens": run.reusable_tokens, "client_machine": machine_info(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "summary": summary,
+        "records": run.records,
+    }
+    rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}/s"
+    info = {"Workload": f"{ns.workload} ({len(workload.requests)} requests)",
+            "Server": f"{ns.base_url} ({run.model})",
+            "Endpoint": f"{ns.endpoint}" + (f", prompts as {ns.prompt_format}"
+                                            if ns.endpoint == "completions" else ""),
+            "Request rate / concurrency cap": f"{rate} / {ns.concurrency or 'none'}",
+            "Most requests in flight": run.max_in_flight}
+    print(format_table("Serving Benchmark Result", info, summary))
+    write_json(out, ns.out, echo=ns.json)
+    if ns.plot:
+        plot(run.records, f"bench serve: {ns.workload} on {run.model}", ns.plot)
+    return 0 if summary["completed"] else 1

@@ -1,17 +1,22 @@
-"""`banyan bench offline`: a workload through banyan.Engine in-process."""
+"""`banyan bench offline`: a workload through banyan.Engine in-process, stepped by our own loop
+so that every step's timing (the scheduler's `last_step`) adds up to the busy/idle split, and
+every request gets the same record as in `bench serve` (TTFT, ITL at step granularity)."""
 
 from __future__ import annotations
 
-import json
+import itertools
 import platform
-import sys
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from banyan.bench.workloads import MultiTurnWorkload, Workload
+from banyan.bench.metrics import RequestRecord, summarize
+from banyan.bench.report import write_json
+from banyan.bench.workloads import Workload
 from banyan.sampling.params import SamplingParams
+
+_run_ids = itertools.count()
 
 
 def memory_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
@@ -35,76 +40,197 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     cpu = platform.processor()
+    memory = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                memory = f"{int(line.split()[1]) / 1024**2:.1f} GiB"
+                break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory": memory,
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def run_workload(engine: Any, workload: Workload) -> dict[str, Any]:
-    """Submit every request at once and run to completion; throughput and the step split."""
-    params = [SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-              for r in workload.requests]
-    stats = engine.core.scheduler
-    retractions0 = stats.total_retractions
+@dataclass(slots=True)
+class StepSplit:
+    """Seconds summed over the engine's steps, by phase (the scheduler's StepStats)."""
+
+    steps: int = 0
+    wall_s: float = 0.0  # inside engine.step()
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    run_other_s: float = 0.0  # the runner's time outside prepare/forward/sample
+    output_s: float = 0.0
+
+    def add(self, stats: Any, wall: float) -> None:
+        self.steps += 1
+        self.wall_s += wall
+        self.schedule_s += stats.schedule
+        self.output_s += stats.output
+        timings = stats.timings or {}
+        prepare, forward, sample = (timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+        self.prepare_s += prepare
+        self.forward_s += forward
+        self.sample_s += sample
+        self.run_other_s += max(stats.run - prepare - forward - sample, 0.0)
+
+    def to_dict(self, elapsed: float) -> dict[str, Any]:
+        """Busy: the device computing (forward and sampling, the server's definition); the
+        rest of the wall time is execution-idle: scheduling, input preparation, output
+        processing, and the driver loop outside engine.step()."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        busy = self.forward_s + self.sample_s
+        out.update(elapsed_s=elapsed, busy_s=busy,
+                   busy_fraction=busy / elapsed if elapsed > 0 else 0.0,
+                   step_other_s=max(self.wall_s - self.schedule_s - self.prepare_s
+                                    - self.forward_s - self.sample_s - self.run_other_s
+                                    - self.output_s, 0.0),
+                   driver_s=max(elapsed - self.wall_s, 0.0))
+        out["idle_fraction"] = 1.0 - out["busy_fraction"]
+        return out
+
+
+def run_workload(engine: Any, workload: Workload, history: str = "model",
+                 use_tqdm: bool = True) -> dict[str, Any]:
+    """Run a workload to completion: every root at once, each dependent request as soon as
+    the one it continues has ended, with the engine's answer in the history (history="model")
+    or the scripted one ("scripted", what `bench serve` sends). Returns throughput, the
+    latency summary, the busy/idle split, and the per-request records under "records"."""
+    from tqdm import tqdm
+
+    if history not in ("model", "scripted"):
+        raise ValueError(f"history must be model or scripted, got {history!r}")
+    reqs = workload.requests
+    kids = workload.children()
+    records = [RequestRecord(i, 0, r.output_len, r.group, r.parent) for i, r in enumerate(reqs)]
+    prompts: dict[int, list[int]] = {}
+    outputs: dict[int, list[int]] = {}
+    conv: dict[int, list[int]] = {}
+    last_token: dict[int, float] = {}
+    sched = engine.core.scheduler
+    retractions0 = sched.total_retractions
+    split = StepSplit()
+    prefix = f"bench{next(_run_ids)}-"
+    bar = tqdm(total=len(reqs), desc="bench offline", unit="req",
+               disable=not use_tqdm or engine.args.disable_tqdm)
     t0 = time.perf_counter()
-    outputs = engine.generate(input_ids=[r.prompt_ids for r in workload.requests],
-                              sampling_params=params, use_tqdm=True)
+
+    def submit(i: int) -> None:
+        prompt = prompts[i] = workload.prompt(i, conv)
+        outputs[i] = []
+        records[i].prompt_tokens = len(prompt)
+        records[i].start = time.perf_counter() - t0
+        params = SamplingParams(max_new_tokens=reqs[i].output_len, temperature=0.0,
+                                ignore_eos=True)
+        engine.add_request(input_ids=prompt, params=params, request_id=f"{prefix}{i}")
+
+    pending = 0
+    try:
+        for i in workload.roots():
+            submit(i)
+            pending += 1
+        while pending:
+            t_step = time.perf_counter()
+            updates = engine.step()
+            now = time.perf_counter()
+            split.add(sched.last_step, now - t_step)
+            for u in updates:
+                if not u.rid.startswith(prefix):
+                    continue
+                i = int(u.rid[len(prefix):])
+                rec = records[i]
+                rec.cached_tokens = max(rec.cached_tokens or 0, u.cached_tokens)
+                if u.new_token_ids:
+                    outputs[i].extend(u.new_token_ids)
+                    if rec.ttft is None:
+                        rec.ttft = now - t0 - rec.start
+                    else:
+                        rec.itl.append(now - last_token[i])
+                    last_token[i] = now
+                if u.finish_reason is None:
+                    continue
+                pending -= 1
+                bar.update(1)
+                rec.latency = now - t0 - rec.start
+                rec.output_tokens = len(outputs[i])
+                rec.finish_reason = u.finish_reason.value
+                rec.error = u.error
+                rec.success = u.error is None and rec.finish_reason != "abort"
+                if kids[i]:
+                    answer = outputs[i] if history == "model" else reqs[i].answer_ids
+                    conv[i] = prompts[i] + list(answer)
+                    for child in kids[i]:
+                        submit(child)
+                        pending += 1
+    except BaseException:
+        engine.close()
+        raise
+    finally:
+        bar.close()
     elapsed = time.perf_counter() - t0
-    out_tokens = sum(o.completion_tokens for o in outputs)
-    cached = sum(o.cached_tokens for o in outputs)
+    reusable = workload.reusable(history)
+    summary = summarize(records, elapsed, reusable)
     return {
         "elapsed_s": elapsed,
-        "requests": len(outputs),
-        "prompt_tokens": workload.prompt_tokens,
-        "output_tokens": out_tokens,
-        "output_tok_s": out_tokens / elapsed,
-        "total_tok_s": (out_tokens + workload.prompt_tokens) / elapsed,
-        "cached_tokens": cached,
-        "hit_rate_vs_optimum": cached / workload.reusable_tokens if workload.reusable_tokens else None,
-        "retractions": stats.total_retractions - retractions0,
+        "requests": len(records),
+        "failed": summary["failed"],
+        "prompt_tokens": summary["prompt_tokens"],
+        "output_tokens": summary["output_tokens"],
+        "output_tok_s": summary["output_tok_s"],
+        "total_tok_s": summary["total_tok_s"],
+        "cached_tokens": summary["cached_tokens"] or 0,
+        "prefix_hit_rate": summary["prefix_hit_rate"],
+        "hit_rate_vs_optimum": summary["hit_rate_vs_optimum"],
+        "retractions": sched.total_retractions - retractions0,
+        "history": history if workload.dependent else None,
+        "reusable_tokens": reusable,
+        "summary": summary,
+        "step_split": split.to_dict(elapsed),
+        "records": records,
     }
 
 
-def run_multi_turn(engine: Any, workload: MultiTurnWorkload) -> dict[str, Any]:
-    """All conversations advance one turn per round (a round is one batch); turn t's prompt is
-    the history: every earlier message and answer, then the new message."""
-    params = SamplingParams(max_new_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
-    histories = [[] for _ in workload.system]  # type: list[list[int]]
-    prompt_tokens = out_tokens = cached = reusable = 0
+def run_multi_turn(engine: Any, workload: Workload) -> dict[str, Any]:
+    """Kept for callers of the old name: multi-turn is an ordinary dependent workload now."""
+    return run_workload(engine, workload)
+
+
+def batch1(engine: Any, input_len: int, output_len: int, vocab: int) -> dict[str, float]:
+    """One request alone: time to first token and decode speed."""
+    from banyan.bench.workloads import random_workload
+
+    req = random_workload(1, input_len, output_len, vocab, seed=7).requests[0]
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    for turn in range(len(workload.messages[0])):
-        prompts = []
-        for c, history in enumerate(histories):
-            if turn == 0:
-                history.extend(workload.system[c])
-            reusable += max(0, len(history) - 1) if turn else 0
-            history.extend(workload.messages[c][turn])
-            prompts.append(list(history))
-        outputs = engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-        for history, prompt, out in zip(histories, prompts, outputs):
-            history.extend(out.output_ids)
-            prompt_tokens += len(prompt)
-            out_tokens += out.completion_tokens
-            cached += out.cached_tokens
-    elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "requests": len(histories) * len(workload.messages[0]),
-            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-            "output_tok_s": out_tokens / elapsed,
-            "total_tok_s": (out_tokens + prompt_tokens) / elapsed, "cached_tokens": cached,
-            "hit_rate_vs_optimum": cached / reusable if reusable else None}
+    first = None
+    n = 0
+    for chunk in engine.stream(input_ids=req.prompt_ids, sampling_params=params):
+        n += len(chunk.token_ids)
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {"elapsed_s": end - t0, "ttft_s": first - t0, "output_tokens": n,
+            "output_tok_s": n / (end - t0), "decode_tok_s": (n - 1) / (end - first)}
 
 
-def write_result(result: dict[str, Any], out: str | None) -> None:
-    result = {"command": " ".join(["banyan"] + sys.argv[1:]), **result}
-    text = json.dumps(result, indent=2, default=lambda o: asdict(o) if hasattr(o, "__slots__") else str(o))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
-    print(text)
+def bandwidth_bound(engine: Any, decode_tok_s: float) -> dict[str, float]:
+    """The batch-1 decode bound: every token reads all weights once, at the copy bandwidth."""
+    bw = memory_bandwidth_gbs()
+    weight_bytes = engine.core.weight_bytes
+    bound = bw * 1e9 / weight_bytes if weight_bytes else float("nan")
+    return {"memory_bandwidth_gbs": bw, "weight_bytes": weight_bytes,
+            "decode_bound_tok_s": bound, "fraction_of_bound": decode_tok_s / bound}
+
+
+def write_result(result: dict[str, Any], out: str | None, echo: bool = True) -> None:
+    write_json(result, out, echo)

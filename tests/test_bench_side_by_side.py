@@ -1,0 +1,90 @@
+"""The side-by-side runner without its peers: Banyan's worker behind the line protocol on the
+tiny model (run, profile, clean stop of its process group), and the medians, ratios and
+Markdown computed from hand-made runs. vLLM and transformers are never needed here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+
+from run_side_by_side import summarize_runs
+from side_by_side_report import write_report
+from workers import Worker, group_cpu_seconds
+
+
+def test_banyan_worker_protocol(llama_dir: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, str(PEERS / "banyan_worker.py"), "--model", str(llama_dir),
+           "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+    w = Worker("banyan", cmd, tmp_path / "w.log")
+    w.start({"OMP_NUM_THREADS": "1"})
+    try:
+        assert w.wait_ready(120), w.error
+        assert w.ready and w.ready["weight_bytes"] > 0 and w.ready["startup_s"] > 0
+        system = list(range(10, 50))
+        prompts = [system + [60 + i, 61, 62] for i in range(3)]
+        for _ in range(2):  # the cache is flushed before each run: the same hits each time
+            res = w.run(prompts, [4, 4, 4], timeout=60)
+            assert res["output_tokens"] == 12 and res["requests"] == 3 and res["failed"] == 0
+            assert res["cached_tokens"] >= 2 * 40
+            assert res["prompt_tokens"] == 3 * 43 and res["output_tok_s"] > 0
+        one = w.run([prompts[0]], [5], timeout=60)
+        assert one["decode_tok_s"] > 0
+        prof = w.run(prompts, [4, 4, 4], timeout=60, op="profile")
+        assert prof["top_ops"] and all(0 <= o["share"] <= 1 for o in prof["top_ops"])
+        assert group_cpu_seconds(w.proc.pid) > 0
+        with pytest.raises(RuntimeError):
+            w.run([[10**9]], [2], timeout=60)  # a bad token id: an error reply, not a dead worker
+        assert w.run([prompts[1]], [2], timeout=60)["output_tokens"] == 2
+    finally:
+        w.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(w.proc.pid, 0)  # nothing of the worker's group is left
+
+
+def _run(engine: str, suite: str, tok_s: float, **extra: object) -> dict:
+    return {"suite": suite, "engine": engine, "rep": 0, "ok": True, "elapsed_s": 100 / tok_s,
+            "output_tok_s": tok_s, "output_tokens": 100, "background_cpu_s": 0.0, **extra}
+
+
+def test_summary_and_report() -> None:
+    split = {"elapsed_s": 1.0, "steps": 10, "busy_fraction": 0.9, "forward_s": 0.8,
+             "sample_s": 0.1, "prepare_s": 0.05, "schedule_s": 0.01, "output_s": 0.02,
+             "run_other_s": 0.0, "driver_s": 0.02}
+    runs = [_run("banyan", "random", t, step_split=split, cached_tokens=0) for t in (90, 100, 80)]
+    runs += [_run("vllm", "random", t) for t in (120, 100, 110)]
+    runs += [_run("banyan", "shared-prefix", 300, cached_tokens=900, step_split=split),
+             _run("banyan-nocache", "shared-prefix", 100, cached_tokens=0),
+             _run("banyan", "batch1", 40, decode_tok_s=50, step_split=split),
+             {"suite": "batch1", "engine": "hf-generate", "rep": 0, "ok": False,
+              "error": "boom", "background_cpu_s": 0.0}]
+    summary = summarize_runs(runs)
+    b = summary["random"]["banyan"]
+    assert b["output_tok_s"] == 90 and (b["min_tok_s"], b["max_tok_s"]) == (80, 100)
+    assert b["median_run"]["output_tok_s"] == 90
+    assert summary["random"]["vllm"]["output_tok_s"] == 110
+    assert summary["batch1"]["hf-generate"] == {"runs": 1, "ok": 0}
+    assert summary["batch1"]["banyan"]["decode_tok_s"] == 50
+    suites = [{"name": n, "title": n, "requests": 1, "prompt_tokens": 1000,
+               "reusable_tokens": 900} for n in ("random", "shared-prefix", "batch1")]
+    data = {"command": "x", "started": "a", "finished": "b", "wall_s": 60.0, "model": "m",
+            "machine": {"cpu": "cpu", "cores": 2, "memory": "24 GiB"},
+            "memory_bandwidth_gbs": 40.0, "memory_bandwidth_samples_gbs": [40.0], "reps": 3,
+            "hf_reps": 1, "thread_env": {"OMP_NUM_THREADS": "2"},
+            "engines": {"banyan": {"ready": {"startup_s": 5, "weight_bytes": 200_000_000}},
+                        "vllm": {"ready": {"startup_s": 90, "version": "0.32.0"}},
+                        "hf-generate": {"ready": None, "error": "no"}},
+            "profiles": {"random": {"elapsed_s": 2.0, "top_ops": [
+                {"op": "aten::mm", "self_s": 1.0, "share": 0.6, "calls": 10}]}},
+            "suites": suites, "summary": summary}
+    md = write_report(data)
+    assert "| vLLM-CPU | 3 |" in md and "0.82×" in md  # 90 / 110
+    assert "Banyan reaches 82% of vLLM-CPU" in md
+    assert "**3.00×**" in md  # the prefix cache on vs off
+    assert "**200 tok/s**" in md and "| Banyan | 40.0 | 50.0 | 25% |" in md
+    assert "failed to start: no" in md and "`aten::mm`" in md
