@@ -10,6 +10,14 @@ Extends (several new tokens) loop over requests: with no cached prefix they atte
 K/V directly with `is_causal`; with a prefix they gather [0, prefix + n) from the pool and use an
 offset causal mask (SDPA's `is_causal` is top-left aligned, wrong when the key length differs).
 
+Decodes, and extends of up to `CascadePolicy.max_extend` tokens, whose rows share a cached prefix
+(the same slots at the start of their table rows, e.g. a shared system prompt) take the cascade
+path instead (cascade.py): the prefix is gathered once per group and layer and attended by all
+the group's queries in one SDPA, their own parts as a padded batch, the two merged exactly by
+log-sum-exp. Decodes and extends are planned as two separate cascades (their own parts pad to
+different query counts). The paths above are the P = 0 case and still run whatever shares
+nothing long enough (`prefix_groups.CascadePolicy`).
+
 Gathers write into a workspace kept by the backend and grown on demand: on CPU a fresh
 allocation of that size is mostly page faults (measured 5x slower than the copy itself).
 """
@@ -22,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from banyan.attention.base import AttentionBackend, AttentionMetadata
+from banyan.attention.cascade import CascadePlan, cascade_attention, plan_cascade
+from banyan.attention.prefix_groups import CascadePolicy, SharedPrefix, find_shared_prefixes
 from banyan.batch import ForwardBatch
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
@@ -42,23 +52,39 @@ class ExtendPlan:
 @dataclass(slots=True)
 class TorchAttentionMetadata(AttentionMetadata):
     out_slots: torch.Tensor  # [T] int64
-    # Decode tokens: a slice of the flat batch when they are contiguous (the usual layout),
-    # else an index tensor; None when the step has no decode.
+    # Decodes on the plain (single SDPA) path. Their tokens: a slice of the flat batch when they
+    # are contiguous (the usual layout), else an index tensor; None when there is none.
     dec_tokens: slice | torch.Tensor | None = None
-    dec_count: int = 0  # Bd
+    dec_count: int = 0  # Bd (plain decodes only)
     dec_len: int = 0  # Lmax: longest decode context, new token included
     dec_kv_index: torch.Tensor | None = None  # [Bd * Lmax] int64, padded with slot 0
     dec_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool
+    # Decodes, and extends, grouped by a shared cached prefix (cascade path); None when no
+    # group qualifies.
+    cascade: CascadePlan | None = None
+    ext_cascade: CascadePlan | None = None
     extends: list[ExtendPlan] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, pool: KVPool, table: ReqToTokenTable, scale: float | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        table: ReqToTokenTable,
+        scale: float | None = None,
+        *,
+        cascade: CascadePolicy | None = CascadePolicy(),
+    ) -> None:
+        """cascade: when requests sharing a cached prefix take the cascade path; None: never."""
         super().__init__(pool, table)
         self.scale = scale if scale is not None else pool.head_dim**-0.5
+        self.cascade = cascade
         empty = torch.empty((0, pool.kv_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
         self._ws_k = empty
         self._ws_v = empty
+        # float32 copies for the cascade path (the same tensors when the pool is float32)
+        self._wf_k = self._ws_k
+        self._wf_v = self._ws_v
 
     # ---------------------------------------------------------------- plan (once per step)
 
@@ -67,47 +93,114 @@ class TorchAttentionBackend(AttentionBackend):
         meta = TorchAttentionMetadata(
             backend=self, num_tokens=batch.num_tokens, out_slots=out_slots
         )
-        dec_reqs: list[int] = []
-        dec_starts: list[int] = []
+        policy = self.cascade
+        dec_reqs: list[int] = []  # batch indices of decodes
+        ext_reqs: list[int] = []  # ... of extends over a cached prefix, cascade candidates
+        starts: list[int] = []  # [B] first flat token of each request
         start = 0
-        need = 0  # workspace rows this step needs
-        for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
+        for i, n in enumerate(batch.extend_lens):
+            starts.append(start)
             if n == 1:
                 dec_reqs.append(i)
-                dec_starts.append(start)
-            elif prefix == 0:
-                meta.extends.append(ExtendPlan(start, n, 0, None, None))
-            else:
-                total = prefix + n
-                kv_index = self.table.read(batch.rows[i], total).to(torch.int64)
-                # Query j sits at position prefix + j and sees keys [0, prefix + j].
-                mask = torch.ones((n, total), dtype=torch.bool, device=device).tril_(
-                    diagonal=prefix
-                )
-                meta.extends.append(ExtendPlan(start, n, prefix, kv_index, mask))
-                need = max(need, total)
+            elif policy is not None and batch.prefix_lens[i] and n <= policy.max_extend:
+                ext_reqs.append(i)
             start += n
-        if dec_reqs:
-            bd = len(dec_reqs)
-            seq_lens = [batch.prefix_lens[i] + 1 for i in dec_reqs]
-            lmax = max(seq_lens)
-            rows = torch.tensor([batch.rows[i] for i in dec_reqs], dtype=torch.int64).to(device)
-            lens = torch.tensor(seq_lens, dtype=torch.int64).to(device)
-            # Positions past a request's length read whatever the table holds (0 or stale
-            # slots): finite values, masked out.
-            meta.dec_kv_index = self.table.table[rows, :lmax].to(torch.int64).reshape(-1)
-            meta.dec_mask = (torch.arange(lmax, device=device)[None, :] < lens[:, None]).view(
-                bd, 1, 1, lmax
-            )
-            meta.dec_count, meta.dec_len = bd, lmax
-            first = dec_starts[0]
-            if dec_starts[-1] - first == bd - 1:  # contiguous run of tokens
-                meta.dec_tokens = slice(first, first + bd)
-            else:
-                meta.dec_tokens = torch.tensor(dec_starts, dtype=torch.int64).to(device)
-            need = max(need, bd * lmax)
+        plain_dec = dec_reqs
+        if policy is not None and len(dec_reqs) >= 2:
+            meta.cascade, plain_dec = self._plan_cascade(policy, batch, dec_reqs, starts, 0)
+        grouped_ext: set[int] = set()
+        if policy is not None and len(ext_reqs) >= 2:
+            ratio = policy.extend_prefix_ratio
+            meta.ext_cascade, rest = self._plan_cascade(policy, batch, ext_reqs, starts, ratio)
+            grouped_ext = set(ext_reqs) - set(rest)
+        need = 0  # workspace rows this step needs
+        for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
+            if n == 1 or i in grouped_ext:
+                continue
+            if prefix == 0:
+                meta.extends.append(ExtendPlan(starts[i], n, 0, None, None))
+                continue
+            total = prefix + n
+            kv_index = self.table.read(batch.rows[i], total).to(torch.int64)
+            # Query j sits at position prefix + j and sees keys [0, prefix + j].
+            mask = torch.ones((n, total), dtype=torch.bool, device=device).tril_(diagonal=prefix)
+            meta.extends.append(ExtendPlan(starts[i], n, prefix, kv_index, mask))
+            need = max(need, total)
+        if plain_dec:
+            need = max(need, self._plan_plain_decodes(meta, plain_dec, batch, starts))
         self._reserve(need)
         return meta
+
+    def _plan_cascade(
+        self,
+        policy: CascadePolicy,
+        batch: ForwardBatch,
+        reqs: list[int],
+        starts: list[int],
+        prefix_ratio: int,
+    ) -> tuple[CascadePlan | None, list[int]]:
+        """Cascade plan of those of `reqs` (batch indices, all decodes or all extends) that share
+        a prefix worth it, with P >= prefix_ratio x their own part -> (plan or None, the rest of
+        reqs for the plain path)."""
+        rows = [batch.rows[i] for i in reqs]
+        prefix_lens = [batch.prefix_lens[i] for i in reqs]
+        extend_lens = [batch.extend_lens[i] for i in reqs]
+
+        def own(j: int, p: int) -> int:  # own part of request j over a shared prefix p
+            return prefix_lens[j] - p + extend_lens[j]
+
+        groups: list[SharedPrefix] = []
+        for g in find_shared_prefixes(self.table.table, rows, prefix_lens, policy):
+            kept = [j for j in g.members if prefix_ratio * own(j, g.length) <= g.length]
+            if len(kept) >= 2 and (len(kept) - 1) * g.length >= policy.min_saved:
+                groups.append(SharedPrefix(kept, g.length))
+        if not groups:
+            return None, reqs
+        # The own parts' padded block: rows x queries x own length (see CascadePolicy).
+        members = [j for g in groups for j in g.members]
+        longest_own = max(own(j, g.length) for g in groups for j in g.members)
+        block = len(members) * max(extend_lens[j] for j in members) * longest_own
+        if block > policy.max_own_block:
+            return None, reqs
+        plan = plan_cascade(
+            self.table.table,
+            self.pool.kv_heads,
+            self.pool.head_dim,
+            groups,
+            rows,
+            prefix_lens,
+            extend_lens,
+            [starts[i] for i in reqs],
+        )
+        # own parts and one group's prefix take turns in the workspace
+        self._reserve_float(max(plan.num_rows * plan.own_len, max(g.length for g in plan.groups)))
+        grouped = set(members)
+        return plan, [i for j, i in enumerate(reqs) if j not in grouped]
+
+    def _plan_plain_decodes(
+        self, meta: TorchAttentionMetadata, which: list[int], batch: ForwardBatch, starts: list[int]
+    ) -> int:
+        """Padded-batch metadata of the decodes `which` (batch indices) -> workspace rows."""
+        device = self.pool.device
+        bd = len(which)
+        seq_lens = [batch.prefix_lens[i] + 1 for i in which]
+        lmax = max(seq_lens)
+        rows = torch.tensor([batch.rows[i] for i in which], dtype=torch.int64).to(device)
+        lens = torch.tensor(seq_lens, dtype=torch.int64).to(device)
+        # Positions past a request's length read whatever the table holds (0 or stale
+        # slots): finite values, masked out.
+        meta.dec_kv_index = self.table.table[rows, :lmax].to(torch.int64).reshape(-1)
+        meta.dec_mask = (torch.arange(lmax, device=device)[None, :] < lens[:, None]).view(
+            bd, 1, 1, lmax
+        )
+        meta.dec_count, meta.dec_len = bd, lmax
+        tokens = [starts[i] for i in which]
+        first = tokens[0]
+        if tokens[-1] - first == bd - 1:  # contiguous run of tokens
+            meta.dec_tokens = slice(first, first + bd)
+        else:
+            meta.dec_tokens = torch.tensor(tokens, dtype=torch.int64).to(device)
+        return bd * lmax
 
     def _reserve(self, rows: int) -> None:
         if rows > self._ws_k.shape[0]:
@@ -116,6 +209,18 @@ class TorchAttentionBackend(AttentionBackend):
             shape = (rows, self.pool.kv_heads, self.pool.head_dim)
             self._ws_k = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
             self._ws_v = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
+            if self.pool.dtype == torch.float32:
+                self._wf_k, self._wf_v = self._ws_k, self._ws_v
+
+    def _reserve_float(self, rows: int) -> None:
+        """The cascade's float32 workspaces (sized by the cascade alone: they double as the
+        staging workspaces when the pool is float32)."""
+        self._reserve(rows)
+        if rows > self._wf_k.shape[0]:
+            rows = max(rows, self._wf_k.shape[0] * 5 // 4)
+            shape = (rows, self.pool.kv_heads, self.pool.head_dim)
+            self._wf_k = torch.empty(shape, dtype=torch.float32, device=self.pool.device)
+            self._wf_v = torch.empty(shape, dtype=torch.float32, device=self.pool.device)
 
     # ---------------------------------------------------------------- forward (every layer)
 
@@ -140,6 +245,12 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 qd = q.index_select(0, meta.dec_tokens)
                 out.index_copy_(0, meta.dec_tokens, self._decode(qd, layer_id, meta))
+        for casc in (meta.cascade, meta.ext_cascade):
+            if casc is not None:
+                ws = (self._ws_k, self._ws_v, self._wf_k, self._wf_v)
+                pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
+                oc = cascade_attention(q, pool_k, pool_v, casc, self.scale, ws)
+                out.index_copy_(0, casc.tokens, oc)
         for ext in meta.extends:
             out[ext.start : ext.start + ext.length] = self._extend(q, k, v, layer_id, ext)
         return out
