@@ -20,18 +20,13 @@ from banyan.bench.workloads import (
     random_workload,
     shared_prefix_workload,
 )
-from tests.test_server import ServerProcess, free_port, start_server
+from tests.test_server import ServerProcess, free_port, running_server
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("bench-server"),
-                       "--served-model-name", "tiny")
-    try:
+    with running_server(llama_dir, tmp_path_factory.mktemp("bench-server")) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, f"server exit code {code}:\n{srv.log()}"
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ tests/test_server_lifecycle.py start their own. The helpers here are shared with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -137,15 +138,21 @@ def wait_idle_and_free(url: str, timeout: float = 20.0) -> dict:
 # ---- fixtures ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("server"),
-                       "--served-model-name", "tiny")
+@contextlib.contextmanager
+def running_server(llama_dir: Path, folder: Path, *extra: str) -> Iterator[ServerProcess]:
+    """A tiny-model server serving as "tiny" for the duration; it must exit cleanly."""
+    srv = start_server(llama_dir, folder, "--served-model-name", "tiny", *extra)
     try:
         yield srv
     finally:
         code = srv.stop()
         assert code == 0, f"server exit code {code}:\n{srv.log()}"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(llama_dir, tmp_path_factory.mktemp("server")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import msgspec
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import banyan
@@ -30,7 +30,7 @@ from banyan.router.policies import Policy, make_policy
 from banyan.router.proxy import Proxy, Upstream, forward_headers
 from banyan.router.workers import WorkerRegistry
 from banyan.server.api_server import ApiKeyMiddleware
-from banyan.server.errors import ApiError, bad_request, error_body
+from banyan.server.errors import ApiError, bad_request, error_body, read_raw_body
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +88,6 @@ def build_router(args: RouterArgs) -> Router:
                   Proxy(args, registry, policy, metrics, client))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise bad_request("the client disconnected while sending the request") from None
-    return b"".join(chunks)
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         data = msgspec.json.decode(await request.body())
@@ -127,7 +113,7 @@ def build_app(router: Router) -> FastAPI:
                             status_code=exc.status_code)
 
     async def forward(request: Request, routed: bool) -> Response:
-        body = await _read_body(request, args.max_request_bytes)
+        body = await read_raw_body(request, args.max_request_bytes)
         key = None
         if routed:
             # Not JSON: no key to route on; the worker will answer with the error.

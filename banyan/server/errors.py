@@ -62,9 +62,8 @@ def engine_dead() -> ApiError:
     return ApiError(503, "the engine process is not running; the server cannot serve requests")
 
 
-async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
-    """The JSON body parsed into `model`: 413 past `limit` bytes, 400 for bad JSON or fields
-    (never FastAPI's 422)."""
+async def read_raw_body(request: Request, limit: int) -> bytes:
+    """The body's bytes: 413 past `limit` (declared or streamed), 400 if the client hangs up."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes is larger than the limit of "
@@ -79,8 +78,15 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
             chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected while sending the request") from None
+    return b"".join(chunks)
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """The JSON body parsed into `model`: 413 past `limit` bytes, 400 for bad JSON or fields
+    (never FastAPI's 422)."""
+    raw = await read_raw_body(request, limit)
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
