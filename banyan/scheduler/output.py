@@ -7,14 +7,16 @@ from banyan.scheduler.builder import ScheduledStep
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate
 
 
-def finish_reason_after(req: Request, token: int, stopped_by_text: bool, max_model_len: int) -> FinishReason | None:
+def is_stop_token(req: Request, token: int) -> bool:
+    return token in req.params.stop_token_ids or (not req.params.ignore_eos and token in req.eos_ids)
+
+
+def finish_reason_after(req: Request, stop_token: bool, stopped_by_text: bool,
+                        max_model_len: int) -> FinishReason | None:
+    """stopped_by_text already respects min_new_tokens (the text stream knows it)."""
     n_out = len(req.output_ids)
-    params = req.params
-    if n_out >= params.min_new_tokens:
-        if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_ids):
-            return FinishReason.STOP
-        if stopped_by_text:
-            return FinishReason.STOP
+    if stopped_by_text or (stop_token and n_out >= req.params.min_new_tokens):
+        return FinishReason.STOP
     if n_out >= req.max_new_tokens or req.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
@@ -29,16 +31,11 @@ def apply_step(step: ScheduledStep, out: StepOutput, max_model_len: int) -> list
         if logprob is not None:
             req.logprobs.append(logprob)
         text, stopped = "", False
-        is_stop_token = token in req.params.stop_token_ids or (
-            not req.params.ignore_eos and token in req.eos_ids
-        )
-        if req.text is not None and not is_stop_token:
-            delta = req.text.push(token)
+        stop_token = is_stop_token(req, token)
+        if req.text is not None and not stop_token:
+            delta = req.text.push(token)  # applies stop strings only past min_new_tokens
             text, stopped = delta.text, delta.stopped
-            # Stop strings only count once min_new_tokens is reached (the sampler cannot block
-            # them the way it blocks stop tokens).
-            stopped = stopped and len(req.output_ids) >= req.params.min_new_tokens
-        reason = finish_reason_after(req, token, stopped, max_model_len)
+        reason = finish_reason_after(req, stop_token, stopped, max_model_len)
         if reason is not None:
             req.finish_reason = reason
             if req.text is not None and not stopped:
