@@ -5,7 +5,6 @@ the cascade forced on and with the default policy."""
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -357,7 +356,7 @@ def test_greedy_matches_transformers_with_the_cascade(
 
     monkeypatch.setattr(
         "banyan.runner.model_runner.TorchAttentionBackend",
-        functools.partial(Recording, cascade=policy),
+        lambda pool, table, native: Recording(pool, table, cascade=policy, native=False),
     )
     prompts = shared_prompts(systems, count)
     max_new = [6 + i % 7 for i in range(len(prompts))]

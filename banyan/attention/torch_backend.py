@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from banyan.attention.base import AttentionBackend, AttentionMetadata
 from banyan.attention.cascade import CascadePlan, cascade_attention, plan_cascade
+from banyan.attention.native_decode import NativeDecodePlan, native_decode, plan_native_decodes
 from banyan.attention.prefix_groups import CascadePolicy, SharedPrefix, find_shared_prefixes
 from banyan.batch import ForwardBatch
 from banyan.mem.kv_pool import KVPool
@@ -64,6 +65,8 @@ class TorchAttentionMetadata(AttentionMetadata):
     cascade: CascadePlan | None = None
     ext_cascade: CascadePlan | None = None
     extends: list[ExtendPlan] = field(default_factory=list)
+    # All decodes, when the native CPU kernel takes them (then none of the above has any).
+    native_dec: NativeDecodePlan | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -74,9 +77,15 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float | None = None,
         *,
         cascade: CascadePolicy | None = CascadePolicy(),
+        native: bool = False,
     ) -> None:
-        """cascade: when requests sharing a cached prefix take the cascade path; None: never."""
+        """cascade: when requests sharing a cached prefix take the cascade path; None: never.
+        native: decodes through the native CPU kernel when it is available for this pool
+        (banyan/kernels; it groups shared prefixes itself), else the paths above."""
         super().__init__(pool, table)
+        from banyan.kernels import native as native_kernels
+
+        self.native = native and native_kernels.supports(pool.device, pool.dtype)
         self.scale = scale if scale is not None else pool.head_dim**-0.5
         self.cascade = cascade
         empty = torch.empty((0, pool.kv_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
@@ -106,7 +115,15 @@ class TorchAttentionBackend(AttentionBackend):
                 ext_reqs.append(i)
             start += n
         plain_dec = dec_reqs
-        if policy is not None and len(dec_reqs) >= 2:
+        if self.native and dec_reqs:
+            meta.native_dec = plan_native_decodes(
+                self.table.table,
+                [batch.rows[i] for i in dec_reqs],
+                [batch.prefix_lens[i] for i in dec_reqs],
+                [starts[i] for i in dec_reqs],
+            )
+            plain_dec = []
+        elif policy is not None and len(dec_reqs) >= 2:
             meta.cascade, plain_dec = self._plan_cascade(policy, batch, dec_reqs, starts, 0)
         grouped_ext: set[int] = set()
         if policy is not None and len(ext_reqs) >= 2:
@@ -236,9 +253,24 @@ class TorchAttentionBackend(AttentionBackend):
         # q: [T, H, D]; k, v: [T, KVH, D]
         self.pool.store(layer_id, meta.out_slots, k, v)
         T, H, D = q.shape
+        nat = meta.native_dec
+        if nat is not None:
+            pool_k, pool_v, table = self.pool.k[layer_id], self.pool.v[layer_id], self.table.table
+            if nat.req_row.shape[0] == T:  # decode-only step
+                return native_decode(q, pool_k, pool_v, table, nat, self.scale)
         if meta.dec_count == T:  # decode-only step: no scatter back
             return self._decode(q, layer_id, meta)
         out = q.new_empty((T, H, D))
+        if nat is not None:
+            if isinstance(nat.tokens, slice):
+                qd = q[nat.tokens]
+            else:
+                qd = q.index_select(0, nat.tokens)
+            od = native_decode(qd, pool_k, pool_v, table, nat, self.scale)
+            if isinstance(nat.tokens, slice):
+                out[nat.tokens] = od
+            else:
+                out.index_copy_(0, nat.tokens, od)
         if meta.dec_tokens is not None:
             if isinstance(meta.dec_tokens, slice):
                 out[meta.dec_tokens] = self._decode(q[meta.dec_tokens], layer_id, meta)

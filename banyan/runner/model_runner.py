@@ -21,6 +21,7 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.torch_backend import TorchAttentionBackend
 from banyan.batch import ForwardBatch
+from banyan.layers.packed_linear import PackedLinear, can_pack, pack_linears
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
@@ -92,6 +93,11 @@ class ModelRunner:
             model_path, dtype=dtype, device=self.device, show_progress=show_progress, config=cfg
         )
         self.dtype = self.model.embed_tokens.weight.dtype
+        if can_pack(self.device, self.dtype):
+            packed = pack_linears(self.model)
+            if self.model.lm_head is None:
+                self.model.tied_head = PackedLinear(self.model.embed_tokens.weight, None)
+            logger.info("oneDNN-prepacked %d linear weights", packed)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
         if num_slots is None and kv_cache_bytes is not None:
@@ -119,7 +125,7 @@ class ModelRunner:
             cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device
         )
         self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
-        self.backend = TorchAttentionBackend(self.pool, self.table)
+        self.backend = TorchAttentionBackend(self.pool, self.table, native=True)
         self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
         logger.info(
             "KV cache: %d slots (%.1f MiB, %d bytes per token), table %d rows x %d positions",

@@ -1,0 +1,1 @@
+"""Native CPU kernels (optional; the PyTorch paths remain the reference and the fallback)."""

@@ -1,0 +1,377 @@
+// Decode attention on CPU, reading K/V in place from the paged pool through the token table.
+//
+// The torch path gathers every decode's context into a padded block and runs SDPA on it; on a
+// 2-core CPU that costs a copy of all the K/V plus a flash kernel whose per-(batch, head)
+// overhead dominates at one query token. Here each work item (a group of requests, one KV head)
+// streams its keys straight from the pool in blocks of BLK and keeps an online softmax per
+// query row, in float32 whatever the pool's dtype.
+//
+// Groups carry cascade attention: the members of a group share their first P slots (a cached
+// system prompt), so the prefix block is converted once and attended by all members' query rows
+// ([members x G] rows), then each member continues over its own slots [P, len) with its G rows.
+// A request alone is a group of one with P = 0. Exact either way: one softmax over the whole
+// context, computed online.
+//
+// Built at run time by banyan/kernels/native.py (g++ -O3 -march=native -fopenmp) and called
+// through ctypes; it links the libgomp torch already loaded, so it shares torch's thread pool.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int BLK = 32;  // keys per block
+
+inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, like torch
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+struct F32 {
+    using T = float;
+    static float load(T x) { return x; }
+    static T store(float x) { return x; }
+};
+
+struct BF16 {
+    using T = uint16_t;
+    static float load(T x) { return bf16_to_f32(x); }
+    static T store(float x) { return f32_to_bf16(x); }
+};
+
+// exp(x) for x <= 0 (scores minus their running max), Cephes' expf: ~1 ulp, vectorisable.
+inline float exp_nonpos(float x) {
+    x = std::max(x, -87.0f);
+    float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+// Per-thread scratch of one work item.
+struct Scratch {
+    std::vector<float> q, m, l, acc, s, kt, vb;
+    void fit(int rows, int d) {
+        q.resize(static_cast<size_t>(rows) * d);
+        acc.resize(static_cast<size_t>(rows) * d);
+        m.resize(rows);
+        l.resize(rows);
+        s.resize(static_cast<size_t>(rows) * BLK);
+        kt.resize(static_cast<size_t>(d) * BLK);
+        vb.resize(static_cast<size_t>(BLK) * d);
+    }
+};
+
+// Attend query rows [r0, r0 + rows) of `sc` to the keys at `slots[0, n)` of KV head h.
+template <typename C>
+void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
+            const typename C::T* kpool, const typename C::T* vpool, int64_t kvh, int64_t h,
+            int d) {
+    float* kb = sc.kt.data();  // [BLK][D] keys of the block
+    float* vb = sc.vb.data();  // [BLK][D]
+    for (int64_t j0 = 0; j0 < n; j0 += BLK) {
+        const int nb = static_cast<int>(std::min<int64_t>(BLK, n - j0));
+        for (int j = 0; j < nb; ++j) {
+            const int64_t base = (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
+            const typename C::T* kr = kpool + base;
+            const typename C::T* vr = vpool + base;
+            float* kj = kb + j * d;
+            float* vj = vb + j * d;
+#pragma omp simd
+            for (int e = 0; e < d; ++e) kj[e] = C::load(kr[e]);
+#pragma omp simd
+            for (int e = 0; e < d; ++e) vj[e] = C::load(vr[e]);
+        }
+        for (int r = r0; r < r0 + rows; ++r) {
+            float* sr = sc.s.data() + static_cast<size_t>(r) * BLK;
+            const float* qr = sc.q.data() + static_cast<size_t>(r) * d;
+            float acc_s[BLK];
+            for (int j = 0; j < nb; ++j) {
+                const float* kj = kb + j * d;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int e = 0; e < d; ++e) dot += qr[e] * kj[e];
+                acc_s[j] = dot;
+            }
+            float mx = sc.m[r];
+            for (int j = 0; j < nb; ++j) mx = std::max(mx, acc_s[j]);
+            // m starts at -inf: exp_nonpos clamps, so the first correction is ~0, never NaN.
+            const float corr = exp_nonpos(std::max(sc.m[r] - mx, -87.0f));
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < nb; ++j) {
+                sr[j] = exp_nonpos(acc_s[j] - mx);
+                sum += sr[j];
+            }
+            sc.l[r] = sc.l[r] * corr + sum;
+            sc.m[r] = mx;
+            float* ar = sc.acc.data() + static_cast<size_t>(r) * d;
+#pragma omp simd
+            for (int e = 0; e < d; ++e) ar[e] *= corr;
+            for (int j = 0; j < nb; ++j) {
+                const float p = sr[j];
+                const float* vj = vb + j * d;
+#pragma omp simd
+                for (int e = 0; e < d; ++e) ar[e] += p * vj[e];
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+// AVX-512: per key, the key row is loaded once and dotted with every query row (bf16 pairs
+// through vdpbf16ps where the CPU has AVX512-BF16), scores kept as one 16-lane vector per row
+// and block, softmax vectorised over the block's keys, and the next block's rows prefetched
+// (the pool's slots are scattered: latency, not bandwidth, bounds a naive loop).
+inline __m512 exp512_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 fx = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: a transpose-and-add tree, ~3 operations
+// per vector instead of a full horizontal reduction each.
+inline __m512 reduce16(__m512* v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+        __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; ++k)
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+// 16 lanes of partial products of q and k (d % 32 == 0); q in the pool's dtype.
+inline __m512 dot_partial(const float* q, const float* k, int d) {
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int e = 16; e < d; e += 16) acc = _mm512_fmadd_ps(load16(q + e), load16(k + e), acc);
+    return acc;
+}
+inline __m512 dot_partial(const uint16_t* q, const uint16_t* k, int d) {
+#if defined(__AVX512BF16__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int e = 0; e < d; e += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e),
+                               (__m512bh)_mm512_loadu_si512(k + e));
+    return acc;
+#else
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int e = 16; e < d; e += 16) acc = _mm512_fmadd_ps(load16(q + e), load16(k + e), acc);
+    return acc;
+#endif
+}
+
+constexpr int VBLK = 16;
+
+// As `attend`, with the raw query rows qraw ([rows][D], pool dtype, unscaled).
+template <typename T>
+void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
+               const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale) {
+    float* vb = sc.vb.data();  // [VBLK][D] float32 values of the block
+    const T* kr[VBLK];
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += VBLK) {
+        const int nb = static_cast<int>(std::min<int64_t>(VBLK, n - j0));
+        const int64_t next = std::min<int64_t>(n, j0 + 2 * VBLK);
+        for (int64_t j = j0 + VBLK; j < next; ++j) {
+            const char* kp = reinterpret_cast<const char*>(kpool + (slots[j] * kvh + h) * d);
+            const char* vp = reinterpret_cast<const char*>(vpool + (slots[j] * kvh + h) * d);
+            for (int off = 0; off < d * static_cast<int>(sizeof(T)); off += 64) {
+                _mm_prefetch(kp + off, _MM_HINT_T0);
+                _mm_prefetch(vp + off, _MM_HINT_T0);
+            }
+        }
+        for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
+            kr[j] = kpool + (static_cast<int64_t>(slots[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
+        for (int j = 0; j < nb; ++j) {
+            const T* vr = vpool + (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
+            for (int e = 0; e < d; e += 16) _mm512_storeu_ps(vb + j * d + e, load16(vr + e));
+        }
+        const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
+        for (int r = 0; r < rows; ++r) {
+            const int rr = r0 + r;
+            const T* qr = qraw + static_cast<size_t>(r) * d;
+            __m512 part[VBLK];
+            for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
+            const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                                 _mm512_mul_ps(reduce16(part), scale_v));
+            const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(sv));
+            const float corr = exp_nonpos(std::max(sc.m[rr] - mx, -87.0f));
+            const __m512 pv =
+                _mm512_maskz_mov_ps(live, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+            sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(pv);
+            sc.m[rr] = mx;
+            alignas(64) float p[VBLK];
+            _mm512_store_ps(p, pv);
+            float* ar = sc.acc.data() + static_cast<size_t>(rr) * d;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int e = 0; e < d; e += 16) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + e), cv);
+                for (int j = 0; j < nb; ++j)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vb + j * d + e), a);
+                _mm512_storeu_ps(ar + e, a);
+            }
+        }
+    }
+}
+#endif
+
+template <typename C>
+void decode_attention(const typename C::T* q, const typename C::T* kpool,
+                      const typename C::T* vpool, const int32_t* table, int64_t table_stride,
+                      const int64_t* req_row, const int64_t* req_len, const int64_t* order,
+                      const int64_t* group_start, const int64_t* group_prefix, int64_t n_groups,
+                      typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
+                      int64_t n_threads) {
+    const int64_t g_heads = heads / kvh;  // query heads per KV head
+    const int64_t items = n_groups * kvh;
+#pragma omp parallel num_threads(static_cast<int>(n_threads))
+    {
+        Scratch sc;
+        std::vector<typename C::T> qraw;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t g = it / kvh, h = it % kvh;
+            const int64_t first = group_start[g], members = group_start[g + 1] - first;
+            const int64_t prefix = group_prefix[g];
+            const int rows = static_cast<int>(members * g_heads);
+            sc.fit(rows, static_cast<int>(d));
+            for (int64_t i = 0; i < members; ++i) {
+                const int64_t b = order[first + i];
+                for (int64_t gh = 0; gh < g_heads; ++gh) {
+                    const int64_t r = i * g_heads + gh;
+                    const typename C::T* qs = q + (b * heads + h * g_heads + gh) * d;
+                    float* qd = sc.q.data() + r * d;
+                    for (int64_t e = 0; e < d; ++e) qd[e] = C::load(qs[e]) * scale;
+                    sc.m[r] = -INFINITY;
+                    sc.l[r] = 0.0f;
+                    std::fill_n(sc.acc.data() + r * d, d, 0.0f);
+                }
+            }
+#if defined(__AVX512F__)
+            const bool wide = d % 32 == 0;
+            if (wide) {
+                qraw.resize(static_cast<size_t>(rows) * d);
+                for (int64_t i = 0; i < members; ++i)
+                    std::copy_n(q + (order[first + i] * heads + h * g_heads) * d, g_heads * d,
+                                qraw.data() + i * g_heads * d);
+            }
+#else
+            const bool wide = false;
+#endif
+            auto segment = [&](int r0, int nrows, const int32_t* slots, int64_t n) {
+#if defined(__AVX512F__)
+                if (wide) {
+                    attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0,
+                                             nrows, slots, n, kpool, vpool, kvh, h,
+                                             static_cast<int>(d), scale);
+                    return;
+                }
+#endif
+                attend<C>(sc, r0, nrows, slots, n, kpool, vpool, kvh, h, static_cast<int>(d));
+            };
+            if (prefix > 0)  // the shared part, once for all members
+                segment(0, rows, table + req_row[order[first]] * table_stride, prefix);
+            for (int64_t i = 0; i < members; ++i) {
+                const int64_t b = order[first + i];
+                const int32_t* slots = table + req_row[b] * table_stride;
+                segment(static_cast<int>(i * g_heads), static_cast<int>(g_heads), slots + prefix,
+                        req_len[b] - prefix);
+                for (int64_t gh = 0; gh < g_heads; ++gh) {
+                    const int64_t r = i * g_heads + gh;
+                    const float inv = 1.0f / sc.l[r];
+                    const float* ar = sc.acc.data() + r * d;
+                    typename C::T* os = out + (b * heads + h * g_heads + gh) * d;
+                    for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out: [B, H, D]; k, v: one layer of the pool, [slots, KVH, D]; table: [rows, stride] int32;
+// req_row/req_len: per request (len = context including the new token); order: request indices
+// grouped, group g = order[group_start[g] .. group_start[g + 1]), sharing its first
+// group_prefix[g] slots (0 for a request alone).
+void banyan_decode_attention_f32(const float* q, const float* k, const float* v,
+                                 const int32_t* table, int64_t table_stride,
+                                 const int64_t* req_row, const int64_t* req_len,
+                                 const int64_t* order, const int64_t* group_start,
+                                 const int64_t* group_prefix, int64_t n_groups, float* out,
+                                 int64_t heads, int64_t kvh, int64_t d, float scale,
+                                 int64_t n_threads) {
+    decode_attention<F32>(q, k, v, table, table_stride, req_row, req_len, order, group_start,
+                          group_prefix, n_groups, out, heads, kvh, d, scale, n_threads);
+}
+
+void banyan_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                  const int32_t* table, int64_t table_stride,
+                                  const int64_t* req_row, const int64_t* req_len,
+                                  const int64_t* order, const int64_t* group_start,
+                                  const int64_t* group_prefix, int64_t n_groups, uint16_t* out,
+                                  int64_t heads, int64_t kvh, int64_t d, float scale,
+                                  int64_t n_threads) {
+    decode_attention<BF16>(q, k, v, table, table_stride, req_row, req_len, order, group_start,
+                           group_prefix, n_groups, out, heads, kvh, d, scale, n_threads);
+}
+
+}  // extern "C"

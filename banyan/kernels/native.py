@@ -1,0 +1,141 @@
+"""Native CPU kernels: C++ sources in this folder, built once per machine with the system C++
+compiler and called through ctypes.
+
+Built at first use into the user cache directory (keyed by the source, the flags and the CPU's
+feature flags, since they are compiled with -march=native), by writing to a temporary file and
+renaming it, so concurrent processes (server replicas, tests) never load a half-written library.
+Without a compiler, or with BANYAN_NATIVE_KERNELS=0, `load()` returns None and callers keep the
+PyTorch path: the kernels are an optimisation, never a requirement.
+
+No torch headers: the sources take raw pointers, which keeps the build to about a second (an
+ATen extension takes a minute). They are compiled with -fopenmp and resolve libgomp to the copy
+torch has already loaded, so they share torch's OpenMP thread pool instead of adding a second
+one that would spin against it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("cpu_decode_attention.cpp",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("BANYAN_KERNEL_CACHE", user_cache_dir("banyan"))) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    here = Path(__file__).parent
+    key = hashlib.sha256()
+    for name in SOURCES:
+        key.update((here / name).read_bytes())
+    key.update(" ".join((compiler, *FLAGS, _cpu_flags())).encode())
+    out = _cache_dir() / f"banyan_cpu_{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, *(str(here / s) for s in SOURCES), "-o", tmp]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernels' library, or None (disabled, not Linux x86/ARM with a C++ compiler, or the
+    build failed: logged once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.info("no C++ compiler found: native CPU kernels off, PyTorch attention in use")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("native CPU kernels failed to build, PyTorch attention in use: %s", detail)
+        return None
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    for name in ("banyan_decode_attention_f32", "banyan_decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
+        fn.argtypes += [f32, i64]
+        fn.restype = None
+    return lib
+
+
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the decode kernel can serve a pool on this device with this dtype."""
+    return device.type == "cpu" and dtype in _DTYPE_SUFFIX and load() is not None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    table: torch.Tensor,
+    req_row: torch.Tensor,
+    req_len: torch.Tensor,
+    order: torch.Tensor,
+    group_start: torch.Tensor,
+    group_prefix: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [B, H, D] (one new token per request); pool_k/v: [slots, KVH, D] of one layer;
+    table: [rows, stride] int32; req_row, req_len: [B] int64 (len: context with the new token,
+    already stored); order: [B] int64 request indices in group order; group_start: [G + 1];
+    group_prefix: [G] slots every member of the group shares (0 alone) -> [B, H, D]."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable: check supports() first"
+    fn = getattr(lib, f"banyan_decode_attention_{_DTYPE_SUFFIX[q.dtype]}")
+    q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    for t in (pool_k, pool_v, table, req_row, req_len, order, group_start, group_prefix):
+        assert t.is_contiguous()
+    B, H, D = q.shape
+    fn(
+        q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), table.data_ptr(), table.shape[1],
+        req_row.data_ptr(), req_len.data_ptr(), order.data_ptr(), group_start.data_ptr(),
+        group_prefix.data_ptr(), group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D,
+        scale, torch.get_num_threads(),
+    )
+    return out
