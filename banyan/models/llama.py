@@ -97,10 +97,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.rope_type, cfg.rope_theta, cfg.head_dim)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None  # logits use embed_tokens.weight
-        else:
+        self.lm_head: nn.Module | None = None  # tied: logits use embed_tokens.weight
+        if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        # A tied head in another layout (a prepacked copy of the embedding, set by the runner)
+        self.tied_head: nn.Module | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
@@ -114,8 +115,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (only the tokens that sample) -> [S, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        if head is not None:
+            return head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     def checkpoint_layout(self) -> dict[str, WeightSlot]:
         """Every tensor a Hugging Face checkpoint must hold -> where it goes in this module.
