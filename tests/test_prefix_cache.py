@@ -91,6 +91,22 @@ def test_in_batch_sharing_defers_the_follower_one_step() -> None:
     assert outputs["second"] == reference(shared + [91], 4)
 
 
+def test_a_follower_waits_for_the_last_chunk_of_a_shared_prompt() -> None:
+    """The leader's final chunk is scheduled before admission (its KV not cached yet): a
+    request sharing that chunk must not compute the same tokens in the same step."""
+    shared = list(range(3, 203))  # 200 tokens
+    sched, runner = radix_scheduler(chunk=128, prefill=256)
+    sched.add_request(make_request("leader", shared + [90], 4))
+    sched.step()  # leader: tokens [0, 128), cached after the step
+    sched.add_request(make_request("follower", shared + [91], 4))
+    sched.step()  # leader: its last 73 tokens; the follower matches only 128 and must wait
+    assert runner.batches[1].extend_lens == [73]
+    outputs, cached = run_collect(sched)
+    assert cached["follower"] == 200
+    assert prompt_tokens_computed(runner) == 201 + 1 + 2 * (4 - 1)
+    assert outputs["follower"] == reference(shared + [91], 4)
+
+
 def test_in_batch_sharing_off_computes_the_prefix_twice() -> None:
     shared = list(range(3, 83))
     sched, runner = radix_scheduler(chunk=512, prefill=512, in_batch=10**9)

@@ -57,13 +57,14 @@ class BatchBuilder:
         step = ScheduledStep()
         self._schedule_decodes(step, running, waiting)
         budget = self.config.max_prefill_tokens
-        for req in running:
+        # Prompts not fully in KV before this step: their chunks reach the prefix cache only after
+        # it, so waiting requests sharing them must not compute the same tokens alongside.
+        prefilling = [r for r in running if r.remaining > 1]  # decodes above: remaining == 0
+        for req in prefilling:
             if budget <= 0:
                 break
-            # Decodes scheduled above now have remaining == 0.
-            if req.remaining > 1:
-                budget -= self._add_chunk(step, req, budget)
-        self._admit(step, running, waiting, budget)
+            budget -= self._add_chunk(step, req, budget)
+        self._admit(step, running, waiting, budget, prefilling)
         if step.retracted:
             self.new_token_ratio = self.config.new_token_ratio_init
         elif step.reqs:
@@ -94,12 +95,17 @@ class BatchBuilder:
         return n
 
     def _admit(
-        self, step: ScheduledStep, running: list[Request], waiting: WaitingQueue, budget: int
+        self,
+        step: ScheduledStep,
+        running: list[Request],
+        waiting: WaitingQueue,
+        budget: int,
+        prefilling: list[Request],
     ) -> None:
         if step.retracted:
             return  # memory is short: admitting now would only retract again
         reserved = self._reserved(running)
-        for req in self.policy.order(waiting, running):
+        for req in self.policy.order(waiting, prefilling):
             if budget <= 0 or len(running) >= self.config.max_running_requests:
                 return
             self.kv.match(req)

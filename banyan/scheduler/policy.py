@@ -45,11 +45,15 @@ class SchedulePolicy:
         self.cache = cache
         self.cache_aware = config.name != "fcfs" and cache.keeps_prefixes
 
-    def order(self, waiting: WaitingQueue, running: list[Request]) -> list[Request]:
-        """Candidates for admission this step, best first; deferred requests are left out."""
+    def order(self, waiting: WaitingQueue, prefilling: list[Request]) -> list[Request]:
+        """Candidates for admission this step, best first; deferred requests are left out.
+        prefilling: running requests whose prompt was not all in KV when the step began (their
+        chunks this step are not in the cache yet)."""
         reqs = list(waiting)
-        if not self.cache_aware or len(reqs) > self.config.fcfs_threshold or len(reqs) < 2:
+        if not self.cache_aware or len(reqs) > self.config.fcfs_threshold:
             return reqs
+        if len(reqs) + len(prefilling) < 2:
+            return reqs  # nothing to order, nobody to share with
         matches = {}
         nodes = {}
         for req in reqs:
@@ -61,7 +65,6 @@ class SchedulePolicy:
             reqs.sort(key=lambda r: -matches[r])  # stable: arrival order among equals
         else:
             reqs = _dfs_weight_order(reqs, nodes)
-        prefilling = [r for r in running if r.remaining > 1]
         return self._without_in_batch_followers(reqs, matches, prefilling)
 
     def _without_in_batch_followers(self, reqs: list[Request], matches: dict[Request, int],
