@@ -49,15 +49,19 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, hidden]; cos/sin: [T, D/2]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.heads, self.head_dim)  # [T, H, D]
-        k = k.view(T, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(T, self.kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)  # Qwen3: per-head RMSNorm, before RoPE
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(T, self.heads, self.head_dim))  # Qwen3: before RoPE
+            k = self.k_norm(k.view(T, self.kv_heads, self.head_dim))
+            q = apply_rotary(q, cos, sin)  # [T, H, D]
+            k = apply_rotary(k, cos, sin)  # [T, KVH, D]
+        else:
+            # q and k heads side by side in one rotation: half the element-wise ops
+            qk = apply_rotary(qk.view(T, self.heads + self.kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         o = meta.backend.forward(q, k, v, self.layer_id, meta)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))  # [T, hidden]
 
