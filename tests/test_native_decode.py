@@ -73,6 +73,19 @@ def test_grouped_decodes_match_naive(heads: int, kv_heads: int, dtype: torch.dty
     assert sorted(groups_of(meta)) == [(2, 37), (3, 100)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_bigger_than_a_work_slice(dtype: torch.dtype) -> None:
+    """40 members over one prefix: the kernel splits them into slices of 16 (48 query rows)
+    per KV head, each re-reading the prefix; every member still sees all of it."""
+    c = [1]
+    system = fresh(c, 70)
+    reqs = [Req(system + fresh(c, 1 + i % 9)) for i in range(40)]
+    scene = Scene(reqs, 6, 2, dim=64, dtype=dtype)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    meta = scene.check(native_backend(scene), atol=atol)
+    assert groups_of(meta) == [(40, 70)]
+
+
 def test_decodes_mixed_with_extends_and_stale_rows() -> None:
     c = [1]
     system = fresh(c, 64)

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -219,10 +220,27 @@ inline __m512 dot_partial(const uint16_t* q, const uint16_t* k, int d) {
 constexpr int VBLK = 16;
 
 // As `attend`, with the raw query rows qraw ([rows][D], pool dtype, unscaled).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// vpermt2w indices interleaving two rows of 32 bf16: (a[i], b[i]) for i < 16, then i >= 16.
+alignas(64) constexpr uint16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                              37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                              11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                              22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                              28, 60, 29, 61, 30, 62, 31, 63};
+template <typename T>
+constexpr bool kPairsFor = std::is_same<T, uint16_t>::value;
+#else
+template <typename T>
+constexpr bool kPairsFor = false;
+#endif
+
 template <typename T>
 void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
                const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale) {
-    float* vb = sc.vb.data();  // [VBLK][D] float32 values of the block
+    // [VBLK][D] float32 values of the block, or (bf16 pools) their interleaved pairs
+    constexpr bool kPairs = kPairsFor<T>;
+    float* vb = sc.vb.data();
     const T* kr[VBLK];
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += VBLK) {
@@ -238,9 +256,31 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         }
         for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
             kr[j] = kpool + (static_cast<int64_t>(slots[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
-        for (int j = 0; j < nb; ++j) {
-            const T* vr = vpool + (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
-            for (int e = 0; e < d; e += 16) _mm512_storeu_ps(vb + j * d + e, load16(vr + e));
+        const int pairs = (nb + 1) / 2;
+        if constexpr (kPairs) {
+            // bf16 values of keys (2i, 2i + 1) interleaved per dim, for vdpbf16ps (a lone last
+            // key pairs with itself: its partner's probability is 0)
+            __m512i* vi = reinterpret_cast<__m512i*>(vb);
+            const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
+            for (int jp = 0; jp < pairs; ++jp) {
+                const int64_t sa = slots[j0 + 2 * jp];
+                const int64_t sb = slots[j0 + std::min(2 * jp + 1, nb - 1)];
+                const T* va = vpool + (sa * kvh + h) * d;
+                const T* vb2 = vpool + (sb * kvh + h) * d;
+                for (int c2 = 0; c2 < d / 32; ++c2) {
+                    const __m512i a = _mm512_loadu_si512(va + c2 * 32);
+                    const __m512i b = _mm512_loadu_si512(vb2 + c2 * 32);
+                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2,
+                                        _mm512_permutex2var_epi16(a, lo, b));
+                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2 + 1,
+                                        _mm512_permutex2var_epi16(a, hi, b));
+                }
+            }
+        } else {
+            for (int j = 0; j < nb; ++j) {
+                const T* vr = vpool + (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
+                for (int e = 0; e < d; e += 16) _mm512_storeu_ps(vb + j * d + e, load16(vr + e));
+            }
         }
         const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
         for (int r = 0; r < rows; ++r) {
@@ -252,19 +292,36 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                                                  _mm512_mul_ps(reduce16(part), scale_v));
             const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(sv));
             const float corr = exp_nonpos(std::max(sc.m[rr] - mx, -87.0f));
-            const __m512 pv =
-                _mm512_maskz_mov_ps(live, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+            const __m512 pv = _mm512_maskz_mov_ps(
+                live, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
             sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(pv);
             sc.m[rr] = mx;
-            alignas(64) float p[VBLK];
-            _mm512_store_ps(p, pv);
             float* ar = sc.acc.data() + static_cast<size_t>(rr) * d;
             const __m512 cv = _mm512_set1_ps(corr);
-            for (int e = 0; e < d; e += 16) {
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + e), cv);
-                for (int j = 0; j < nb; ++j)
-                    a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vb + j * d + e), a);
-                _mm512_storeu_ps(ar + e, a);
+            if constexpr (kPairs) {
+                // probabilities rounded to bf16 for the PV products, as bf16 attention does
+                alignas(32) uint32_t pp[VBLK / 2];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pp),
+                                   (__m256i)_mm512_cvtneps_pbh(pv));
+                const __m512i* vi = reinterpret_cast<const __m512i*>(vb);
+                for (int c = 0; c < d / 16; ++c) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + c * 16), cv);
+                    for (int jp = 0; jp < pairs; ++jp)
+                        a = _mm512_dpbf16_ps(
+                            a, (__m512bh)_mm512_loadu_si512(vi + jp * (d / 16) + c),
+                            (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp])));
+                    _mm512_storeu_ps(ar + c * 16, a);
+                }
+            } else {
+                alignas(64) float p[VBLK];
+                _mm512_store_ps(p, pv);
+                for (int e = 0; e < d; e += 16) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + e), cv);
+                    for (int j = 0; j < nb; ++j)
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
+                                            _mm512_loadu_ps(vb + j * d + e), a);
+                    _mm512_storeu_ps(ar + e, a);
+                }
             }
         }
     }
@@ -279,15 +336,27 @@ void decode_attention(const typename C::T* q, const typename C::T* kpool,
                       typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
                       int64_t n_threads) {
     const int64_t g_heads = heads / kvh;  // query heads per KV head
-    const int64_t items = n_groups * kvh;
+    // Work items: (group, KV head, slice of the group's members). A big group is sliced so two
+    // cores share it (a group of 64 over 3 KV heads would otherwise be 3 items for 2 threads);
+    // each slice re-reads the shared prefix, from cache.
+    const int64_t slice_members = std::max<int64_t>(1, 48 / g_heads);
+    std::vector<int64_t> item_group, item_first;
+    for (int64_t g = 0; g < n_groups; ++g)
+        for (int64_t m = group_start[g]; m < group_start[g + 1]; m += slice_members) {
+            item_group.push_back(g);
+            item_first.push_back(m);
+        }
+    const int64_t slices = static_cast<int64_t>(item_group.size());
+    const int64_t items = slices * kvh;
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
         Scratch sc;
         std::vector<typename C::T> qraw;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            const int64_t g = it / kvh, h = it % kvh;
-            const int64_t first = group_start[g], members = group_start[g + 1] - first;
+            const int64_t g = item_group[it / kvh], h = it % kvh;
+            const int64_t first = item_first[it / kvh];
+            const int64_t members = std::min(group_start[g + 1] - first, slice_members);
             const int64_t prefix = group_prefix[g];
             const int rows = static_cast<int>(members * g_heads);
             sc.fit(rows, static_cast<int>(d));
