@@ -245,13 +245,28 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += VBLK) {
         const int nb = static_cast<int>(std::min<int64_t>(VBLK, n - j0));
-        const int64_t next = std::min<int64_t>(n, j0 + 2 * VBLK);
-        for (int64_t j = j0 + VBLK; j < next; ++j) {
-            const char* kp = reinterpret_cast<const char*>(kpool + (slots[j] * kvh + h) * d);
-            const char* vp = reinterpret_cast<const char*>(vpool + (slots[j] * kvh + h) * d);
-            for (int off = 0; off < d * static_cast<int>(sizeof(T)); off += 64) {
+        // Prefetch two blocks ahead, on the first head the whole slot (every head's K and V:
+        // the next heads of this slice then find them in cache), else just this head's rows.
+        const int64_t ahead0 = j0 + 2 * VBLK, ahead1 = std::min<int64_t>(n, ahead0 + VBLK);
+        const int64_t head0 = h == 0 ? 0 : h, width = (h == 0 ? kvh : 1) * d * sizeof(T);
+        for (int64_t j = ahead0; j < ahead1; ++j) {
+            const char* kp = reinterpret_cast<const char*>(kpool + (slots[j] * kvh + head0) * d);
+            const char* vp = reinterpret_cast<const char*>(vpool + (slots[j] * kvh + head0) * d);
+            for (int64_t off = 0; off < width; off += 64) {
                 _mm_prefetch(kp + off, _MM_HINT_T0);
                 _mm_prefetch(vp + off, _MM_HINT_T0);
+            }
+        }
+        if (j0 == 0) {  // the first two blocks, before the loop reaches them
+            for (int64_t j = 0; j < std::min<int64_t>(n, 2 * VBLK); ++j) {
+                const char* kp =
+                    reinterpret_cast<const char*>(kpool + (slots[j] * kvh + head0) * d);
+                const char* vp =
+                    reinterpret_cast<const char*>(vpool + (slots[j] * kvh + head0) * d);
+                for (int64_t off = 0; off < width; off += 64) {
+                    _mm_prefetch(kp + off, _MM_HINT_T0);
+                    _mm_prefetch(vp + off, _MM_HINT_T0);
+                }
             }
         }
         for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
@@ -347,15 +362,17 @@ void decode_attention(const typename C::T* q, const typename C::T* kpool,
             item_first.push_back(m);
         }
     const int64_t slices = static_cast<int64_t>(item_group.size());
-    const int64_t items = slices * kvh;
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
         Scratch sc;
         std::vector<typename C::T> qraw;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
-            const int64_t g = item_group[it / kvh], h = it % kvh;
-            const int64_t first = item_first[it / kvh];
+        // A slice's KV heads run one after the other on one thread: a slot's K (V) for all
+        // heads is one contiguous run, so heads 1.. find the rows head 0 pulled in cache.
+        for (int64_t it = 0; it < slices; ++it)
+        for (int64_t h = 0; h < kvh; ++h) {
+            const int64_t g = item_group[it];
+            const int64_t first = item_first[it];
             const int64_t members = std::min(group_start[g + 1] - first, slice_members);
             const int64_t prefix = group_prefix[g];
             const int rows = static_cast<int>(members * g_heads);
