@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Router benchmark: cache_aware vs round_robin over the same two replicas, alternating runs.
-# Usage: benchmarks/run_router_benchmark.sh [MODEL_DIR] [REPS]   (on an otherwise idle machine)
+# Usage: [CONCURRENCY=16] benchmarks/run_router_benchmark.sh [MODEL_DIR] [REPS]   (on an idle machine)
 # Each replica gets one thread and a KV cache that holds about half of the 16 system prompts,
 # so where a group's requests land decides whether its prefix is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-.bench-models/smol-bfloat16}
 REPS=${2:-1}
+CONCURRENCY=${CONCURRENCY:-16}
 OUT=benchmarks/results
 BANYAN=.venv/bin/banyan
 mkdir -p "$OUT"
@@ -30,7 +31,7 @@ for rep in $(seq "$REPS"); do
     echo "== $name (rep $rep)"
     $BANYAN bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$MODEL" \
       --workload shared-prefix --groups 16 --prompts-per-group 8 --system-len 1024 \
-      --question-len 64 --output-len 64 --concurrency 16 --disable-tqdm \
-      --out "$OUT/router-$name-$rep.json" 2>/dev/null | tail -25
+      --question-len 64 --output-len 64 --concurrency "$CONCURRENCY" --disable-tqdm \
+      --out "$OUT/router-$name-c$CONCURRENCY-$rep.json" 2>/dev/null | tail -25
   done
 done
