@@ -298,13 +298,55 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             }
         }
         const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
+        // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
+        // = dims 2i, 2i + 1 of key j, gathered), so each vdpbf16ps gives 16 keys' partial
+        // scores of one row and no horizontal sums are needed.
+        bool tiled = false;
+        if constexpr (kPairs) {
+            int64_t top = 0;
+            for (int j = 0; j < VBLK; ++j) top = std::max<int64_t>(top, kr[j] - kpool);
+            tiled = rows >= 4 && top / 2 + d / 2 < (int64_t{1} << 31);
+            if (tiled) {
+                alignas(64) int32_t base[VBLK];
+                for (int j = 0; j < VBLK; ++j) base[j] = static_cast<int32_t>((kr[j] - kpool) / 2);
+                const __m512i idx = _mm512_load_si512(reinterpret_cast<const void*>(base));
+                __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());  // [D/2] words
+                for (int i = 0; i < d / 2; ++i)
+                    _mm512_storeu_si512(kt + i, _mm512_i32gather_epi32(
+                                                    _mm512_add_epi32(idx, _mm512_set1_epi32(i)),
+                                                    kpool, 4));
+                for (int r = 0; r < rows; r += 4) {
+                    const int nr = std::min(4, rows - r);
+                    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(),
+                                     _mm512_setzero_ps(), _mm512_setzero_ps()};
+                    const int32_t* qw[4];
+                    for (int t = 0; t < 4; ++t)
+                        qw[t] = reinterpret_cast<const int32_t*>(
+                            qraw + static_cast<size_t>(r + std::min(t, nr - 1)) * d);
+                    for (int i = 0; i < d / 2; ++i) {
+                        const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kt + i);
+                        for (int t = 0; t < 4; ++t)
+                            acc[t] = _mm512_dpbf16_ps(acc[t], k2,
+                                                      (__m512bh)_mm512_set1_epi32(qw[t][i]));
+                    }
+                    for (int t = 0; t < nr; ++t)
+                        _mm512_storeu_ps(sc.s.data() + static_cast<size_t>(r + t) * VBLK, acc[t]);
+                }
+            }
+        }
         for (int r = 0; r < rows; ++r) {
             const int rr = r0 + r;
-            const T* qr = qraw + static_cast<size_t>(r) * d;
-            __m512 part[VBLK];
-            for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
-            const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                                 _mm512_mul_ps(reduce16(part), scale_v));
+            __m512 raw;
+            if (tiled) {
+                raw = _mm512_loadu_ps(sc.s.data() + static_cast<size_t>(r) * VBLK);
+            } else {
+                const T* qr = qraw + static_cast<size_t>(r) * d;
+                __m512 part[VBLK];
+                for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
+                raw = reduce16(part);
+            }
+            const __m512 sv =
+                _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(raw, scale_v));
             const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(sv));
             const float corr = exp_nonpos(std::max(sc.m[rr] - mx, -87.0f));
             const __m512 pv = _mm512_maskz_mov_ps(
