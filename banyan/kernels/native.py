@@ -54,8 +54,8 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     here = Path(__file__).parent
     key = hashlib.sha256()
-    for name in SOURCES:
-        key.update((here / name).read_bytes())
+    for path in sorted(here.glob("*.[ch]*")):  # the sources and the headers they include
+        key.update(path.read_bytes())
     key.update(" ".join((compiler, *FLAGS, _cpu_flags())).encode())
     out = _cache_dir() / f"banyan_cpu_{key.hexdigest()[:16]}.so"
     if out.exists():

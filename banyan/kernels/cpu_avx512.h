@@ -1,0 +1,98 @@
+// AVX-512 helpers of cpu_decode_attention.cpp: a vectorised exp, bf16/float loads, a 16-way
+// transpose-and-add, partial dot products, and the bf16 pair-interleave tables.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+inline __m512 exp512_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 fx = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: a transpose-and-add tree, ~3 operations
+// per vector instead of a full horizontal reduction each.
+inline __m512 reduce16(__m512* v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+        __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; ++k)
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+// 16 lanes of partial products of q and k (d % 32 == 0); q in the pool's dtype.
+inline __m512 dot_partial(const float* q, const float* k, int d) {
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int e = 16; e < d; e += 16) acc = _mm512_fmadd_ps(load16(q + e), load16(k + e), acc);
+    return acc;
+}
+inline __m512 dot_partial(const uint16_t* q, const uint16_t* k, int d) {
+#if defined(__AVX512BF16__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int e = 0; e < d; e += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e),
+                               (__m512bh)_mm512_loadu_si512(k + e));
+    return acc;
+#else
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int e = 16; e < d; e += 16) acc = _mm512_fmadd_ps(load16(q + e), load16(k + e), acc);
+    return acc;
+#endif
+}
+
+constexpr int VBLK = 16;
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// vpermt2w indices interleaving two rows of 32 bf16: (a[i], b[i]) for i < 16, then i >= 16.
+alignas(64) constexpr uint16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                              37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                              11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                              22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                              28, 60, 29, 61, 30, 62, 31, 63};
+template <typename T>
+constexpr bool kPairsFor = std::is_same<T, uint16_t>::value;
+#else
+template <typename T>
+constexpr bool kPairsFor = false;
+#endif
+
+}  // namespace
+
+#endif  // __AVX512F__
