@@ -340,12 +340,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_matches_transformers_with_the_cascade(
-    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, case: str
-) -> None:
-    arch, policy, systems, count = CASES[case]
-    path = model_dirs[arch]
+def greedy_plans_match_transformers(
+    path: Path, monkeypatch: pytest.MonkeyPatch, systems: list[int], count: int, **backend: object
+) -> list[TorchAttentionMetadata]:
+    """Greedy outputs over shared system prompts equal transformers', with the engine's backend
+    built with `backend` keywords -> every step's attention plan."""
     plans: list[TorchAttentionMetadata] = []
 
     class Recording(TorchAttentionBackend):
@@ -356,7 +355,7 @@ def test_greedy_matches_transformers_with_the_cascade(
 
     monkeypatch.setattr(
         "banyan.runner.model_runner.TorchAttentionBackend",
-        lambda pool, table, native: Recording(pool, table, cascade=policy, native=False),
+        lambda pool, table, native: Recording(pool, table, **{"native": native, **backend}),
     )
     prompts = shared_prompts(systems, count)
     max_new = [6 + i % 7 for i in range(len(prompts))]
@@ -368,6 +367,17 @@ def test_greedy_matches_transformers_with_the_cascade(
         )
     for i, (out, p, n) in enumerate(zip(outs, prompts, max_new, strict=True)):
         assert out.output_ids == hf_greedy(path, p, n), f"prompt {i}"
+    return plans
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers_with_the_cascade(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    arch, policy, systems, count = CASES[case]
+    plans = greedy_plans_match_transformers(
+        model_dirs[arch], monkeypatch, systems, count, cascade=policy, native=False
+    )
     cascaded = [m.cascade for m in plans if m.cascade is not None]
     assert len(cascaded) >= 3
     if len(systems) > 1:

@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from banyan import Engine, SamplingParams
 from banyan.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from banyan.batch import ForwardBatch
 from banyan.kernels import native
-from tests.hf_reference import hf_greedy
-from tests.test_cascade_attention import Req, Scene, fresh, shared_prompts
+from tests.test_cascade_attention import Req, Scene, fresh, greedy_plans_match_transformers
 
 pytestmark = pytest.mark.skipif(
     native.load() is None, reason="native CPU kernels unavailable (no C++ compiler?)"
@@ -105,26 +102,7 @@ def test_decodes_mixed_with_extends_and_stale_rows() -> None:
 def test_greedy_matches_transformers_with_the_native_kernel(
     model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = model_dirs["llama"]
-    plans: list[TorchAttentionMetadata] = []
-
-    class Recording(TorchAttentionBackend):
-        def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> TorchAttentionMetadata:
-            meta = super().plan(batch, out_slots)
-            plans.append(meta)
-            return meta
-
-    monkeypatch.setattr("banyan.runner.model_runner.TorchAttentionBackend", Recording)
-    prompts = shared_prompts([150, 90, 40], 14)
-    max_new = [6 + i % 7 for i in range(len(prompts))]
-    with Engine(str(path), dtype="float32", disable_tqdm=True, max_prefill_tokens=256,
-                chunked_prefill_size=128) as engine:
-        outs = engine.generate(
-            input_ids=prompts,
-            sampling_params=[SamplingParams(max_new_tokens=n, temperature=0.0) for n in max_new],
-        )
-    for i, (out, p, n) in enumerate(zip(outs, prompts, max_new, strict=True)):
-        assert out.output_ids == hf_greedy(path, p, n), f"prompt {i}"
+    plans = greedy_plans_match_transformers(model_dirs["llama"], monkeypatch, [150, 90, 40], 14)
     native_steps = [m for m in plans if m.native_dec is not None]
     assert native_steps and all(m.cascade is None for m in native_steps)
     assert max(len(groups_of(m)) for m in native_steps) >= 2  # several prefixes grouped at once
