@@ -1,8 +1,9 @@
-"""The native CPU decode kernel (banyan/kernels): decodes read in place from the pool, alone and
-grouped by shared prefix, against a naive float64 softmax attention (MHA, GQA, MQA; head dims on
-the AVX-512 path and off it; float32 and bf16; contexts of 1 token and not a multiple of the
-kernel's block; decodes mixed with extends in one step), and greedy output end to end against
-transformers with the kernel taking every decode."""
+"""The native CPU attention kernel (banyan/kernels): decodes read in place from the pool, alone and
+grouped by shared prefix, and causal extends over a cached prefix, against a naive float64
+softmax attention (MHA, GQA, MQA; head dims on the AVX-512 path and off it; float32 and bf16;
+contexts of 1 token and not a multiple of the kernel's block; decodes mixed with extends in one
+step), and greedy output end to end against transformers with the kernel taking every decode
+and every chunk over a cached prefix."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def native_backend(scene: Scene) -> TorchAttentionBackend:
 
 def groups_of(meta: TorchAttentionMetadata) -> list[tuple[int, int]]:
     """(members, shared prefix) of each native decode group, 0-prefix singletons left out."""
-    plan = meta.native_dec
+    plan = meta.native
     assert plan is not None
     starts, prefixes = plan.group_start.tolist(), plan.group_prefix.tolist()
     return [(starts[g + 1] - starts[g], p) for g, p in enumerate(prefixes) if p > 0]
@@ -96,13 +97,39 @@ def test_decodes_mixed_with_extends_and_stale_rows() -> None:
     scene = Scene(reqs, 6, 2, dim=64, stale={0: fresh(c, 4), 2: fresh(c, 4)})
     meta = scene.check(native_backend(scene))
     assert groups_of(meta) == [(2, 64)]
-    assert meta.native_dec is not None and not isinstance(meta.native_dec.tokens, slice)
+    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 1, 4, 7]
+    assert meta.native.num_tokens == len(scene.out_slots)  # the kernel took the whole step
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extends_over_a_cached_prefix_match_naive(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    """Prefill chunks over cached tokens attend causally in the kernel (lengths around the
+    16-key block); a chunk past MAX_NATIVE_EXTEND and a fresh prompt stay on SDPA."""
+    c = [1]
+    reqs = [
+        Req(fresh(c, 5 + 2), extend=2),
+        Req(fresh(c, 40 + 16), extend=16),
+        Req(fresh(c, 100 + 17), extend=17),
+        Req(fresh(c, 1 + 33), extend=33),
+        Req(fresh(c, 3 + 300), extend=300),  # too long: SDPA
+        Req(fresh(c, 20), extend=20),  # nothing cached: SDPA
+        Req(fresh(c, 70)),  # a decode
+    ]
+    scene = Scene(reqs, heads, kv_heads, dim=dim, dtype=dtype)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    meta = scene.check(native_backend(scene), atol=atol)
+    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 2, 16, 17, 33]
+    assert sorted(e.length for e in meta.extends) == [20, 300]
 
 
 def test_greedy_matches_transformers_with_the_native_kernel(
     model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plans = greedy_plans_match_transformers(model_dirs["llama"], monkeypatch, [150, 90, 40], 14)
-    native_steps = [m for m in plans if m.native_dec is not None]
+    native_steps = [m for m in plans if m.native is not None]
     assert native_steps and all(m.cascade is None for m in native_steps)
     assert max(len(groups_of(m)) for m in native_steps) >= 2  # several prefixes grouped at once

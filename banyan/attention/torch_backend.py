@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from banyan.attention.base import AttentionBackend, AttentionMetadata
 from banyan.attention.cascade import CascadePlan, cascade_attention, plan_cascade
-from banyan.attention.native_decode import NativeDecodePlan, native_decode, plan_native_decodes
+from banyan.attention.native_plan import NativePlan, native_attention, plan_native, takes_extend
 from banyan.attention.prefix_groups import CascadePolicy, SharedPrefix, find_shared_prefixes
 from banyan.batch import ForwardBatch
 from banyan.mem.kv_pool import KVPool
@@ -65,8 +65,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     cascade: CascadePlan | None = None
     ext_cascade: CascadePlan | None = None
     extends: list[ExtendPlan] = field(default_factory=list)
-    # All decodes, when the native CPU kernel takes them (then none of the above has any).
-    native_dec: NativeDecodePlan | None = None
+    # Decodes and extends over a cached prefix, when the native CPU kernel takes them (then
+    # the paths above get only fresh prefills and long extends).
+    native: NativePlan | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -80,8 +81,9 @@ class TorchAttentionBackend(AttentionBackend):
         native: bool = False,
     ) -> None:
         """cascade: when requests sharing a cached prefix take the cascade path; None: never.
-        native: decodes through the native CPU kernel when it is available for this pool
-        (banyan/kernels; it groups shared prefixes itself), else the paths above."""
+        native: decodes and extends over a cached prefix through the native CPU kernel when it
+        is available for this pool (banyan/kernels; it groups shared prefixes itself), else the
+        paths above."""
         super().__init__(pool, table)
         from banyan.kernels import native as native_kernels
 
@@ -115,14 +117,23 @@ class TorchAttentionBackend(AttentionBackend):
                 ext_reqs.append(i)
             start += n
         plain_dec = dec_reqs
-        if self.native and dec_reqs:
-            meta.native_dec = plan_native_decodes(
+        taken: set[int] = set()  # batch indices the native kernel takes
+        if self.native:
+            taken = {
+                i
+                for i, (p, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True))
+                if n == 1 or takes_extend(p, n)
+            }
+        if taken:
+            which = sorted(taken)
+            meta.native = plan_native(
                 self.table.table,
-                [batch.rows[i] for i in dec_reqs],
-                [batch.prefix_lens[i] for i in dec_reqs],
-                [starts[i] for i in dec_reqs],
+                [batch.rows[i] for i in which],
+                [batch.prefix_lens[i] for i in which],
+                [batch.extend_lens[i] for i in which],
+                [starts[i] for i in which],
             )
-            plain_dec = []
+            plain_dec, ext_reqs = [], [i for i in ext_reqs if i not in taken]
         elif policy is not None and len(dec_reqs) >= 2:
             meta.cascade, plain_dec = self._plan_cascade(policy, batch, dec_reqs, starts, 0)
         grouped_ext: set[int] = set()
@@ -132,7 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
             grouped_ext = set(ext_reqs) - set(rest)
         need = 0  # workspace rows this step needs
         for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
-            if n == 1 or i in grouped_ext:
+            if n == 1 or i in grouped_ext or i in taken:
                 continue
             if prefix == 0:
                 meta.extends.append(ExtendPlan(starts[i], n, 0, None, None))
@@ -253,24 +264,18 @@ class TorchAttentionBackend(AttentionBackend):
         # q: [T, H, D]; k, v: [T, KVH, D]
         self.pool.store(layer_id, meta.out_slots, k, v)
         T, H, D = q.shape
-        nat = meta.native_dec
+        nat = meta.native
         if nat is not None:
             pool_k, pool_v, table = self.pool.k[layer_id], self.pool.v[layer_id], self.table.table
-            if nat.req_row.shape[0] == T:  # decode-only step
-                return native_decode(q, pool_k, pool_v, table, nat, self.scale)
-        if meta.dec_count == T:  # decode-only step: no scatter back
+            q = q.contiguous()
+            out = q.new_empty((T, H, D))
+            native_attention(q, pool_k, pool_v, table, nat, self.scale, out)
+            if nat.num_tokens == T:  # the kernel took the whole step
+                return out
+        elif meta.dec_count == T:  # decode-only step: no scatter back
             return self._decode(q, layer_id, meta)
-        out = q.new_empty((T, H, D))
-        if nat is not None:
-            if isinstance(nat.tokens, slice):
-                qd = q[nat.tokens]
-            else:
-                qd = q.index_select(0, nat.tokens)
-            od = native_decode(qd, pool_k, pool_v, table, nat, self.scale)
-            if isinstance(nat.tokens, slice):
-                out[nat.tokens] = od
-            else:
-                out.index_copy_(0, nat.tokens, od)
+        else:
+            out = q.new_empty((T, H, D))
         if meta.dec_tokens is not None:
             if isinstance(meta.dec_tokens, slice):
                 out[meta.dec_tokens] = self._decode(q[meta.dec_tokens], layer_id, meta)

@@ -77,7 +77,9 @@ inline float exp_nonpos(float x) {
 // Per-thread scratch of one work item.
 struct Scratch {
     std::vector<float> q, m, l, acc, s, kt, vb;
+    std::vector<int64_t> lim;  // keys of the current segment each row may see (causal extends)
     void fit(int rows, int d) {
+        lim.resize(rows);
         q.resize(static_cast<size_t>(rows) * d);
         acc.resize(static_cast<size_t>(rows) * d);
         m.resize(rows);
@@ -92,7 +94,7 @@ struct Scratch {
 template <typename C>
 void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
             const typename C::T* kpool, const typename C::T* vpool, int64_t kvh, int64_t h,
-            int d) {
+            int d, bool causal) {
     float* kb = sc.kt.data();  // [BLK][D] keys of the block
     float* vb = sc.vb.data();  // [BLK][D]
     for (int64_t j0 = 0; j0 < n; j0 += BLK) {
@@ -119,13 +121,19 @@ void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
                 for (int e = 0; e < d; ++e) dot += qr[e] * kj[e];
                 acc_s[j] = dot;
             }
+            int nbr = nb;  // keys of the block this row sees
+            if (causal) {
+                const int64_t visible = sc.lim[r] - j0;
+                if (visible <= 0) continue;
+                nbr = static_cast<int>(std::min<int64_t>(nb, visible));
+            }
             float mx = sc.m[r];
-            for (int j = 0; j < nb; ++j) mx = std::max(mx, acc_s[j]);
+            for (int j = 0; j < nbr; ++j) mx = std::max(mx, acc_s[j]);
             // m starts at -inf: exp_nonpos clamps, so the first correction is ~0, never NaN.
             const float corr = exp_nonpos(std::max(sc.m[r] - mx, -87.0f));
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < nb; ++j) {
+            for (int j = 0; j < nbr; ++j) {
                 sr[j] = exp_nonpos(acc_s[j] - mx);
                 sum += sr[j];
             }
@@ -134,7 +142,7 @@ void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
             float* ar = sc.acc.data() + static_cast<size_t>(r) * d;
 #pragma omp simd
             for (int e = 0; e < d; ++e) ar[e] *= corr;
-            for (int j = 0; j < nb; ++j) {
+            for (int j = 0; j < nbr; ++j) {
                 const float p = sr[j];
                 const float* vj = vb + j * d;
 #pragma omp simd
@@ -148,7 +156,8 @@ void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
 
 template <typename T>
 void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
-               const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale) {
+               const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale,
+               bool causal) {
     // [VBLK][D] float32 values of the block, or (bf16 pools) their interleaved pairs
     constexpr bool kPairs = kPairsFor<T>;
     float* vb = sc.vb.data();
@@ -256,12 +265,18 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
                 raw = reduce16(part);
             }
+            __mmask16 seen = live;  // keys of the block this row sees
+            if (causal) {
+                const int64_t visible = sc.lim[rr] - j0;
+                if (visible <= 0) continue;
+                if (visible < VBLK) seen &= static_cast<__mmask16>((1u << visible) - 1u);
+            }
             const __m512 sv =
-                _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(raw, scale_v));
+                _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(raw, scale_v));
             const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(sv));
             const float corr = exp_nonpos(std::max(sc.m[rr] - mx, -87.0f));
             const __m512 pv = _mm512_maskz_mov_ps(
-                live, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+                seen, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
             sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(pv);
             sc.m[rr] = mx;
             float* ar = sc.acc.data() + static_cast<size_t>(rr) * d;
@@ -297,28 +312,37 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
 #endif
 
 template <typename C>
-void decode_attention(const typename C::T* q, const typename C::T* kpool,
-                      const typename C::T* vpool, const int32_t* table, int64_t table_stride,
-                      const int64_t* req_row, const int64_t* req_len, const int64_t* order,
-                      const int64_t* group_start, const int64_t* group_prefix, int64_t n_groups,
-                      typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
-                      int64_t n_threads) {
+void paged_attention(const typename C::T* q, const typename C::T* kpool,
+                     const typename C::T* vpool, const int32_t* table, int64_t table_stride,
+                     const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,
+                     const int64_t* n_new, const int64_t* order, const int64_t* group_start,
+                     const int64_t* group_prefix, int64_t n_groups, typename C::T* out,
+                     int64_t heads, int64_t kvh, int64_t d, float scale, int64_t n_threads) {
     const int64_t g_heads = heads / kvh;  // query heads per KV head
-    // Work items: (group, KV head, slice of the group's members). A big group is sliced so two
-    // cores share it (a group of 64 over 3 KV heads would otherwise be 3 items for 2 threads);
-    // each slice re-reads the shared prefix, from cache.
-    const int64_t slice_members = std::max<int64_t>(1, 48 / g_heads);
-    std::vector<int64_t> item_group, item_first;
-    for (int64_t g = 0; g < n_groups; ++g)
-        for (int64_t m = group_start[g]; m < group_start[g + 1]; m += slice_members) {
+    // Work items: slices of a group's members of about 48 query rows per KV head (a member has
+    // n_new x G rows), the KV heads one after the other. A big group is sliced so the cores
+    // share it; each slice re-reads the shared prefix, from cache.
+    std::vector<int64_t> item_group, item_first, item_count;
+    for (int64_t g = 0; g < n_groups; ++g) {
+        int64_t m = group_start[g];
+        while (m < group_start[g + 1]) {
+            int64_t count = 0, rows = 0;
+            while (m + count < group_start[g + 1] && (count == 0 || rows < 48)) {
+                rows += n_new[order[m + count]] * g_heads;
+                ++count;
+            }
             item_group.push_back(g);
             item_first.push_back(m);
+            item_count.push_back(count);
+            m += count;
         }
+    }
     const int64_t slices = static_cast<int64_t>(item_group.size());
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
         Scratch sc;
         std::vector<typename C::T> qraw;
+        std::vector<int64_t> offset;  // first state row of each member of the slice
 #pragma omp for schedule(dynamic, 1)
         // A slice's KV heads run one after the other on one thread: a slot's K (V) for all
         // heads is one contiguous run, so heads 1.. find the rows head 0 pulled in cache.
@@ -326,58 +350,65 @@ void decode_attention(const typename C::T* q, const typename C::T* kpool,
         for (int64_t h = 0; h < kvh; ++h) {
             const int64_t g = item_group[it];
             const int64_t first = item_first[it];
-            const int64_t members = std::min(group_start[g + 1] - first, slice_members);
+            const int64_t members = item_count[it];
             const int64_t prefix = group_prefix[g];
-            const int rows = static_cast<int>(members * g_heads);
+            offset.assign(1, 0);
+            for (int64_t i = 0; i < members; ++i)
+                offset.push_back(offset.back() + n_new[order[first + i]] * g_heads);
+            const int rows = static_cast<int>(offset.back());
             sc.fit(rows, static_cast<int>(d));
-            for (int64_t i = 0; i < members; ++i) {
-                const int64_t b = order[first + i];
-                for (int64_t gh = 0; gh < g_heads; ++gh) {
-                    const int64_t r = i * g_heads + gh;
-                    const typename C::T* qs = q + (b * heads + h * g_heads + gh) * d;
-                    float* qd = sc.q.data() + r * d;
-                    for (int64_t e = 0; e < d; ++e) qd[e] = C::load(qs[e]) * scale;
-                    sc.m[r] = -INFINITY;
-                    sc.l[r] = 0.0f;
-                    std::fill_n(sc.acc.data() + r * d, d, 0.0f);
-                }
-            }
 #if defined(__AVX512F__)
             const bool wide = d % 32 == 0;
-            if (wide) {
-                qraw.resize(static_cast<size_t>(rows) * d);
-                for (int64_t i = 0; i < members; ++i)
-                    std::copy_n(q + (order[first + i] * heads + h * g_heads) * d, g_heads * d,
-                                qraw.data() + i * g_heads * d);
-            }
+            if (wide) qraw.resize(static_cast<size_t>(rows) * d);
 #else
             const bool wide = false;
 #endif
-            auto segment = [&](int r0, int nrows, const int32_t* slots, int64_t n) {
+            for (int64_t i = 0; i < members; ++i) {
+                const int64_t b = order[first + i];
+                const int64_t own = req_len[b] - prefix;  // keys of its own segment
+                for (int64_t t = 0; t < n_new[b]; ++t) {
+                    const typename C::T* qs = q + ((q_start[b] + t) * heads + h * g_heads) * d;
+                    const int64_t r0 = offset[i] + t * g_heads;
+                    if (wide) std::copy_n(qs, g_heads * d, qraw.data() + r0 * d);
+                    for (int64_t gh = 0; gh < g_heads; ++gh) {
+                        const int64_t r = r0 + gh;
+                        float* qd = sc.q.data() + r * d;
+                        for (int64_t e = 0; e < d; ++e) qd[e] = C::load(qs[gh * d + e]) * scale;
+                        sc.m[r] = -INFINITY;
+                        sc.l[r] = 0.0f;
+                        sc.lim[r] = own - n_new[b] + t + 1;  // causal: its own position
+                        std::fill_n(sc.acc.data() + r * d, d, 0.0f);
+                    }
+                }
+            }
+            auto segment = [&](int r0, int nrows, const int32_t* slots, int64_t n, bool causal) {
 #if defined(__AVX512F__)
                 if (wide) {
                     attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0,
                                              nrows, slots, n, kpool, vpool, kvh, h,
-                                             static_cast<int>(d), scale);
+                                             static_cast<int>(d), scale, causal);
                     return;
                 }
 #endif
-                attend<C>(sc, r0, nrows, slots, n, kpool, vpool, kvh, h, static_cast<int>(d));
+                attend<C>(sc, r0, nrows, slots, n, kpool, vpool, kvh, h, static_cast<int>(d),
+                          causal);
             };
-            if (prefix > 0)  // the shared part, once for all members
-                segment(0, rows, table + req_row[order[first]] * table_stride, prefix);
+            if (prefix > 0)  // the shared part, once for all members, seen whole by every row
+                segment(0, rows, table + req_row[order[first]] * table_stride, prefix, false);
             for (int64_t i = 0; i < members; ++i) {
                 const int64_t b = order[first + i];
                 const int32_t* slots = table + req_row[b] * table_stride;
-                segment(static_cast<int>(i * g_heads), static_cast<int>(g_heads), slots + prefix,
-                        req_len[b] - prefix);
-                for (int64_t gh = 0; gh < g_heads; ++gh) {
-                    const int64_t r = i * g_heads + gh;
-                    const float inv = 1.0f / sc.l[r];
-                    const float* ar = sc.acc.data() + r * d;
-                    typename C::T* os = out + (b * heads + h * g_heads + gh) * d;
-                    for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
-                }
+                const int nrows = static_cast<int>(offset[i + 1] - offset[i]);
+                segment(static_cast<int>(offset[i]), nrows, slots + prefix, req_len[b] - prefix,
+                        true);
+                for (int64_t t = 0; t < n_new[b]; ++t)
+                    for (int64_t gh = 0; gh < g_heads; ++gh) {
+                        const int64_t r = offset[i] + t * g_heads + gh;
+                        const float inv = 1.0f / sc.l[r];
+                        const float* ar = sc.acc.data() + r * d;
+                        typename C::T* os = out + ((q_start[b] + t) * heads + h * g_heads + gh) * d;
+                        for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
+                    }
             }
         }
     }
@@ -387,30 +418,25 @@ void decode_attention(const typename C::T* q, const typename C::T* kpool,
 
 extern "C" {
 
-// q, out: [B, H, D]; k, v: one layer of the pool, [slots, KVH, D]; table: [rows, stride] int32;
-// req_row/req_len: per request (len = context including the new token); order: request indices
-// grouped, group g = order[group_start[g] .. group_start[g + 1]), sharing its first
+// q, out: [T, H, D], the step's flat tokens (only the requests below are read and written);
+// k, v: one layer of the pool, [slots, KVH, D]; table: [rows, stride] int32. Per request:
+// req_row, req_len (context including its new tokens, all stored), q_start (its first new
+// token in q), n_new (its new tokens: 1 for a decode; each attends causally). order: request
+// indices grouped, group g = order[group_start[g] .. group_start[g + 1]), sharing its first
 // group_prefix[g] slots (0 for a request alone).
-void banyan_decode_attention_f32(const float* q, const float* k, const float* v,
-                                 const int32_t* table, int64_t table_stride,
-                                 const int64_t* req_row, const int64_t* req_len,
-                                 const int64_t* order, const int64_t* group_start,
-                                 const int64_t* group_prefix, int64_t n_groups, float* out,
-                                 int64_t heads, int64_t kvh, int64_t d, float scale,
-                                 int64_t n_threads) {
-    decode_attention<F32>(q, k, v, table, table_stride, req_row, req_len, order, group_start,
-                          group_prefix, n_groups, out, heads, kvh, d, scale, n_threads);
-}
+#define BANYAN_PAGED_ATTENTION(NAME, C)                                                        \
+    void NAME(const C::T* q, const C::T* k, const C::T* v, const int32_t* table,              \
+              int64_t table_stride, const int64_t* req_row, const int64_t* req_len,           \
+              const int64_t* q_start, const int64_t* n_new, const int64_t* order,             \
+              const int64_t* group_start, const int64_t* group_prefix, int64_t n_groups,      \
+              C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,                  \
+              int64_t n_threads) {                                                            \
+        paged_attention<C>(q, k, v, table, table_stride, req_row, req_len, q_start, n_new,    \
+                           order, group_start, group_prefix, n_groups, out, heads, kvh, d,    \
+                           scale, n_threads);                                                 \
+    }
 
-void banyan_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                  const int32_t* table, int64_t table_stride,
-                                  const int64_t* req_row, const int64_t* req_len,
-                                  const int64_t* order, const int64_t* group_start,
-                                  const int64_t* group_prefix, int64_t n_groups, uint16_t* out,
-                                  int64_t heads, int64_t kvh, int64_t d, float scale,
-                                  int64_t n_threads) {
-    decode_attention<BF16>(q, k, v, table, table_stride, req_row, req_len, order, group_start,
-                           group_prefix, n_groups, out, heads, kvh, d, scale, n_threads);
-}
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32, F32)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16, BF16)
 
 }  // extern "C"

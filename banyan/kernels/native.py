@@ -90,10 +90,10 @@ def load() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels failed to build, PyTorch attention in use: %s", detail)
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    for name in ("banyan_decode_attention_f32", "banyan_decode_attention_bf16"):
+    for name in ("banyan_paged_attention_f32", "banyan_paged_attention_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
-        fn.argtypes += [f32, i64]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+        fn.argtypes += [i64, i64, i64, f32, i64]
         fn.restype = None
     return lib
 
@@ -106,36 +106,41 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPE_SUFFIX and load() is not None
 
 
-def decode_attention(
+def paged_attention(
     q: torch.Tensor,
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
     table: torch.Tensor,
     req_row: torch.Tensor,
     req_len: torch.Tensor,
+    q_start: torch.Tensor,
+    n_new: torch.Tensor,
     order: torch.Tensor,
     group_start: torch.Tensor,
     group_prefix: torch.Tensor,
     scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """q: [B, H, D] (one new token per request); pool_k/v: [slots, KVH, D] of one layer;
-    table: [rows, stride] int32; req_row, req_len: [B] int64 (len: context with the new token,
-    already stored); order: [B] int64 request indices in group order; group_start: [G + 1];
-    group_prefix: [G] slots every member of the group shares (0 alone) -> [B, H, D]."""
+    """Causal attention of the given requests' new tokens over their whole context, read in place
+    from the pool. q, out: [T, H, D] contiguous (the step's flat tokens; only the listed requests'
+    rows are read and written); pool_k/v: [slots, KVH, D] of one layer; table: [rows, stride]
+    int32. Per request (int64 [R]): req_row, req_len (context with its new tokens, all stored),
+    q_start (its first token in q), n_new (1 for a decode). order: [R] request indices grouped;
+    group_start: [G + 1]; group_prefix: [G] slots every member of the group shares (0 alone).
+    Returns out."""
     lib = load()
     assert lib is not None, "native kernels unavailable: check supports() first"
-    fn = getattr(lib, f"banyan_decode_attention_{_DTYPE_SUFFIX[q.dtype]}")
-    q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    for t in (pool_k, pool_v, table, req_row, req_len, order, group_start, group_prefix):
+    fn = getattr(lib, f"banyan_paged_attention_{_DTYPE_SUFFIX[q.dtype]}")
+    tensors = (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new, order,
+               group_start, group_prefix)
+    for t in tensors:
         assert t.is_contiguous()
-    B, H, D = q.shape
+    _, H, D = q.shape
     fn(
         q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), table.data_ptr(), table.shape[1],
-        req_row.data_ptr(), req_len.data_ptr(), order.data_ptr(), group_start.data_ptr(),
-        group_prefix.data_ptr(), group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D,
-        scale, torch.get_num_threads(),
+        req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
+        order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
+        group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,
+        torch.get_num_threads(),
     )
     return out

@@ -1,0 +1,117 @@
+"""Decodes, and extends over a cached prefix, through the native CPU kernel
+(banyan/kernels/cpu_decode_attention.cpp).
+
+The kernel reads K/V in place from the pool through the table, so these requests copy no
+context at all, and it writes each request's rows of the step's output directly. Decodes sharing
+a cached prefix are grouped as for the torch cascade (`prefix_groups.find_shared_prefixes`), but
+with a much lower bar: in the kernel a group costs nothing extra, and each shared key is read
+once and dotted with all the group's query rows. Extends (a prefill chunk over a cached prefix,
+causal) each run alone: they already reuse every key for n queries. Extends of more than
+`MAX_NATIVE_EXTEND` tokens, and those with nothing cached, stay on SDPA, which is as fast there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
+from banyan.kernels import native
+
+NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
+MAX_NATIVE_EXTEND = 256
+
+
+@dataclass(slots=True)
+class NativePlan:
+    """The kernel's per-step arguments for R requests (int64 [R] unless noted)."""
+
+    num_tokens: int  # new tokens of these requests (== T when they are the whole step)
+    req_row: torch.Tensor  # table rows
+    req_len: torch.Tensor  # context lengths, new tokens included
+    q_start: torch.Tensor  # first new token of each request in the flat batch
+    n_new: torch.Tensor  # new tokens of each request (1: a decode)
+    order: torch.Tensor  # request indices, grouped
+    group_start: torch.Tensor  # [G + 1]
+    group_prefix: torch.Tensor  # [G] shared slots of each group (0: alone)
+
+
+def takes_extend(prefix_len: int, extend_len: int) -> bool:
+    """Whether an extend (more than one new token) goes to the kernel."""
+    return prefix_len > 0 and extend_len <= MAX_NATIVE_EXTEND
+
+
+def plan_native(
+    table: torch.Tensor,
+    rows: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    starts: list[int],
+) -> NativePlan:
+    """Per request given (decodes and extends alike): table row, tokens already in KV, new
+    tokens, first new token in the flat batch."""
+    decodes = [i for i, n in enumerate(extend_lens) if n == 1]
+    groups = []
+    if len(decodes) >= 2:
+        found = find_shared_prefixes(
+            table,
+            [rows[i] for i in decodes],
+            [prefix_lens[i] for i in decodes],
+            NATIVE_GROUPING,
+        )
+        groups = [([decodes[j] for j in g.members], g.length) for g in found]
+    grouped = {i for members, _ in groups for i in members}
+    order: list[int] = []
+    group_start = [0]
+    group_prefix: list[int] = []
+    for members, length in groups:
+        order += members
+        group_start.append(len(order))
+        group_prefix.append(length)
+    for i in range(len(rows)):
+        if i not in grouped:
+            order.append(i)
+            group_start.append(len(order))
+            group_prefix.append(0)
+
+    def i64(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return NativePlan(
+        sum(extend_lens),
+        i64(rows),
+        i64([p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]),
+        i64(starts),
+        i64(extend_lens),
+        i64(order),
+        i64(group_start),
+        i64(group_prefix),
+    )
+
+
+def native_attention(
+    q: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    table: torch.Tensor,
+    plan: NativePlan,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written)."""
+    return native.paged_attention(
+        q,
+        pool_k,
+        pool_v,
+        table,
+        plan.req_row,
+        plan.req_len,
+        plan.q_start,
+        plan.n_new,
+        plan.order,
+        plan.group_start,
+        plan.group_prefix,
+        scale,
+        out,
+    )
