@@ -104,11 +104,11 @@ def test_decodes_mixed_with_extends_and_stale_rows() -> None:
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
 @pytest.mark.parametrize("dim", [64, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extends_over_a_cached_prefix_match_naive(
+def test_extends_match_naive(
     heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:
-    """Prefill chunks over cached tokens attend causally in the kernel (lengths around the
-    16-key block); a chunk past MAX_NATIVE_EXTEND and a fresh prompt stay on SDPA."""
+    """Prefill chunks attend causally in the kernel, over cached tokens or none (lengths around
+    the 16-key block); chunks past MAX_NATIVE_EXTEND stay on SDPA."""
     c = [1]
     reqs = [
         Req(fresh(c, 5 + 2), extend=2),
@@ -116,14 +116,16 @@ def test_extends_over_a_cached_prefix_match_naive(
         Req(fresh(c, 100 + 17), extend=17),
         Req(fresh(c, 1 + 33), extend=33),
         Req(fresh(c, 3 + 300), extend=300),  # too long: SDPA
-        Req(fresh(c, 20), extend=20),  # nothing cached: SDPA
+        Req(fresh(c, 20), extend=20),  # nothing cached: the kernel too
+        Req(fresh(c, 260), extend=260),  # nothing cached, too long: SDPA
         Req(fresh(c, 70)),  # a decode
     ]
     scene = Scene(reqs, heads, kv_heads, dim=dim, dtype=dtype)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     meta = scene.check(native_backend(scene), atol=atol)
-    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 2, 16, 17, 33]
-    assert sorted(e.length for e in meta.extends) == [20, 300]
+    assert meta.native is not None
+    assert sorted(meta.native.n_new.tolist()) == [1, 2, 16, 17, 20, 33]
+    assert sorted(e.length for e in meta.extends) == [260, 300]
 
 
 def test_greedy_matches_transformers_with_the_native_kernel(

@@ -5,9 +5,9 @@ The kernel reads K/V in place from the pool through the table, so these requests
 context at all, and it writes each request's rows of the step's output directly. Decodes sharing
 a cached prefix are grouped as for the torch cascade (`prefix_groups.find_shared_prefixes`), but
 with a much lower bar: in the kernel a group costs nothing extra, and each shared key is read
-once and dotted with all the group's query rows. Extends (a prefill chunk over a cached prefix,
-causal) each run alone: they already reuse every key for n queries. Extends of more than
-`MAX_NATIVE_EXTEND` tokens, and those with nothing cached, stay on SDPA, which is as fast there.
+once and dotted with all the group's query rows. Extends (prefill chunks, causal) each run
+alone: they already reuse every key for n queries. Extends of more than `MAX_NATIVE_EXTEND`
+tokens stay on SDPA, which is as fast there.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class NativePlan:
     group_prefix: torch.Tensor  # [G] shared slots of each group (0: alone)
 
 
-def takes_extend(prefix_len: int, extend_len: int) -> bool:
-    """Whether an extend (more than one new token) goes to the kernel."""
-    return prefix_len > 0 and extend_len <= MAX_NATIVE_EXTEND
+def takes_extend(extend_len: int) -> bool:
+    """Whether an extend (a prefill chunk, with or without cached tokens) goes to the kernel."""
+    return extend_len <= MAX_NATIVE_EXTEND
 
 
 def plan_native(

@@ -119,11 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
         plain_dec = dec_reqs
         taken: set[int] = set()  # batch indices the native kernel takes
         if self.native:
-            taken = {
-                i
-                for i, (p, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True))
-                if n == 1 or takes_extend(p, n)
-            }
+            taken = {i for i, n in enumerate(batch.extend_lens) if n == 1 or takes_extend(n)}
         if taken:
             which = sorted(taken)
             meta.native = plan_native(
