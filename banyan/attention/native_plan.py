@@ -1,5 +1,5 @@
 """Decodes, and extends over a cached prefix, through the native CPU kernel
-(banyan/kernels/cpu_decode_attention.cpp).
+(banyan/kernels/cpu_paged_attention.cpp).
 
 The kernel reads K/V in place from the pool through the table, so these requests copy no
 context at all, and it writes each request's rows of the step's output directly. Decodes sharing

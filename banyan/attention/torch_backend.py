@@ -34,6 +34,7 @@ from banyan.attention.cascade import CascadePlan, cascade_attention, plan_cascad
 from banyan.attention.native_plan import NativePlan, native_attention, plan_native, takes_extend
 from banyan.attention.prefix_groups import CascadePolicy, SharedPrefix, find_shared_prefixes
 from banyan.batch import ForwardBatch
+from banyan.kernels import native as native_kernels
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 
@@ -85,8 +86,6 @@ class TorchAttentionBackend(AttentionBackend):
         is available for this pool (banyan/kernels; it groups shared prefixes itself), else the
         paths above."""
         super().__init__(pool, table)
-        from banyan.kernels import native as native_kernels
-
         self.native = native and native_kernels.supports(pool.device, pool.dtype)
         self.scale = scale if scale is not None else pool.head_dim**-0.5
         self.cascade = cascade

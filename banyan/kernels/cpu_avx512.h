@@ -1,4 +1,4 @@
-// AVX-512 helpers of cpu_decode_attention.cpp: a vectorised exp, bf16/float loads, a 16-way
+// AVX-512 helpers of cpu_paged_attention.cpp: a vectorised exp, bf16/float loads, a 16-way
 // transpose-and-add, partial dot products, and the bf16 pair-interleave tables.
 #pragma once
 

@@ -29,7 +29,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.cpp",)
+SOURCES = ("cpu_paged_attention.cpp",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
 
@@ -102,7 +102,7 @@ _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the decode kernel can serve a pool on this device with this dtype."""
+    """Whether the kernel can serve a pool on this device with this dtype."""
     return device.type == "cpu" and dtype in _DTYPE_SUFFIX and load() is not None
 
 

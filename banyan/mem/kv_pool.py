@@ -8,9 +8,6 @@ gather read it, so it must only ever hold finite values (the pool starts zeroed)
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from banyan.mem.allocator import PAD_SLOT
@@ -58,14 +55,12 @@ class KVPool:
         # Zeroed, not empty: gathers read slot 0 (and stale slots) under a mask, and a NaN in
         # garbage memory would survive the mask (0 * NaN = NaN in the weighted sum of V).
         shape = (num_slots, kv_heads, head_dim)
-        self.k: list[torch.Tensor] = [self._zeros(shape) for _ in range(layers)]
-        self.v: list[torch.Tensor] = [self._zeros(shape) for _ in range(layers)]
-
-    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
-        t = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
-            advise_huge_pages(t)  # before the first touch, so the zeroing faults in huge pages
-        return t.zero_()
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)
+        ]
 
     @property
     def bytes_per_slot(self) -> int:
@@ -79,24 +74,3 @@ class KVPool:
         """slots: [T] int64; k/v: [T, kv_heads, head_dim] -> written to layer `layer_id`."""
         self.k[layer_id].index_copy_(0, slots, k)
         self.v[layer_id].index_copy_(0, slots, v)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux for transparent huge pages under a large CPU tensor (where THP is in "madvise"
-    mode). Decode attention reads K/V rows scattered over the pool (one slot per request and
-    step): with 4 KiB pages nearly every row is a TLB miss; 2 MiB pages cover the pool with few
-    entries. A no-op off Linux or where madvise refuses."""
-    size = t.numel() * t.element_size()
-    if size < 2 * _HUGE_PAGE or not sys.platform.startswith("linux"):
-        return
-    start = (t.data_ptr() + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    length = (t.data_ptr() + size - start) // _HUGE_PAGE * _HUGE_PAGE
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass

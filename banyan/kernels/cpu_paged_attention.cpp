@@ -1,4 +1,5 @@
-// Decode attention on CPU, reading K/V in place from the paged pool through the token table.
+// Paged attention on CPU (decodes and short prefill chunks), reading K/V in place from the pool
+// through the token table.
 //
 // The torch path gathers every decode's context into a padded block and runs SDPA on it; on a
 // 2-core CPU that costs a copy of all the K/V plus a flash kernel whose per-(batch, head)
