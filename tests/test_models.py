@@ -15,6 +15,7 @@ import torch
 
 from banyan.batch import RowPrefix
 from banyan.demo import build_random_model
+from banyan.kernels import fused_ops
 from banyan.layers.packed_linear import PackedLinear, can_pack
 from banyan.mem.allocator import SlotAllocator
 from tests.model_helpers import (
@@ -36,6 +37,25 @@ def test_full_prompt_matches_hf(arch: str, model_dirs: dict[str, Path]) -> None:
     ref = hf_logits(path, ids)
     (got,) = run_step(runner, SlotAllocator(runner.num_slots), [(Seq(0, ids), len(ids))])
     assert_close(got, ref, what=arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pytorch_element_wise_path_matches_hf(
+    arch: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with the fused CPU kernels (norms, RoPE, SiLU) refused: the PyTorch ops that
+    run on other devices and dtypes give HF's logits too."""
+    monkeypatch.setattr(fused_ops, "_kernel", lambda name, x: None)
+    path = model_dirs[arch]
+    runner = make_runner(path)
+    ids = random_ids(40, seed=5)
+    ref = hf_logits(path, ids)
+    alloc = SlotAllocator(runner.num_slots)
+    seq = Seq(0, ids)
+    (got,) = run_step(runner, alloc, [(seq, len(ids) - 1)])
+    assert_close(got, ref[:-1], what=arch)
+    (got,) = run_step(runner, alloc, [(seq, 1)])  # a decode too
+    assert_close(got, ref[-1:], what=arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

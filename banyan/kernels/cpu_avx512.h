@@ -10,8 +10,9 @@
 
 namespace {
 
-inline __m512 exp512_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// exp(x) for x in [-87, 88] (clamped outside); the same polynomial as exp_clamped.
+inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     __m512 fx = _mm512_roundscale_ps(
         _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -29,6 +30,8 @@ inline __m512 exp512_nonpos(__m512 x) {
         _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
+
+inline __m512 exp512_nonpos(__m512 x) { return exp512(x); }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {

@@ -29,8 +29,20 @@ import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_paged_attention.cpp",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp")
+# -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
+# rounded where torch rounds it (no silent fused multiply-adds).
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
 
 
@@ -95,6 +107,16 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
         fn.argtypes += [i64, i64, i64, f32, i64]
         fn.restype = None
+    for sfx in ("f32", "bf16"):
+        signatures = {
+            "banyan_add_rms_norm_": [ptr, ptr, ptr, ptr, i64, i64, f32],
+            "banyan_silu_and_mul_": [ptr, ptr, i64, i64],
+            "banyan_rope_qk_": [ptr, i64, ptr, ptr, ptr, ptr, f32, ptr, ptr, i64, i64, i64, i64],
+        }
+        for prefix, argtypes in signatures.items():
+            fn = getattr(lib, prefix + sfx)
+            fn.argtypes = [*argtypes, i64]
+            fn.restype = None
     return lib
 
 

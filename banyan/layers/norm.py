@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from banyan.kernels import fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -20,6 +22,20 @@ class RMSNorm(nn.Module):
         # bit-identical in float32 (tested against transformers).
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm step of a decoder layer: residual + x, then its norm.
+        x, residual: [T, dim]; residual None means x is the stream itself (the first layer).
+        -> (normed [T, dim], the new residual stream). The native kernel updates `residual`
+        in place, so it must be a tensor the caller owns."""
+        if x.dim() == 2:
+            fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+        stream = x if residual is None else residual + x
+        return self(stream), stream
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from banyan.attention.base import AttentionMetadata
+from banyan.kernels import fused_ops
 from banyan.layers.activation import silu_and_mul
 from banyan.layers.norm import RMSNorm
 from banyan.layers.rotary import RotaryEmbedding, apply_rotary
@@ -50,18 +51,26 @@ class LlamaAttention(nn.Module):
         # x: [T, hidden]; cos/sin: [T, D/2]
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        v = v.view(T, self.kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(T, self.heads, self.head_dim))  # Qwen3: before RoPE
-            k = self.k_norm(k.view(T, self.kv_heads, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.kv_heads, self.head_dim)
+        qn, kn = self.q_norm, self.k_norm
+        fused = fused_ops.rope_qk(  # one pass on CPU: q/k norms (Qwen3), RoPE, q made contiguous
+            qkv, cos, sin, self.heads, self.kv_heads, self.head_dim,
+            qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None,
+            qn.eps if qn is not None else 0.0,
+        )
+        if fused is not None:
+            q, k = fused  # [T, H, D], [T, KVH, D]
+        elif qn is not None and kn is not None:
+            q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = qn(q.reshape(T, self.heads, self.head_dim))  # Qwen3: before RoPE
+            k = kn(k.reshape(T, self.kv_heads, self.head_dim))
             q = apply_rotary(q, cos, sin)  # [T, H, D]
             k = apply_rotary(k, cos, sin)  # [T, KVH, D]
         else:
             # q and k heads side by side in one rotation: half the element-wise ops
-            qk = apply_rotary(qk.view(T, self.heads + self.kv_heads, self.head_dim), cos, sin)
-            q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.heads + self.kv_heads, -1)
+            q, k = apply_rotary(qk, cos, sin).split([self.heads, self.kv_heads], dim=1)
         o = meta.backend.forward(q, k, v, self.layer_id, meta)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))  # [T, hidden]
 
@@ -86,11 +95,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        # Pre-norm residual blocks in HF's exact op order, so bf16 rounds the same way.
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # h: [T, hidden] the previous layer's output, residual: the stream it adds to (None for
+        # the first layer, whose h is the embedding) -> (this layer's output, the stream).
+        # Pre-norm residual blocks in HF's exact op order (add, then norm), so bf16 rounds the
+        # same way; each add is fused into the norm after it.
+        x, residual = self.input_layernorm.add_forward(h, residual)
+        a = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,9 +132,10 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> final-normed hidden states [T, hidden]
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)  # once per step, shared by all layers
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn_meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, attn_meta)
+        return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (only the tokens that sample) -> [S, vocab] float32

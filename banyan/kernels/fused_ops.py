@@ -1,0 +1,91 @@
+"""Python side of the fused element-wise CPU kernels (cpu_fused_ops.cpp): RMSNorm with the
+residual add, SiLU-and-mul, RoPE on the fused qkv projection.
+
+Each function returns None when the kernel cannot take its input (not a CPU float32/bfloat16
+tensor, or the kernels are unavailable); the layers then run their PyTorch composition, which
+computes the same values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from banyan.kernels import native
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_HEAD_DIM = 512  # the RoPE kernel's per-head scratch
+
+
+def _kernel(name: str, x: torch.Tensor) -> ctypes._CFuncPtr | None:
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX:
+        return None
+    lib = native.load()
+    if lib is None:
+        return None
+    return getattr(lib, f"banyan_{name}_{_SUFFIX[x.dtype]}")
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x: [T, n]. With residual: residual += x in place (rounded like torch's add), then RMSNorm
+    of it; without: RMSNorm of x. -> (normed [T, n], the residual stream: residual or x)."""
+    fn = _kernel("add_rms_norm", x)
+    if fn is None or x.dim() != 2 or weight.dtype != x.dtype:
+        return None
+    base = x if residual is None else residual
+    if not (base.is_contiguous() and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    if residual is not None and residual.shape != x.shape:
+        return None
+    out = torch.empty_like(x)
+    add = x.data_ptr() if residual is not None else None
+    rows, n = x.shape
+    fn(base.data_ptr(), add, weight.data_ptr(), out.data_ptr(), rows, n, eps,
+       torch.get_num_threads())
+    return out, base
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up: [T, 2 * I] contiguous -> silu(gate) * up, [T, I]."""
+    fn = _kernel("silu_and_mul", gate_up)
+    if fn is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return None
+    rows, width = gate_up.shape
+    out = gate_up.new_empty((rows, width // 2))
+    fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def rope_qk(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """qkv: [T, (H + 2 KVH) D] (rows may be strided), cos/sin: [T, D/2] in its dtype ->
+    rotated q [T, H, D], k [T, KVH, D], contiguous. q_norm/k_norm: per-head RMSNorm weights
+    [D] applied before the rotation (Qwen3), both or neither."""
+    fn = _kernel("rope_qk", qkv)
+    if fn is None or qkv.dim() != 2 or qkv.stride(1) != 1 or head_dim > MAX_HEAD_DIM:
+        return None
+    if head_dim % 2 or cos.dtype != qkv.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    norms = (q_norm, k_norm)
+    if any(w is not None and (w.dtype != qkv.dtype or not w.is_contiguous()) for w in norms):
+        return None
+    rows = qkv.shape[0]
+    q = qkv.new_empty((rows, heads, head_dim))
+    k = qkv.new_empty((rows, kv_heads, head_dim))
+    qn = q_norm.data_ptr() if q_norm is not None else None
+    kn = k_norm.data_ptr() if k_norm is not None else None
+    fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qn, kn, eps,
+       q.data_ptr(), k.data_ptr(), rows, heads, kv_heads, head_dim, torch.get_num_threads())
+    return q, k
