@@ -81,6 +81,32 @@ inline __m512 dot_partial(const uint16_t* q, const uint16_t* k, int d) {
 
 constexpr int VBLK = 16;
 
+// part[j] = dot_partial(q, k[j], D) for the 16 keys of a block, q loaded into registers once.
+template <int D, typename T>
+inline void scores_fixed(const T* q, const T* const* k, __m512* part) {
+    constexpr int W = D * static_cast<int>(sizeof(T)) / 64;  // 64-byte words per row
+    __m512i qw[W];
+    for (int w = 0; w < W; ++w) qw[w] = _mm512_loadu_si512(q + w * (64 / sizeof(T)));
+    for (int j = 0; j < VBLK; ++j) {
+        const T* kj = k[j];
+        if constexpr (sizeof(T) == 2) {
+#if defined(__AVX512BF16__)
+            __m512 acc = _mm512_setzero_ps();
+            for (int w = 0; w < W; ++w)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)qw[w], (__m512bh)_mm512_loadu_si512(kj + w * 32));
+            part[j] = acc;
+#else
+            part[j] = dot_partial(q, kj, D);
+#endif
+        } else {
+            __m512 acc = _mm512_mul_ps(_mm512_castsi512_ps(qw[0]), _mm512_loadu_ps(kj));
+            for (int w = 1; w < W; ++w)
+                acc = _mm512_fmadd_ps(_mm512_castsi512_ps(qw[w]), _mm512_loadu_ps(kj + w * 16), acc);
+            part[j] = acc;
+        }
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // vpermt2w indices interleaving two rows of 32 bf16: (a[i], b[i]) for i < 16, then i >= 16.
 alignas(64) constexpr uint16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,

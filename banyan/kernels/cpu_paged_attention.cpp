@@ -218,7 +218,12 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             } else {
                 const T* qr = qraw + static_cast<size_t>(r) * d;
                 __m512 part[VBLK];
-                for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
+                if (d == 64)  // the common head sizes with q held in registers
+                    scores_fixed<64>(qr, kr, part);
+                else if (d == 128)
+                    scores_fixed<128>(qr, kr, part);
+                else
+                    for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
                 raw = reduce16(part);
             }
             __mmask16 seen = live;  // keys of the block this row sees
@@ -230,7 +235,9 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             const __m512 sv =
                 _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(raw, scale_v));
             const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(sv));
-            const float corr = exp_nonpos(std::max(sc.m[rr] - mx, -87.0f));
+            // Past the first blocks the maximum rarely moves: no correction to compute then.
+            // (m starts at -inf: exp_nonpos clamps, so the first correction is ~0, never NaN.)
+            const float corr = mx > sc.m[rr] ? exp_nonpos(std::max(sc.m[rr] - mx, -87.0f)) : 1.0f;
             const __m512 pv = _mm512_maskz_mov_ps(
                 seen, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
             sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(pv);
