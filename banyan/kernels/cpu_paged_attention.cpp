@@ -121,9 +121,10 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += VBLK) {
         const int nb = static_cast<int>(std::min<int64_t>(VBLK, n - j0));
-        // Prefetch two blocks ahead, on the first head the whole slot (every head's K and V:
-        // the next heads of this slice then find them in cache), else just this head's rows.
-        const int64_t ahead0 = j0 + 2 * VBLK, ahead1 = std::min<int64_t>(n, ahead0 + VBLK);
+        // Prefetch the next block (measured: further ahead evicts lines before their use), on
+        // the first head the whole slot (every head's K and V: the next heads of this slice
+        // then find them in cache), else just this head's rows.
+        const int64_t ahead0 = j0 + VBLK, ahead1 = std::min<int64_t>(n, ahead0 + VBLK);
         const int64_t head0 = h == 0 ? 0 : h, width = (h == 0 ? kvh : 1) * d * sizeof(T);
         for (int64_t j = ahead0; j < ahead1; ++j) {
             const char* kp = reinterpret_cast<const char*>(kpool + (slots[j] * kvh + head0) * d);
@@ -133,8 +134,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 _mm_prefetch(vp + off, _MM_HINT_T0);
             }
         }
-        if (j0 == 0) {  // the first two blocks, before the loop reaches them
-            for (int64_t j = 0; j < std::min<int64_t>(n, 2 * VBLK); ++j) {
+        if (j0 == 0) {  // the first block, before the loop reaches it
+            for (int64_t j = 0; j < std::min<int64_t>(n, VBLK); ++j) {
                 const char* kp =
                     reinterpret_cast<const char*>(kpool + (slots[j] * kvh + head0) * d);
                 const char* vp =
