@@ -1,4 +1,4 @@
-"""KV pool sizing and the request-to-token table's writes."""
+"""KV pool sizing, the slot allocator's order, and the request-to-token table's writes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from banyan.batch import ForwardBatch, RowPrefix
+from banyan.mem.allocator import SlotAllocator
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 
@@ -51,3 +52,21 @@ def test_table_write_batch_with_prefixes() -> None:
     assert table.read(0, 4).tolist() == [30, 31, 32, 0]
     assert not table.table[[1, 3]].any()
     assert table.table.dtype == torch.int32
+
+
+def test_allocator_hands_out_lowest_free_slots_in_runs() -> None:
+    alloc = SlotAllocator(41)
+    assert alloc.alloc(5) == [1, 2, 3, 4, 5]
+    rest = alloc.alloc(35)
+    assert rest == list(range(6, 41)) and alloc.alloc(1) is None
+    # free a scattered mix, in no particular order, as finished requests do
+    alloc.free([30, 7, 12, 8, 31, 9, 29, 11, 10])
+    alloc.free([2, 3])
+    assert alloc.num_free == 11
+    assert alloc.alloc(3) == [2, 3, 7]  # lowest first, ascending
+    assert alloc.alloc(5) == [8, 9, 10, 11, 12]  # a contiguous run, whatever the free order
+    assert alloc.alloc(4) is None and alloc.num_free == 3  # nothing taken on failure
+    assert alloc.alloc(3) == [29, 30, 31]
+    big = list(range(1, 41))
+    alloc.free(reversed(big))  # a large free is heapified at once
+    assert alloc.free_set() == set(big) and alloc.alloc(40) == big

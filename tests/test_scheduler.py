@@ -11,6 +11,7 @@ from banyan.mem.allocator import SlotAllocator
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
+from banyan.scheduler.memory import DECODE_RUN
 from banyan.scheduler.request import FinishReason
 from tests.fake_runner import FakeRunner, reference
 
@@ -55,8 +56,8 @@ def test_first_steps_exact_slots() -> None:
     sched.add_request(make_request("b", [10, 11], 2))
     sched.step()
     first = runner.batches[0]
-    # a gets a 4-token chunk (chunk size), b the remaining budget of 2: the LIFO free list
-    # hands out slots 1, 2, 3, ... in order.
+    # a gets a 4-token chunk (chunk size), b the remaining budget of 2: the allocator
+    # hands out the lowest free slots, 1, 2, 3, ..., in order.
     assert first.rows == [0, 1]
     assert first.prefix_lens == [0, 0]
     assert first.extend_lens == [4, 2]
@@ -65,12 +66,44 @@ def test_first_steps_exact_slots() -> None:
     sched.step()
     second = runner.batches[1]
     # Both need exactly one token: a its last prompt token, b its first decode. One-token work
-    # is served first, in admission order.
+    # is served first, in admission order. a takes a run for the 2 tokens it will still write
+    # (slot 8 is its reserve), b needs only one more.
     assert second.rows == [0, 1]
     assert second.prefix_lens == [4, 2]
     assert second.extend_lens == [1, 1]
-    assert second.out_slots == [7, 8]
+    assert second.out_slots == [7, 9]
     assert second.sample_indices == [0, 1]
+    sched.step()
+    assert runner.batches[2].out_slots == [8]  # a's decode from its reserve; b has finished
+
+
+def test_decode_slots_come_in_runs_per_request() -> None:
+    """Decoding requests take their slots DECODE_RUN at a time, so each one's K/V stays in
+    ascending runs instead of interleaving with the others' step by step."""
+    sched, runner = make_scheduler(num_slots=1000)
+    for rid in "abc":
+        sched.add_request(make_request(rid, [5, 6, 7], 40))
+    run_all(sched)
+    per_row: dict[int, list[int]] = {}
+    for batch in runner.batches:
+        for row, n, start in zip(batch.rows, batch.extend_lens, _starts(batch.extend_lens)):
+            if n == 1:
+                per_row.setdefault(row, []).extend(batch.out_slots[start : start + 1])
+    assert len(per_row) == 3
+    for slots in per_row.values():
+        assert len(slots) == 39  # the outputs fed back (the prompt took one 3-token step)
+        runs = [slots[i : i + DECODE_RUN] for i in range(0, len(slots), DECODE_RUN)]
+        for run in runs:
+            assert run == list(range(run[0], run[0] + len(run)))  # consecutive slots
+    assert sched.kv.allocator.num_free == 999  # every reserve came back
+
+
+def _starts(lens: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in lens:
+        out.append(at)
+        at += n
+    return out
 
 
 @pytest.mark.parametrize("chunk,prefill", [(4096, 4096), (16, 40), (7, 7)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 # Slot 0 is never handed out: padded positions (CUDA graphs, dummy rows) write their KV there.
@@ -9,14 +10,19 @@ PAD_SLOT = 0
 
 
 class SlotAllocator:
-    """Hands out KV slot indices 1..num_slots-1 from a free list (LIFO, so recently freed slots,
-    still warm in cache, are reused first)."""
+    """Hands out KV slot indices 1..num_slots-1, lowest free first.
+
+    Lowest-first keeps a request's slots in ascending runs however fragmented the pool has
+    become after many requests came and went (the free list is a min-heap): decode attention
+    reads each request's K/V from the pool in place, and scattered slots cost it ~30% more
+    (measured: 64 decodes of ~192 tokens, 15 ms of attention per step with runs, 20-23 ms
+    with every slot scattered)."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 2:
             raise ValueError(f"KV pool needs at least 2 slots, got {num_slots}")
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, PAD_SLOT, -1))
+        self._free: list[int] = list(range(PAD_SLOT + 1, num_slots))  # sorted: a valid heap
 
     @property
     def capacity(self) -> int:
@@ -28,19 +34,28 @@ class SlotAllocator:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
-        """n slots, or None (and nothing taken) when fewer than n are free."""
-        if n > len(self._free):
+        """The n lowest free slots in ascending order, or None (and nothing taken) when fewer
+        than n are free."""
+        free = self._free
+        if n > len(free):
             return None
         if n == 0:
             return []
-        taken = self._free[-n:]
-        taken.reverse()  # ascending runs of slots: contiguous KV reads when the pool is fresh
-        del self._free[-n:]
-        return taken
+        if n * 8 > len(free):  # a large share: one sort beats n pops (and keeps a heap)
+            free.sort()
+            taken = free[:n]
+            del free[:n]
+            return taken
+        return [heapq.heappop(free) for _ in range(n)]
 
     def free(self, slots: Iterable[int]) -> None:
-        # Reversed so that the next alloc hands these back in their original order.
-        self._free.extend(reversed(list(slots)))
+        back = list(slots)
+        if len(back) * 4 > len(self._free):
+            self._free.extend(back)
+            heapq.heapify(self._free)
+        else:
+            for s in back:
+                heapq.heappush(self._free, s)
 
     def free_set(self) -> set[int]:
         return set(self._free)

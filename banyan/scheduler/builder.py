@@ -133,7 +133,7 @@ class BatchBuilder:
         return math.ceil(future * self.new_token_ratio)
 
     def _add(self, step: ScheduledStep, req: Request, n: int) -> None:
-        slots = self.kv.alloc_slots(n)
+        slots = self.kv.alloc_for(req, n)
         assert slots is not None, "caller checked availability"
         batch = step.batch
         assert req.row is not None
