@@ -81,7 +81,7 @@ class Engine:
         """Prompt tokens looked up in the prefix cache at admission, and those it served."""
         kv = self.core.scheduler.kv
         return {"queried_tokens": kv.prefix_queried, "hit_tokens": kv.prefix_hit,
-                "cached_slots": kv.cache.cached_size, "free_slots": kv.allocator.num_free}
+                "cached_slots": kv.cache.cached_size, "free_slots": kv.free_slots}
 
     # -- batch generation -----------------------------------------------------------------
 

@@ -71,6 +71,7 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -
     got = fused_ops.silu_and_mul(gate_up)
     assert got is not None
     assert_near(got, ref, dtype)
+    assert got[0, 0].float().abs().item() < 1e-38  # silu(-100) * up: ~0, as in torch
     assert torch.equal(silu_and_mul(gate_up), got)  # the layer takes the kernel
 
 
@@ -135,5 +136,13 @@ def test_inputs_the_kernels_do_not_take_fall_back() -> None:
     x = torch.randn(4, 64)
     assert fused_ops.add_rms_norm(x, None, torch.ones(64).bfloat16(), 1e-5) is None  # dtypes
     assert fused_ops.silu_and_mul(x.t()) is None  # not contiguous
-    cos = torch.randn(4, 8)
-    assert fused_ops.rope_qk(x.t().contiguous().t(), cos, cos, 2, 1, 16) is None  # column-major
+    assert fused_ops.add_rms_norm(x, torch.randn(4, 64).double(), torch.ones(64), 1e-5) is None
+    assert fused_ops.add_rms_norm(x, None, torch.ones(32), 1e-5) is None  # weight's size
+    assert fused_ops.silu_and_mul(torch.randn(4, 7)) is None  # odd width
+    qkv, cos = torch.randn(4, 64), torch.randn(4, 8)
+    assert fused_ops.rope_qk(qkv.t().contiguous().t(), cos, cos, 2, 1, 16) is None  # column-major
+    assert fused_ops.rope_qk(qkv, cos[:3], cos[:3], 2, 1, 16) is None  # too few cos/sin rows
+    assert fused_ops.rope_qk(qkv, cos, cos, 4, 1, 16) is None  # more heads than the row holds
+    w = torch.ones(16)
+    assert fused_ops.rope_qk(qkv, cos, cos, 2, 1, 16, w, None) is None  # both norms or neither
+    assert fused_ops.rope_qk(qkv, cos, cos, 2, 1, 16) is not None

@@ -67,14 +67,14 @@ def test_first_steps_exact_slots() -> None:
     second = runner.batches[1]
     # Both need exactly one token: a its last prompt token, b its first decode. One-token work
     # is served first, in admission order. a takes a run for the 2 tokens it will still write
-    # (slot 8 is its reserve), b needs only one more.
+    # (slot 8 is its decode run), b needs only one more.
     assert second.rows == [0, 1]
     assert second.prefix_lens == [4, 2]
     assert second.extend_lens == [1, 1]
     assert second.out_slots == [7, 9]
     assert second.sample_indices == [0, 1]
     sched.step()
-    assert runner.batches[2].out_slots == [8]  # a's decode from its reserve; b has finished
+    assert runner.batches[2].out_slots == [8]  # a's decode from its run; b has finished
 
 
 def test_decode_slots_come_in_runs_per_request() -> None:
@@ -95,7 +95,7 @@ def test_decode_slots_come_in_runs_per_request() -> None:
         runs = [slots[i : i + DECODE_RUN] for i in range(0, len(slots), DECODE_RUN)]
         for run in runs:
             assert run == list(range(run[0], run[0] + len(run)))  # consecutive slots
-    assert sched.kv.allocator.num_free == 999  # every reserve came back
+    assert sched.kv.allocator.num_free == 999  # every decode run came back
 
 
 def _starts(lens: list[int]) -> list[int]:

@@ -33,12 +33,12 @@ def add_rms_norm(
     """x: [T, n]. With residual: residual += x in place (rounded like torch's add), then RMSNorm
     of it; without: RMSNorm of x. -> (normed [T, n], the residual stream: residual or x)."""
     fn = _kernel("add_rms_norm", x)
-    if fn is None or x.dim() != 2 or weight.dtype != x.dtype:
+    if fn is None or x.dim() != 2 or weight.dtype != x.dtype or weight.shape != x.shape[1:]:
         return None
     base = x if residual is None else residual
     if not (base.is_contiguous() and x.is_contiguous() and weight.is_contiguous()):
         return None
-    if residual is not None and residual.shape != x.shape:
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return None
     out = torch.empty_like(x)
     add = x.data_ptr() if residual is not None else None
@@ -51,7 +51,7 @@ def add_rms_norm(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up: [T, 2 * I] contiguous -> silu(gate) * up, [T, I]."""
     fn = _kernel("silu_and_mul", gate_up)
-    if fn is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
+    if fn is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
         return None
     rows, width = gate_up.shape
     out = gate_up.new_empty((rows, width // 2))
@@ -76,12 +76,22 @@ def rope_qk(
     fn = _kernel("rope_qk", qkv)
     if fn is None or qkv.dim() != 2 or qkv.stride(1) != 1 or head_dim > MAX_HEAD_DIM:
         return None
-    if head_dim % 2 or cos.dtype != qkv.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
-        return None
-    norms = (q_norm, k_norm)
-    if any(w is not None and (w.dtype != qkv.dtype or not w.is_contiguous()) for w in norms):
-        return None
     rows = qkv.shape[0]
+    if head_dim % 2 or qkv.shape[1] < (heads + kv_heads) * head_dim:
+        return None
+    for table in (cos, sin):
+        if table.dtype != qkv.dtype or table.shape != (rows, head_dim // 2):
+            return None
+        if not table.is_contiguous():
+            return None
+    norms = (q_norm, k_norm)
+    if (q_norm is None) != (k_norm is None):
+        return None
+    for w in norms:
+        if w is not None and (w.dtype != qkv.dtype or w.shape != (head_dim,)):
+            return None
+        if w is not None and not w.is_contiguous():
+            return None
     q = qkv.new_empty((rows, heads, head_dim))
     k = qkv.new_empty((rows, kv_heads, head_dim))
     qn = q_norm.data_ptr() if q_norm is not None else None

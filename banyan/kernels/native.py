@@ -93,13 +93,13 @@ def load() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.info("no C++ compiler found: native CPU kernels off, PyTorch attention in use")
+        logger.info("no C++ compiler found: native CPU kernels off, PyTorch ops in use")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("native CPU kernels failed to build, PyTorch attention in use: %s", detail)
+        logger.warning("native CPU kernels failed to build, PyTorch ops in use: %s", detail)
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for name in ("banyan_paged_attention_f32", "banyan_paged_attention_bf16"):

@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
         """The pre-norm step of a decoder layer: residual + x, then its norm.
         x, residual: [T, dim]; residual None means x is the stream itself (the first layer).
         -> (normed [T, dim], the new residual stream). The native kernel updates `residual`
-        in place, so it must be a tensor the caller owns."""
+        in place, so it must be a tensor the caller owns; with residual None, x becomes the
+        stream and the next call updates it in place (the model's embedding output is a fresh
+        tensor: an input that is not would need a clone)."""
         if x.dim() == 2:
             fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:

@@ -6,10 +6,10 @@ Index ranges of a running request's `slots` (what is whose):
     [0, locked_len)            owned by the prefix cache, locked by this request
     [locked_len, len(slots))   owned by the request; freed or offered to the cache on release
 
-A decoding request also holds `reserve`: slots taken as one run for its next tokens (up to
+A decoding request also holds `decode_run`: slots taken as one run for its next tokens (up to
 DECODE_RUN), because one slot per request per step would interleave the requests' K/V and
 attention would read every decode token from a different place (measured: 5-7% of a decode
-step at 64 x 256 tokens). Reserves count as available memory: they are handed back before any
+step at 64 x 256 tokens). These runs count as available memory: they are handed back before any
 allocation would fail or evict cache, so admission and retraction see what they would without.
 """
 
@@ -28,17 +28,23 @@ class KVManager:
         self.cache = cache
         self.num_rows = num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
-        self._reserving: set[Request] = set()  # requests holding a reserve
-        self._reserved = 0  # slots in those reserves
+        self._with_runs: set[Request] = set()  # requests holding a decode run
+        self._run_slots = 0  # slots in those runs
         # Prompt tokens looked up in / served from the prefix cache at first admission.
         self.prefix_queried = 0
         self.prefix_hit = 0
 
     @property
     def available(self) -> int:
-        """Slots a new allocation could get: free now, in reserves, or freed by evicting unlocked
-        cache."""
-        return self.allocator.num_free + self._reserved + self.cache.evictable_size
+        """Slots a new allocation could get: free now, in decode runs, or freed by evicting
+        unlocked cache."""
+        return self.allocator.num_free + self._run_slots + self.cache.evictable_size
+
+    @property
+    def free_slots(self) -> int:
+        """Slots holding no KV: on the free list or in a request's decode run (what a KV usage
+        figure should count as free)."""
+        return self.allocator.num_free + self._run_slots
 
     @property
     def capacity(self) -> int:
@@ -46,7 +52,7 @@ class KVManager:
 
     def alloc_slots(self, n: int) -> list[int] | None:
         if n > self.allocator.num_free:
-            self.drop_reserves()
+            self.drop_decode_runs()
         short = n - self.allocator.num_free
         if short > 0:
             self.cache.evict(short)
@@ -54,34 +60,34 @@ class KVManager:
 
     def alloc_for(self, req: Request, n: int) -> list[int] | None:
         """Slots for n new tokens of req. A single token (a decode, or a prompt's last) comes
-        from the request's reserve, refilled with a run of free slots when empty (never by
-        evicting cache for it)."""
+        from the request's decode run, refilled with free slots when empty (never by evicting
+        cache for it)."""
         if n != 1:
             return self.alloc_slots(n)
-        if req.reserve:
-            self._reserved -= 1
-            if len(req.reserve) == 1:
-                self._reserving.discard(req)
-            return [req.reserve.pop()]
+        if req.decode_run:
+            self._run_slots -= 1
+            if len(req.decode_run) == 1:
+                self._with_runs.discard(req)
+            return [req.decode_run.pop()]
         run = min(DECODE_RUN, req.max_new_tokens - len(req.output_ids))
         if run > 1 and self.allocator.num_free >= run:
             slots = self.allocator.alloc(run)
             assert slots is not None
-            req.reserve = slots[:0:-1]  # popped from the end: ascending
-            self._reserving.add(req)
-            self._reserved += run - 1
+            req.decode_run = slots[:0:-1]  # popped from the end: ascending
+            self._with_runs.add(req)
+            self._run_slots += run - 1
             return slots[:1]
         return self.alloc_slots(1)
 
-    def drop_reserves(self) -> None:
-        for req in self._reserving:
-            self._drop_reserve(req)
-        self._reserving.clear()
+    def drop_decode_runs(self) -> None:
+        for req in self._with_runs:
+            self._drop_run(req)
+        self._with_runs.clear()
 
-    def _drop_reserve(self, req: Request) -> None:
-        self.allocator.free(req.reserve)
-        self._reserved -= len(req.reserve)
-        req.reserve = []
+    def _drop_run(self, req: Request) -> None:
+        self.allocator.free(req.decode_run)
+        self._run_slots -= len(req.decode_run)
+        req.decode_run = []
 
     def alloc_row(self) -> int:
         return self._free_rows.pop()
@@ -143,9 +149,9 @@ class KVManager:
             self.allocator.free(req.slots[req.locked_len : max(result.cached_len, req.locked_len)])
             # A partial last page is never cached: it stays ours to free.
             self.allocator.free(req.slots[max(self.cache.aligned_len(n), req.locked_len) :])
-        if req.reserve:
-            self._drop_reserve(req)
-            self._reserving.discard(req)
+        if req.decode_run:
+            self._drop_run(req)
+            self._with_runs.discard(req)
         if req.cache_handle is not None:
             self.cache.unlock(req.cache_handle)
         if req.row is not None:
@@ -157,11 +163,11 @@ class KVManager:
         req.row_synced = 0
 
     def check_integrity(self, running: list[Request]) -> None:
-        """free + cached + held by requests (reserves included) = every slot, each in exactly
+        """free + cached + held by requests (decode runs included) = every slot, each in exactly
         one place."""
         free = self.allocator.free_set()
         cached = self.cache.cached_slots()
-        held = [s for r in running for s in (*r.slots[r.locked_len :], *r.reserve)]
+        held = [s for r in running for s in (*r.slots[r.locked_len :], *r.decode_run)]
         everything = list(free) + cached + held
         assert len(free) == self.allocator.num_free, "a slot is twice in the free list"
         assert len(everything) == self.capacity, (
@@ -170,4 +176,5 @@ class KVManager:
         )
         assert len(set(everything)) == self.capacity, "a slot is in two places"
         assert len(self._free_rows) + sum(r.row is not None for r in running) == self.num_rows
-        assert self._reserved == sum(len(r.reserve) for r in running), "reserve count drifted"
+        assert self._run_slots == sum(len(r.decode_run) for r in running), "decode run count drifted"
+        assert self._with_runs == {r for r in running if r.decode_run}, "decode run set drifted"

@@ -61,7 +61,7 @@ class Request:
     row_synced: int = 0  # slots[:row_synced] are already written into the table row
     # Slots taken ahead for its next decode tokens (a contiguous run, so its K/V stays in runs),
     # last to be used first; not yet in `slots`.
-    reserve: list[int] = field(default_factory=list)
+    decode_run: list[int] = field(default_factory=list)
 
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_retractions: int = 0

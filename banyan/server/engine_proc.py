@@ -219,7 +219,7 @@ class EngineLoop:
         last = sched.last_step
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_capacity=kv.capacity, kv_free=kv.allocator.num_free,
+            kv_capacity=kv.capacity, kv_free=kv.free_slots,
             kv_evictable=kv.cache.evictable_size, kv_protected=kv.cache.protected_size,
             prompt_tokens=kv.prefix_queried, generation_tokens=c.generation_tokens,
             prefix_cache_queries=kv.prefix_queried, prefix_cache_hits=kv.prefix_hit,

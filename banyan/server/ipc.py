@@ -102,7 +102,7 @@ class EngineStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
     kv_capacity: int = 0
-    kv_free: int = 0  # slots on the free list
+    kv_free: int = 0  # slots holding no KV: on the free list or in decode runs
     kv_evictable: int = 0  # cached, held by no running request: free on demand
     kv_protected: int = 0  # cached and locked by running requests
     prompt_tokens: int = 0  # prompt tokens of requests admitted (first admission)
