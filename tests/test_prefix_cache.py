@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from banyan import Engine, SamplingParams
+from banyan.batch import ForwardBatch, StepOutput
 from banyan.cache.radix import RadixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler import Scheduler, SchedulerConfig
@@ -249,3 +250,35 @@ def test_engine_explains_misses_and_flushes(llama_dir: Path) -> None:
         assert engine.prefix_cache_stats()["hit_tokens"] == len(prompt) - 1
         assert engine.flush_cache() is True
         assert engine.explain_prefix(input_ids=prompt)["matched"] == 0
+
+
+class FailingRunner(FakeRunner):
+    """Raises on its `fail_at`-th run (0-based), before writing any K/V, like a model error."""
+
+    def __init__(self, num_slots: int, fail_at: int) -> None:
+        super().__init__(num_slots)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def run(self, batch: ForwardBatch) -> StepOutput:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError("injected failure")
+        return super().run(batch)
+
+
+def test_failed_step_tokens_are_not_cached() -> None:
+    """A step that fails aborts its requests; the chunks it never computed must not reach the
+    prefix cache, or a later request with the same prompt would attend to unwritten K/V."""
+    sched, _ = radix_scheduler(chunk=4, prefill=4)
+    runner = FailingRunner(4000, fail_at=1)
+    sched.runner = runner
+    prompt = list(range(3, 15))  # 12 tokens: chunks of 4, the second one fails
+    sched.add_request(make_request("a", prompt, 3))
+    updates = [u for _ in range(3) for u in sched.step()]
+    assert [u.finish_reason for u in updates if u.rid == "a"][-1] == "abort"
+    assert len(sched.kv.cache.match_prefix(prompt).slots) == 4  # only the computed chunk
+    sched.add_request(make_request("b", prompt, 3))
+    outputs, _ = run_collect(sched)
+    assert outputs["b"] == reference(prompt, 3)
+    sched.kv.check_integrity(sched.running)

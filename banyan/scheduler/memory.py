@@ -140,6 +140,14 @@ class KVManager:
         req.slots = shared + req.slots[len(shared) :]
         req.locked_len = len(shared)
 
+    def drop_uncomputed(self, req: Request, n: int) -> None:
+        """Free the last n slots of req, given to a step that failed: their K/V was never
+        written, so `release` must not offer them to the cache."""
+        assert len(req.slots) - n >= req.locked_len, "a failed step's slots are the request's own"
+        self.allocator.free(req.slots[len(req.slots) - n :])
+        del req.slots[len(req.slots) - n :]
+        req.row_synced = min(req.row_synced, len(req.slots))
+
     def release(self, req: Request) -> None:
         """Give up a request's KV (finished, aborted or retracted): its computed tokens are
         offered to the cache, the rest freed, its lock and row dropped."""

@@ -132,8 +132,9 @@ class Scheduler:
             out = self.runner.run(step.batch)
         except Exception as exc:  # one bad step must not kill the engine or other requests
             logger.exception("step failed; aborting its %d request(s)", len(step.reqs))
-            for req in step.reqs:
+            for req, n in zip(step.reqs, step.batch.extend_lens, strict=True):
                 self.running.remove(req)
+                self.kv.drop_uncomputed(req, n)  # their K/V was never written: not for the cache
                 req.finish_reason = FinishReason.ABORT
                 req.error = f"internal error: {exc}"
                 self._finish(req)
