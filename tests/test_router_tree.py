@@ -227,6 +227,15 @@ def test_cache_aware_miss_goes_by_load_not_tree_size() -> None:
     d = p.choose(key("other fresh prefix"), [Candidate("A", in_flight=0, kv_usage=1.0),
                                          Candidate("B", in_flight=3, kv_usage=0.0)])
     assert d.url == "B"
+    # Loads within MISS_LOAD_BAND of the lowest count as tied on a miss: the worker holding
+    # fewer prefixes takes the new group, though it has two more requests in flight...
+    p2 = cache_aware()
+    p2.tree.insert("y" * 1000, "B")
+    d = p2.choose(key("new group"), [Candidate("A", in_flight=9), Candidate("B", in_flight=7)])
+    assert (d.url, d.outcome) == ("A", "cache_miss")
+    # ... while loads far apart still decide: 12 vs 4 goes to the idler worker.
+    d = p2.choose(key("another group"), [Candidate("A", in_flight=12), Candidate("B", in_flight=4)])
+    assert (d.url, d.outcome) == ("B", "cache_miss")
 
 
 def test_cache_aware_imbalance_falls_back_to_load() -> None:
