@@ -80,17 +80,15 @@ def rope_qk(
     if head_dim % 2 or qkv.shape[1] < (heads + kv_heads) * head_dim:
         return None
     for table in (cos, sin):
-        if table.dtype != qkv.dtype or table.shape != (rows, head_dim // 2):
+        if not (table.dtype == qkv.dtype and table.shape == (rows, head_dim // 2)
+                and table.is_contiguous()):
             return None
-        if not table.is_contiguous():
-            return None
-    norms = (q_norm, k_norm)
     if (q_norm is None) != (k_norm is None):
         return None
-    for w in norms:
-        if w is not None and (w.dtype != qkv.dtype or w.shape != (head_dim,)):
-            return None
-        if w is not None and not w.is_contiguous():
+    for w in (q_norm, k_norm):
+        if w is not None and not (
+            w.dtype == qkv.dtype and w.shape == (head_dim,) and w.is_contiguous()
+        ):
             return None
     q = qkv.new_empty((rows, heads, head_dim))
     k = qkv.new_empty((rows, kv_heads, head_dim))

@@ -29,7 +29,6 @@ class KVManager:
         self.num_rows = num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._with_runs: set[Request] = set()  # requests holding a decode run
-        self._run_slots = 0  # slots in those runs
         # Prompt tokens looked up in / served from the prefix cache at first admission.
         self.prefix_queried = 0
         self.prefix_hit = 0
@@ -38,13 +37,13 @@ class KVManager:
     def available(self) -> int:
         """Slots a new allocation could get: free now, in decode runs, or freed by evicting
         unlocked cache."""
-        return self.allocator.num_free + self._run_slots + self.cache.evictable_size
+        return self.free_slots + self.cache.evictable_size
 
     @property
     def free_slots(self) -> int:
         """Slots holding no KV: on the free list or in a request's decode run (what a KV usage
         figure should count as free)."""
-        return self.allocator.num_free + self._run_slots
+        return self.allocator.num_free + sum(len(r.decode_run) for r in self._with_runs)
 
     @property
     def capacity(self) -> int:
@@ -65,7 +64,6 @@ class KVManager:
         if n != 1:
             return self.alloc_slots(n)
         if req.decode_run:
-            self._run_slots -= 1
             if len(req.decode_run) == 1:
                 self._with_runs.discard(req)
             return [req.decode_run.pop()]
@@ -75,7 +73,6 @@ class KVManager:
             assert slots is not None
             req.decode_run = slots[:0:-1]  # popped from the end: ascending
             self._with_runs.add(req)
-            self._run_slots += run - 1
             return slots[:1]
         return self.alloc_slots(1)
 
@@ -86,7 +83,6 @@ class KVManager:
 
     def _drop_run(self, req: Request) -> None:
         self.allocator.free(req.decode_run)
-        self._run_slots -= len(req.decode_run)
         req.decode_run = []
 
     def alloc_row(self) -> int:
@@ -184,5 +180,4 @@ class KVManager:
         )
         assert len(set(everything)) == self.capacity, "a slot is in two places"
         assert len(self._free_rows) + sum(r.row is not None for r in running) == self.num_rows
-        assert self._run_slots == sum(len(r.decode_run) for r in running), "decode run count drifted"
         assert self._with_runs == {r for r in running if r.decode_run}, "decode run set drifted"
