@@ -31,8 +31,11 @@ def assert_near(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
         return
     differ = (got != ref) & (ref.float().abs() > 1e-30)  # not where both are ~0
     assert differ.float().mean().item() < 1e-3, f"{differ.sum().item()} of {ref.numel()} differ"
-    step = ref.float().abs() * 2.0**-7 + 1e-30  # one bf16 step at ref's magnitude
-    assert bool(((got.float() - ref.float()).abs() <= step).all())
+    # One bf16 step at ref's magnitude, two where a result is rounded twice (norm, then RoPE):
+    # torch's own bf16 ops round differently on CPUs without AVX512_BF16 (Skylake-X measured
+    # 1 element of 25,600 two steps away there).
+    step = ref.float().abs() * 2.0**-7 + 1e-30
+    assert bool(((got.float() - ref.float()).abs() <= 2 * step).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

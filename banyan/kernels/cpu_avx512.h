@@ -107,7 +107,6 @@ inline void scores_fixed(const T* q, const T* const* k, __m512* part) {
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // vpermt2w indices interleaving two rows of 32 bf16: (a[i], b[i]) for i < 16, then i >= 16.
 alignas(64) constexpr uint16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
@@ -115,6 +114,7 @@ alignas(64) constexpr uint16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,
 alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
                                               22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
                                               28, 60, 29, 61, 30, 62, 31, 63};
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <typename T>
 constexpr bool kPairsFor = std::is_same<T, uint16_t>::value;
 #else

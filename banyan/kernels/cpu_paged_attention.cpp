@@ -149,6 +149,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
             kr[j] = kpool + (static_cast<int64_t>(slots[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
         const int pairs = (nb + 1) / 2;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // vpermt2w needs BW (Skylake-X has no BF16)
         if constexpr (kPairs) {
             // bf16 values of keys (2i, 2i + 1) interleaved per dim, for vdpbf16ps (a lone last
             // key pairs with itself: its partner's probability is 0)
@@ -168,7 +169,9 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                                         _mm512_permutex2var_epi16(a, hi, b));
                 }
             }
-        } else {
+        } else
+#endif
+        {
             for (int j = 0; j < nb; ++j) {
                 const T* vr = vpool + (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
                 for (int e = 0; e < d; e += 16) _mm512_storeu_ps(vb + j * d + e, load16(vr + e));
