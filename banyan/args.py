@@ -46,6 +46,14 @@ class EngineArgs:
     in_batch_prefix_threshold: int = field(default=32, metadata=_doc(
         "A waiting request sharing at least this many uncached prompt tokens with one admitted "
         "in the same step waits a step and reuses its KV instead of computing them again."))
+    disable_overlap: bool = field(default=False, metadata=_doc(
+        "Run each step to the end before scheduling the next (the sequential loop). By default "
+        "the next step is scheduled, and the last one's tokens turned into text, while a step "
+        "runs."))
+    attention_backend: str = field(default="auto", metadata=_doc(
+        "Attention implementation: auto (cpu-native where its kernel builds, else sdpa), sdpa "
+        "(portable PyTorch), cpu-native (the C++ CPU kernel, falling back to sdpa for long "
+        "prefill chunks).", choices=["auto", "sdpa", "cpu-native"]))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))

@@ -9,6 +9,12 @@ Token layout of one step (vLLM/SGLang style "flat" batch): request i contributes
 `extend_lens[i]` new tokens, whose KV goes to positions `[prefix_lens[i], prefix_lens[i] +
 extend_lens[i])` of its row in the request-to-token table. A decode is simply an extend of one
 token. All new tokens are concatenated in request order into `input_ids` / `out_slots`.
+
+Several tokens per request: a request that samples may end its extend with `proposed` tokens (a
+speculative guess); the runner computes logits at each of them and at the token before, and
+answers with 1..k+1 tokens for it (`StepOutput.sampled_token_ids`). With overlap, an input
+token may not be known yet when the step is built: it is "the token the previous step samples
+for this row", named in `deferred_inputs` and filled by the runner from its per-row buffer.
 """
 
 from __future__ import annotations
@@ -20,14 +26,26 @@ from banyan.sampling.params import SamplingParams
 
 @dataclass(slots=True)
 class SamplingRow:
-    """Everything the sampler needs about one request that samples a token this step."""
+    """Everything the sampler needs about one request that samples a token this step: a
+    snapshot taken when the step is built, so the request may move on (overlap) meanwhile."""
 
     params: SamplingParams
-    prompt_ids: list[int]  # read-only view: for the repetition penalty
-    output_ids: list[int]  # read-only view: tokens generated so far (penalties, min_new_tokens)
-    # Seeded requests draw their noise from (seed, len(output_ids)): the same seed gives the
-    # same tokens whatever else is in the batch, and a retracted request resumes identically.
+    prompt_ids: list[int]  # a request's prompt never changes after it is queued
+    # Tokens generated so far, copied only when a penalty needs them (else empty: copying every
+    # output every step would cost O(total output) per step).
+    output_ids: list[int]
+    # Seeded requests draw their noise from (seed, num_output): the same seed gives the same
+    # tokens whatever else is in the batch, and a retracted request resumes identically.
     seed: int | None = None
+    num_output: int = -1  # tokens generated so far, pending ones included (-1: len(output_ids))
+    row: int = -1  # the request's table row (the runner's per-row token buffer)
+    # Tokens sampled by a step still running when this one was built (overlap: 0 or 1), not in
+    # output_ids; the runner appends them from its buffer when a penalty needs them.
+    pending: int = 0
+
+    @property
+    def generated(self) -> int:
+        return self.num_output if self.num_output >= 0 else len(self.output_ids)
 
 
 @dataclass(slots=True)
@@ -54,7 +72,12 @@ class ForwardBatch:
     # not reach the end of the prompt are absent.
     sample_indices: list[int] = field(default_factory=list)
     sampling: list[SamplingRow] = field(default_factory=list)  # [len(sample_indices)]
+    # [len(sample_indices)] speculative tokens ending each sampling request's extend (empty: none)
+    proposed: list[list[int]] = field(default_factory=list)
     row_prefixes: list[RowPrefix] = field(default_factory=list)
+    # Flat indices of input_ids whose token is the one the previous step samples for the same
+    # table row (overlap scheduling); input_ids holds 0 there until the runner fills it in.
+    deferred_inputs: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -81,9 +104,11 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepOutput:
-    """The runner's answer: one sampled token per entry of `ForwardBatch.sample_indices`."""
+    """The runner's answer, per entry of `ForwardBatch.sample_indices`: the tokens it produced
+    (one without proposals; with k proposals, the accepted ones plus the model's own next token,
+    1..k+1) and their logprobs (empty unless asked for)."""
 
-    next_tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     # Seconds spent in each phase of the step (prepare, forward, sample), for telemetry.
     timings: dict[str, float] = field(default_factory=dict)

@@ -62,9 +62,11 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
                           args.in_batch_prefix_threshold)
     allocator = SlotAllocator(runner.num_slots)
     cache = NoPrefixCache() if args.no_prefix_cache else RadixCache(allocator, args.page_size)
+    overlap = not args.disable_overlap
     scheduler = Scheduler(
-        ModelStepRunner(runner, sampler),
-        SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy),
+        ModelStepRunner(runner, sampler, overlap=overlap),
+        SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy,
+                        overlap=overlap),
         allocator,
         cache,
     )

@@ -9,6 +9,7 @@ changes the output, exactly as it would with a real model.
 from __future__ import annotations
 
 from banyan.batch import ForwardBatch, StepOutput
+from banyan.runner.step import DoneStep
 
 VOCAB = 97
 
@@ -33,13 +34,33 @@ def reference(prompt: list[int], max_new: int, eos: int | None = None) -> list[i
 
 
 class FakeRunner:
+    """Computes each step when it is launched (steps are collected in launch order, so this is
+    what a worker thread would do); a deferred input reads the token this runner last produced
+    for the row, exactly as the real runner's buffer. `accept` decides how many proposed tokens
+    a step accepts (default: those equal to the reference continuation)."""
+
     def __init__(self, num_slots: int) -> None:
         self.kv: dict[int, tuple[int, int]] = {}
         self.table: dict[int, dict[int, int]] = {}
         self.num_slots = num_slots
         self.batches: list[ForwardBatch] = []
+        self.row_tokens: dict[int, int] = {}
+        self.fail_next = False
+
+    def launch(self, batch: ForwardBatch) -> DoneStep:
+        if self.fail_next:
+            self.fail_next = False
+            return DoneStep(None, RuntimeError("injected failure"))
+        try:
+            return DoneStep(self.run(batch))
+        except Exception as exc:  # noqa: BLE001 - surfaces at result(), as a real step's would
+            return DoneStep(None, exc)
 
     def run(self, batch: ForwardBatch) -> StepOutput:
+        batch.input_ids = list(batch.input_ids)  # the scheduler's copy stays as it built it
+        for flat in batch.deferred_inputs:
+            row = batch.rows[_owner(batch, flat)]
+            batch.input_ids[flat] = self.row_tokens[row]
         self.batches.append(batch)
         assert len(batch.input_ids) == len(batch.out_slots) == sum(batch.extend_lens)
         assert len(set(batch.out_slots)) == len(batch.out_slots), "a slot written twice"
@@ -63,5 +84,26 @@ class FakeRunner:
                 assert written_pos == pos, f"slot {row[pos]} holds position {written_pos}, not {pos}"
                 context.append(tok)
             contexts.append(context)
-        tokens = [next_token(contexts[i]) for i in batch.sample_indices]
-        return StepOutput(next_tokens=tokens, logprobs=[None] * len(tokens))
+        out: list[list[int]] = []
+        proposed = batch.proposed or [[] for _ in batch.sample_indices]
+        for i, guess in zip(batch.sample_indices, proposed, strict=True):
+            context = contexts[i][: len(contexts[i]) - len(guess)]
+            tokens = []
+            for g in [*guess, None]:  # the model's token at each position, until one differs
+                tokens.append(next_token(context))
+                if tokens[-1] != g:
+                    break
+                context = context + [g]
+            out.append(tokens)
+            self.row_tokens[batch.rows[i]] = tokens[-1]
+        return StepOutput(sampled_token_ids=out, logprobs=[[] for _ in out])
+
+
+def _owner(batch: ForwardBatch, flat: int) -> int:
+    """Batch index of the request whose new tokens include flat token `flat`."""
+    end = 0
+    for i, n in enumerate(batch.extend_lens):
+        end += n
+        if flat < end:
+            return i
+    raise IndexError(flat)

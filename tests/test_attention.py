@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from banyan.attention.torch_backend import TorchAttentionBackend
+from banyan.attention.torch_backend import SdpaBackend
 from banyan.batch import ForwardBatch
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
@@ -31,7 +32,7 @@ def test_mixed_step_matches_naive(heads: int, kv_heads: int) -> None:
     D, layers = 8, 2
     pool = KVPool(layers, 200, kv_heads, D, torch.float32, "cpu")
     table = ReqToTokenTable(6, 64, "cpu")
-    backend = TorchAttentionBackend(pool, table)
+    backend = SdpaBackend(pool, table)
     # Per row: full K/V history (prefix already cached in the pool, plus this step's new tokens).
     prefix_lens = [5, 0, 9, 0, 3, 20]
     extend_lens = [1, 7, 1, 1, 4, 1]  # decodes at 0, 2, 3, 5 (not contiguous), extends between
@@ -72,7 +73,7 @@ def test_mixed_step_matches_naive(heads: int, kv_heads: int) -> None:
 def test_decode_only_step_is_batched() -> None:
     pool = KVPool(1, 32, 2, 4, torch.float32, "cpu")
     table = ReqToTokenTable(3, 16, "cpu")
-    backend = TorchAttentionBackend(pool, table)
+    backend = SdpaBackend(pool, table)
     table.table[0, :3] = torch.tensor([1, 2, 3], dtype=torch.int32)
     table.table[2, :6] = torch.tensor([4, 5, 6, 7, 8, 9], dtype=torch.int32)
     batch = ForwardBatch(
@@ -83,3 +84,37 @@ def test_decode_only_step_is_batched() -> None:
     assert meta.dec_tokens == slice(0, 2)
     assert meta.dec_kv_index.tolist() == [1, 2, 3, 0, 0, 0, 4, 5, 6, 7, 8, 9]
     assert meta.dec_mask.view(2, 6).sum(1).tolist() == [3, 6]
+
+
+def test_registry_names_auto_and_errors() -> None:
+    from banyan.attention import CpuNativeBackend, backend_names, create_backend
+    from banyan.kernels import native
+
+    assert {"sdpa", "cpu-native"} <= set(backend_names())
+    pool = KVPool(2, 64, 2, 16, torch.float32, torch.device("cpu"))
+    table = ReqToTokenTable(4, 32, torch.device("cpu"))
+    assert isinstance(create_backend("sdpa", pool, table), SdpaBackend)
+    auto = create_backend("auto", pool, table)
+    assert auto.name == ("cpu-native" if native.load() is not None else "sdpa")
+    assert isinstance(auto, CpuNativeBackend) == (auto.name == "cpu-native")
+    with pytest.raises(ValueError, match="unknown backend 'flash'"):
+        create_backend("flash", pool, table)
+    half = KVPool(2, 64, 2, 16, torch.float16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="does not run on cpu"):
+        create_backend("cpu-native", half, table)
+
+
+def test_engine_on_each_backend_matches_transformers(llama_dir: Path) -> None:
+    from banyan import Engine, SamplingParams
+    from tests.hf_reference import hf_greedy
+
+    prompts = [[5 + i for i in range(n)] for n in (3, 40, 300)]
+    expected = [hf_greedy(llama_dir, p, 8) for p in prompts]
+    from banyan.kernels import native
+
+    for name in ("sdpa", "cpu-native") if native.load() is not None else ("sdpa",):
+        with Engine(str(llama_dir), dtype="float32", disable_tqdm=True,
+                    attention_backend=name) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
+                max_new_tokens=8, temperature=0.0))
+            assert [o.output_ids for o in outs] == expected, name

@@ -106,7 +106,7 @@ def test_table_and_plot_render(tmp_path: Path) -> None:
     records.append(rec(6, success=False, error="HTTP 500: boom"))
     s = summarize(records, 1.2, reusable_tokens=30)
     split = {"steps": 3, "busy_s": 1.0, "busy_fraction": 0.8, "schedule_s": 0.1,
-             "prepare_s": 0.1, "output_s": 0.05, "run_other_s": 0.0, "driver_s": 0.05}
+             "prepare_s": 0.1, "output_s": 0.05, "wait_s": 0.0, "driver_s": 0.05}
     table = format_table("T", {"Workload": "w"}, s, split)
     assert "Failed requests:" in table and "HTTP 500: boom" in table and "TPOT" in table
     assert len(table.splitlines()) < 40  # one screen

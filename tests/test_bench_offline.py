@@ -43,8 +43,8 @@ def test_multi_turn_records_and_reuse(engine: Engine, history: str) -> None:
     assert 0 < res["hit_rate_vs_optimum"] <= 1.0
     split = res["step_split"]
     assert split["steps"] > 0 and split["forward_s"] > 0
-    parts = (split["schedule_s"] + split["prepare_s"] + split["forward_s"] + split["sample_s"]
-             + split["run_other_s"] + split["output_s"] + split["step_other_s"])
+    parts = (split["schedule_s"] + split["prepare_s"] + split["wait_s"] + split["output_s"]
+             + split["step_other_s"])
     assert parts == pytest.approx(split["wall_s"], rel=1e-6, abs=1e-6)
     assert split["wall_s"] + split["driver_s"] == pytest.approx(res["elapsed_s"], rel=1e-6)
     assert split["busy_fraction"] + split["idle_fraction"] == pytest.approx(1.0)

@@ -55,7 +55,7 @@ def _run(engine: str, suite: str, tok_s: float, **extra: object) -> dict:
 def test_summary_and_report() -> None:
     split = {"elapsed_s": 1.0, "steps": 10, "busy_fraction": 0.9, "forward_s": 0.8,
              "sample_s": 0.1, "prepare_s": 0.05, "schedule_s": 0.01, "output_s": 0.02,
-             "run_other_s": 0.0, "driver_s": 0.02}
+             "wait_s": 0.0, "driver_s": 0.02}
     runs = [_run("banyan", "random", t, step_split=split, cached_tokens=0) for t in (90, 100, 80)]
     runs += [_run("vllm", "random", t) for t in (120, 100, 110)]
     runs += [_run("banyan", "shared-prefix", 300, cached_tokens=900, step_split=split),

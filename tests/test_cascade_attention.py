@@ -14,7 +14,8 @@ import torch
 
 from banyan import Engine, SamplingParams
 from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
-from banyan.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from banyan.attention.cpu_native import CpuNativeBackend
+from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata
 from banyan.batch import ForwardBatch
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
@@ -64,7 +65,7 @@ class Scene:
         )
         self.out_slots = torch.tensor(out_slots, dtype=torch.int64, device=device)
 
-    def check(self, backend: TorchAttentionBackend, atol: float = 1e-5) -> TorchAttentionMetadata:
+    def check(self, backend: SdpaBackend, atol: float = 1e-5) -> TorchAttentionMetadata:
         """Run every layer through `backend` and compare each request with `naive`."""
         meta = backend.plan(self.batch, self.out_slots)
         dim, dtype = self.pool.head_dim, self.pool.dtype
@@ -111,7 +112,7 @@ def test_one_group(heads: int, kv_heads: int) -> None:
     own_lens = [1, 5, 17, 2, 9]  # 1: the context is the prefix + the new token
     reqs = [Req(prefix + fresh(c, n)) for n in own_lens]
     scene = Scene(reqs, heads, kv_heads)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert groups_of(meta) == [(5, 40)] and meta.dec_count == 0
 
 
@@ -123,7 +124,7 @@ def test_a_row_that_is_a_prefix_of_the_others_caps_p(heads: int, kv_heads: int) 
     # keeps its new token (slot 30 of the others) in its own part.
     reqs = [Req(list(prefix))] + [Req(prefix + fresh(c, n)) for n in (3, 8)]
     scene = Scene(reqs, heads, kv_heads)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert groups_of(meta) == [(3, 29)]
 
 
@@ -140,7 +141,7 @@ def test_groups_with_different_prefixes_and_ungrouped_decodes(heads: int, kv_hea
     )
     random.Random(1).shuffle(reqs)  # group members scattered over the batch
     scene = Scene(reqs, heads, kv_heads)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert sorted(groups_of(meta)) == [(2, 50), (3, 33), (4, 70)]
     assert meta.dec_count == 2  # the two loners on the plain path
 
@@ -159,7 +160,7 @@ def test_mixed_decode_and_extend_step(heads: int, kv_heads: int) -> None:
         Req(shared[:20] + fresh(c, 7), extend=7),
     ]
     scene = Scene(reqs, heads, kv_heads)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert groups_of(meta) == [(3, 48)] and meta.dec_count == 1
     # the two extends over a cached prefix share its first 20 slots
     assert groups_of(meta, extends=True) == [(2, 20)] and len(meta.extends) == 1
@@ -178,7 +179,7 @@ def test_extends_over_a_shared_prefix(heads: int, kv_heads: int) -> None:
     reqs += [Req(sys_a + fresh(c, 300), extend=300)]  # too long for the extend cascade
     random.Random(2).shuffle(reqs)
     scene = Scene(reqs, heads, kv_heads)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert sorted(groups_of(meta, extends=True)) == [(2, 37), (5, 64)]
     assert groups_of(meta) == [(2, 64)]
     assert len(meta.extends) == 3
@@ -191,15 +192,15 @@ def test_extend_thresholds() -> None:
     # own parts of 20 = 320 / 16: just within the ratio
     reqs = [Req(prefix + fresh(c, 20), extend=n) for n in (20, 20, 8)]
     scene = Scene(reqs, 4, 2)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=policy))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=policy))
     assert groups_of(meta, extends=True) == [(3, 320)]
     # an own part of 21 is past it: that request alone takes the plain path
     scene = Scene(reqs + [Req(prefix + fresh(c, 21), extend=2)], 4, 2)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=policy))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=policy))
     assert groups_of(meta, extends=True) == [(3, 320)] and len(meta.extends) == 1
     # an extend of 33 > max_extend tokens is not a candidate; the others still group
     scene = Scene(reqs + [Req(prefix[:300] + fresh(c, 33), extend=33)], 4, 2)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=policy))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=policy))
     assert groups_of(meta, extends=True) == [(3, 320)] and len(meta.extends) == 1
 
 
@@ -210,10 +211,10 @@ def test_an_own_block_past_the_bound_runs_the_plain_way() -> None:
     scene = Scene(reqs, 4, 2)
     # 3 rows x 10 queries x 10 own keys = 300
     fits = CascadePolicy(1, 1, max_extend=256, extend_prefix_ratio=0, max_own_block=300)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=fits))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=fits))
     assert groups_of(meta, extends=True) == [(3, 40)]
     over = CascadePolicy(1, 1, max_extend=256, extend_prefix_ratio=0, max_own_block=299)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=over))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=over))
     assert meta.ext_cascade is None and len(meta.extends) == 3
 
 
@@ -227,7 +228,7 @@ def test_on_cuda(dtype: torch.dtype) -> None:
     reqs += [Req(sys_a + fresh(c, o + n), extend=n) for o, n in [(0, 8), (5, 3), (2, 2)]]
     scene = Scene(reqs, 6, 2, dim=64, dtype=dtype, device="cuda")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS), atol=tol)
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS), atol=tol)
     assert sorted(groups_of(meta)) == [(2, 37), (3, 64)]
     assert groups_of(meta, extends=True) == [(3, 64)]
 
@@ -238,14 +239,14 @@ def test_bfloat16_cascade_is_as_accurate_as_plain() -> None:
     reqs = [Req(prefix + fresh(c, n)) for n in (1, 9, 33, 64, 5, 17, 40, 2)]
     scene = Scene(reqs, 6, 2, dim=16, dtype=torch.bfloat16)
     # Against the exact float64 attention of the stored bf16 K/V: within bf16 rounding...
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS), atol=2e-2)
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS), atol=2e-2)
     assert groups_of(meta) == [(8, 200)]
     # ... and no further from it than the plain SDPA path on the same queries.
     q = (3 * torch.randn(len(reqs), 6, 16, generator=torch.Generator().manual_seed(5))).bfloat16()
     k, v = scene.pool.k[0][scene.out_slots].clone(), scene.pool.v[0][scene.out_slots].clone()
     errors = []
     for policy in (ALWAYS, None):
-        backend = TorchAttentionBackend(scene.pool, scene.table, cascade=policy)
+        backend = SdpaBackend(scene.pool, scene.table, cascade=policy)
         out = backend.forward(q, k, v, 0, backend.plan(scene.batch, scene.out_slots)).double()
         want = torch.cat([
             naive(q[i : i + 1].double(), scene.pool.k[0][r.slots].double(),
@@ -263,16 +264,16 @@ def test_threshold_decides_the_path() -> None:
     scene = Scene(reqs, 4, 2)
     # 3 extra members x 64 = 192 prefix rows saved per layer
     on = CascadePolicy(min_prefix=64, min_saved=192)
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=on))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=on))
     assert groups_of(meta) == [(4, 64)]
     for off in (CascadePolicy(min_prefix=65, min_saved=1), CascadePolicy(1, min_saved=193), None):
-        meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=off))
+        meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=off))
         assert meta.cascade is None and meta.dec_count == 4
     # The default policy: worth it for 64 requests sharing 1,024 tokens, not for 4 sharing 64.
-    assert scene.check(TorchAttentionBackend(scene.pool, scene.table)).cascade is None
+    assert scene.check(SdpaBackend(scene.pool, scene.table)).cascade is None
     shared = list(range(1, 1025))
     big = Scene([Req(shared + fresh([2000 + 100 * i], 30)) for i in range(64)], 4, 2)
-    meta = big.check(TorchAttentionBackend(big.pool, big.table))
+    meta = big.check(SdpaBackend(big.pool, big.table))
     assert groups_of(meta) == [(64, 1024)]
 
 
@@ -299,7 +300,7 @@ def test_a_leader_matching_through_stale_entries(heads: int, kv_heads: int) -> N
     # so they must share the 100 among themselves, and the leader keeps its own 59.
     reqs = [Req(prefix[:60])] + [Req(prefix + fresh(c, n)) for n in (2, 6, 1, 9)]
     scene = Scene(reqs, heads, kv_heads, stale={0: prefix[60:]})
-    meta = scene.check(TorchAttentionBackend(scene.pool, scene.table, cascade=ALWAYS))
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert groups_of(meta) == [(4, 100)] and meta.dec_count == 1
 
 
@@ -347,15 +348,17 @@ def greedy_plans_match_transformers(
     built with `backend` keywords -> every step's attention plan."""
     plans: list[TorchAttentionMetadata] = []
 
-    class Recording(TorchAttentionBackend):
+    native = bool(backend.pop("native", False))
+
+    class Recording(CpuNativeBackend if native else SdpaBackend):  # type: ignore[misc]
         def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> TorchAttentionMetadata:
             meta = super().plan(batch, out_slots)
             plans.append(meta)
             return meta
 
     monkeypatch.setattr(
-        "banyan.runner.model_runner.TorchAttentionBackend",
-        lambda pool, table, native: Recording(pool, table, **{"native": native, **backend}),
+        "banyan.runner.model_runner.create_backend",
+        lambda name, pool, table: Recording(pool, table, **backend),
     )
     prompts = shared_prompts(systems, count)
     max_new = [6 + i % 7 for i in range(len(prompts))]

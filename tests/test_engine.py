@@ -49,10 +49,13 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_greedy_matches_transformers(llama_dir: Path, workload, setting: str) -> None:
+def test_greedy_matches_transformers(llama_dir: Path, workload, setting: str,
+                                     overlap: bool) -> None:
     prompts, max_new, expected = workload
-    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True, **SETTINGS[setting]) as engine:
+    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True, disable_overlap=not overlap,
+                **SETTINGS[setting]) as engine:
         engine.core.scheduler.config.check_integrity = True
         outs = engine.generate(input_ids=prompts, sampling_params=[greedy(n) for n in max_new])
         for i, out in enumerate(outs):
@@ -88,10 +91,38 @@ def test_requests_arriving_while_others_decode(llama_dir: Path, workload) -> Non
 def test_greedy_matches_transformers_other_archs(model_dirs: dict[str, Path], arch: str) -> None:
     prompts = prompts_1_to_300(6, seed=3)
     expected = [hf_greedy(model_dirs[arch], p, 12) for p in prompts]
-    with Engine(str(model_dirs[arch]), dtype="float32", disable_tqdm=True,
-                chunked_prefill_size=50, max_prefill_tokens=100) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params=greedy(12))
-        assert [o.output_ids for o in outs] == expected
+    for overlap in (True, False):
+        with Engine(str(model_dirs[arch]), dtype="float32", disable_tqdm=True,
+                    chunked_prefill_size=50, max_prefill_tokens=100,
+                    disable_overlap=not overlap) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy(12))
+            assert [o.output_ids for o in outs] == expected, f"overlap={overlap}"
+
+
+def test_overlap_changes_no_output(llama_dir: Path) -> None:
+    """Seeded sampling with penalties, stop strings, EOS, the prefix cache on and off: the same
+    tokens and text with overlap on and off."""
+    prompts = prompts_1_to_300(8, seed=5)
+    prompts += [prompts[2][:150] + p for p in prompts[3:6]]  # shared prefixes for the cache
+    params = [SamplingParams(max_new_tokens=5 + 3 * i, temperature=0.9, top_p=0.95,
+                             seed=100 + i, repetition_penalty=1.3 if i % 2 else 1.0,
+                             frequency_penalty=0.5 if i % 3 == 0 else 0.0,
+                             min_new_tokens=2 if i == 4 else 0)
+              for i in range(len(prompts))]
+    results = {}
+    for overlap in (True, False):
+        for no_cache in (True, False):
+            with Engine(str(llama_dir), dtype="float32", disable_tqdm=True,
+                        disable_overlap=not overlap, no_prefix_cache=no_cache,
+                        chunked_prefill_size=64, max_prefill_tokens=128) as engine:
+                engine.core.scheduler.config.check_integrity = True
+                outs = engine.generate(input_ids=prompts, sampling_params=params)
+                results[overlap, no_cache] = [(o.output_ids, o.text, o.finish_reason)
+                                              for o in outs]
+                check_pool_empty(engine)
+    first = results[True, True]
+    assert all(r == first for r in results.values())
+    assert {reason for _, _, reason in first} <= {"stop", "length"}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from banyan.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
 from tests.test_cascade_attention import Req, Scene, fresh, greedy_plans_match_transformers
 
@@ -23,13 +23,12 @@ pytestmark = pytest.mark.skipif(
 HEADS = [(4, 4), (6, 2), (6, 1)]  # MHA, GQA, MQA
 
 
-def native_backend(scene: Scene) -> TorchAttentionBackend:
-    backend = TorchAttentionBackend(scene.pool, scene.table, native=True)
-    assert backend.native
-    return backend
+def native_backend(scene: Scene) -> CpuNativeBackend:
+    assert CpuNativeBackend.supports(scene.pool)
+    return CpuNativeBackend(scene.pool, scene.table)
 
 
-def groups_of(meta: TorchAttentionMetadata) -> list[tuple[int, int]]:
+def groups_of(meta: NativeMetadata) -> list[tuple[int, int]]:
     """(members, shared prefix) of each native decode group, 0-prefix singletons left out."""
     plan = meta.native
     assert plan is not None
@@ -131,7 +130,8 @@ def test_extends_match_naive(
 def test_greedy_matches_transformers_with_the_native_kernel(
     model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plans = greedy_plans_match_transformers(model_dirs["llama"], monkeypatch, [150, 90, 40], 14)
+    plans = greedy_plans_match_transformers(model_dirs["llama"], monkeypatch, [150, 90, 40], 14,
+                                            native=True)
     native_steps = [m for m in plans if m.native is not None]
     assert native_steps and all(m.cascade is None for m in native_steps)
     assert max(len(groups_of(m)) for m in native_steps) >= 2  # several prefixes grouped at once

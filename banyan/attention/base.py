@@ -34,9 +34,32 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
+    name = "abstract"  # set by the registry
+
     def __init__(self, pool: KVPool, table: ReqToTokenTable) -> None:
         self.pool = pool
         self.table = table
+
+    @classmethod
+    def supports(cls, pool: KVPool) -> bool:
+        """Whether this backend runs over this pool (device, dtype, kernels available)."""
+        return True
+
+    # ---- CUDA-graph hooks: a backend that can be captured keeps its metadata in static
+    # buffers sized for max_batch decodes, refilled in place before each replay.
+
+    supports_graphs = False
+
+    def init_graph_buffers(self, max_batch: int) -> None:
+        raise NotImplementedError(f"{self.name} cannot be captured in a CUDA graph")
+
+    def plan_for_capture(self, batch_size: int) -> AttentionMetadata:
+        """Metadata over the static buffers for a decode batch of this size (capture)."""
+        raise NotImplementedError(f"{self.name} cannot be captured in a CUDA graph")
+
+    def plan_for_replay(self, batch: ForwardBatch, out_slots: torch.Tensor) -> AttentionMetadata:
+        """Refill the static buffers for this decode batch (replay)."""
+        raise NotImplementedError(f"{self.name} cannot be captured in a CUDA graph")
 
     @abstractmethod
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> AttentionMetadata:

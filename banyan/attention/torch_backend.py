@@ -1,4 +1,5 @@
-"""Portable attention backend on `torch.nn.functional.scaled_dot_product_attention` (CPU and CUDA).
+"""The portable attention backend ("sdpa") on `torch.nn.functional.scaled_dot_product_attention`
+(CPU and CUDA).
 
 Decodes (requests with one new token) run as ONE batched SDPA per layer: their contexts are
 gathered from the pool into a padded [B, Lmax] block with a length mask. GQA is handled without
@@ -31,10 +32,9 @@ import torch.nn.functional as F
 
 from banyan.attention.base import AttentionBackend, AttentionMetadata
 from banyan.attention.cascade import CascadePlan, cascade_attention, plan_cascade
-from banyan.attention.native_plan import NativePlan, native_attention, plan_native, takes_extend
 from banyan.attention.prefix_groups import CascadePolicy, SharedPrefix, find_shared_prefixes
+from banyan.attention.registry import register_backend
 from banyan.batch import ForwardBatch
-from banyan.kernels import native as native_kernels
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 
@@ -66,12 +66,10 @@ class TorchAttentionMetadata(AttentionMetadata):
     cascade: CascadePlan | None = None
     ext_cascade: CascadePlan | None = None
     extends: list[ExtendPlan] = field(default_factory=list)
-    # Decodes and extends over a cached prefix, when the native CPU kernel takes them (then
-    # the paths above get only fresh prefills and long extends).
-    native: NativePlan | None = None
 
 
-class TorchAttentionBackend(AttentionBackend):
+@register_backend("sdpa")
+class SdpaBackend(AttentionBackend):
     def __init__(
         self,
         pool: KVPool,
@@ -79,14 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float | None = None,
         *,
         cascade: CascadePolicy | None = CascadePolicy(),
-        native: bool = False,
     ) -> None:
-        """cascade: when requests sharing a cached prefix take the cascade path; None: never.
-        native: decodes and extends over a cached prefix through the native CPU kernel when it
-        is available for this pool (banyan/kernels; it groups shared prefixes itself), else the
-        paths above."""
+        """cascade: when requests sharing a cached prefix take the cascade path; None: never."""
         super().__init__(pool, table)
-        self.native = native and native_kernels.supports(pool.device, pool.dtype)
         self.scale = scale if scale is not None else pool.head_dim**-0.5
         self.cascade = cascade
         empty = torch.empty((0, pool.kv_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
@@ -99,37 +92,29 @@ class TorchAttentionBackend(AttentionBackend):
     # ---------------------------------------------------------------- plan (once per step)
 
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> TorchAttentionMetadata:
-        device = self.pool.device
         meta = TorchAttentionMetadata(
             backend=self, num_tokens=batch.num_tokens, out_slots=out_slots
         )
+        self._plan_paths(meta, batch, token_starts(batch), taken=set())
+        return meta
+
+    def _plan_paths(self, meta: TorchAttentionMetadata, batch: ForwardBatch, starts: list[int],
+                    taken: set[int]) -> None:
+        """Plan every request of the batch but those in `taken` (batch indices another
+        path computes) on the plain decode, cascade and extend paths."""
+        device = self.pool.device
         policy = self.cascade
         dec_reqs: list[int] = []  # batch indices of decodes
         ext_reqs: list[int] = []  # ... of extends over a cached prefix, cascade candidates
-        starts: list[int] = []  # [B] first flat token of each request
-        start = 0
         for i, n in enumerate(batch.extend_lens):
-            starts.append(start)
+            if i in taken:
+                continue
             if n == 1:
                 dec_reqs.append(i)
             elif policy is not None and batch.prefix_lens[i] and n <= policy.max_extend:
                 ext_reqs.append(i)
-            start += n
         plain_dec = dec_reqs
-        taken: set[int] = set()  # batch indices the native kernel takes
-        if self.native:
-            taken = {i for i, n in enumerate(batch.extend_lens) if n == 1 or takes_extend(n)}
-        if taken:
-            which = sorted(taken)
-            meta.native = plan_native(
-                self.table.table,
-                [batch.rows[i] for i in which],
-                [batch.prefix_lens[i] for i in which],
-                [batch.extend_lens[i] for i in which],
-                [starts[i] for i in which],
-            )
-            plain_dec, ext_reqs = [], [i for i in ext_reqs if i not in taken]
-        elif policy is not None and len(dec_reqs) >= 2:
+        if policy is not None and len(dec_reqs) >= 2:
             meta.cascade, plain_dec = self._plan_cascade(policy, batch, dec_reqs, starts, 0)
         grouped_ext: set[int] = set()
         if policy is not None and len(ext_reqs) >= 2:
@@ -152,7 +137,6 @@ class TorchAttentionBackend(AttentionBackend):
         if plain_dec:
             need = max(need, self._plan_plain_decodes(meta, plain_dec, batch, starts))
         self._reserve(need)
-        return meta
 
     def _plan_cascade(
         self,
@@ -259,18 +243,15 @@ class TorchAttentionBackend(AttentionBackend):
         # q: [T, H, D]; k, v: [T, KVH, D]
         self.pool.store(layer_id, meta.out_slots, k, v)
         T, H, D = q.shape
-        nat = meta.native
-        if nat is not None:
-            pool_k, pool_v, table = self.pool.k[layer_id], self.pool.v[layer_id], self.table.table
-            q = q.contiguous()
-            out = q.new_empty((T, H, D))
-            native_attention(q, pool_k, pool_v, table, nat, self.scale, out)
-            if nat.num_tokens == T:  # the kernel took the whole step
-                return out
-        elif meta.dec_count == T:  # decode-only step: no scatter back
+        if meta.dec_count == T:  # decode-only step: no scatter back
             return self._decode(q, layer_id, meta)
-        else:
-            out = q.new_empty((T, H, D))
+        out = q.new_empty((T, H, D))
+        self._attend_paths(q, k, v, layer_id, meta, out)
+        return out
+
+    def _attend_paths(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                      meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
+        """Write the rows of `out` that `_plan_paths` planned."""
         if meta.dec_tokens is not None:
             if isinstance(meta.dec_tokens, slice):
                 out[meta.dec_tokens] = self._decode(q[meta.dec_tokens], layer_id, meta)
@@ -285,7 +266,6 @@ class TorchAttentionBackend(AttentionBackend):
                 out.index_copy_(0, casc.tokens, oc)
         for ext in meta.extends:
             out[ext.start : ext.start + ext.length] = self._extend(q, k, v, layer_id, ext)
-        return out
 
     def _gather(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index: [N] int64 slots -> k, v: [N, KVH, D] views of the workspace
@@ -323,6 +303,15 @@ class TorchAttentionBackend(AttentionBackend):
         causal = ext.mask is None
         o = _sdpa_gqa(qi, ki, vi, ext.mask, causal, self.scale)  # [1, H, n, D]
         return o[0].transpose(0, 1)
+
+
+def token_starts(batch: ForwardBatch) -> list[int]:
+    """[B] flat index of each request's first new token."""
+    starts, start = [], 0
+    for n in batch.extend_lens:
+        starts.append(start)
+        start += n
+    return starts
 
 
 def _sdpa_gqa(

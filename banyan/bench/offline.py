@@ -60,16 +60,21 @@ def machine_info() -> dict[str, Any]:
 
 @dataclass(slots=True)
 class StepSplit:
-    """Seconds summed over the engine's steps, by phase (the scheduler's StepStats)."""
+    """Seconds summed over the engine's loop turns, by phase (the scheduler's StepStats).
+
+    The engine thread's turn is schedule + prepare + wait + output (+ other); the forward and
+    the sampler run inside `wait` when sequential, and beside the engine thread (a worker)
+    with overlap, so they are counted apart, as the busy time."""
 
     steps: int = 0
     wall_s: float = 0.0  # inside engine.step()
     schedule_s: float = 0.0
     prepare_s: float = 0.0
+    wait_s: float = 0.0  # the engine thread inside the runner, not preparing: the forward, or
+    # waiting on it
+    output_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
-    run_other_s: float = 0.0  # the runner's time outside prepare/forward/sample
-    output_s: float = 0.0
 
     def add(self, stats: Any, wall: float) -> None:
         self.steps += 1
@@ -77,23 +82,22 @@ class StepSplit:
         self.schedule_s += stats.schedule
         self.output_s += stats.output
         timings = stats.timings or {}
-        prepare, forward, sample = (timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
-        self.prepare_s += prepare
-        self.forward_s += forward
-        self.sample_s += sample
-        self.run_other_s += max(stats.run - prepare - forward - sample, 0.0)
+        self.prepare_s += stats.launch  # launch prepares on the engine thread and returns
+        self.wait_s += stats.wait
+        self.forward_s += timings.get("forward", 0.0)
+        self.sample_s += timings.get("sample", 0.0)
 
     def to_dict(self, elapsed: float) -> dict[str, Any]:
         """Busy: the device computing (forward and sampling, the server's definition); the
-        rest of the wall time is execution-idle: scheduling, input preparation, output
-        processing, and the driver loop outside engine.step()."""
+        rest of the wall time is execution-idle. host_s: the engine thread's own work per
+        turn (schedule, prepare, output), which overlap hides behind the forward."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         busy = self.forward_s + self.sample_s
         out.update(elapsed_s=elapsed, busy_s=busy,
-                   busy_fraction=busy / elapsed if elapsed > 0 else 0.0,
+                   busy_fraction=min(busy / elapsed, 1.0) if elapsed > 0 else 0.0,
+                   host_s=self.schedule_s + self.prepare_s + self.output_s,
                    step_other_s=max(self.wall_s - self.schedule_s - self.prepare_s
-                                    - self.forward_s - self.sample_s - self.run_other_s
-                                    - self.output_s, 0.0),
+                                    - self.wait_s - self.output_s, 0.0),
                    driver_s=max(elapsed - self.wall_s, 0.0))
         out["idle_fraction"] = 1.0 - out["busy_fraction"]
         return out

@@ -69,9 +69,9 @@ def format_table(title: str, info: dict[str, Any], summary: dict[str, Any],
         rows.append(_line("Steps", split["steps"]))
         rows.append(_line("Busy: forward + sample", f"{split['busy_s']:.2f} "
                           f"({_pct(split['busy_fraction'])} of wall)"))
-        rows.append(_line("Idle: schedule / prepare / output", f"{split['schedule_s']:.2f} / "
+        rows.append(_line("Host: schedule / prepare / output", f"{split['schedule_s']:.2f} / "
                           f"{split['prepare_s']:.2f} / {split['output_s']:.2f}"))
-        rows.append(_line("Idle: runner other / driver", f"{split['run_other_s']:.2f} / "
+        rows.append(_line("Engine waits on forward / driver", f"{split['wait_s']:.2f} / "
                           f"{split['driver_s']:.2f}"))
     rows.append("=" * WIDTH)
     return "\n".join(rows)

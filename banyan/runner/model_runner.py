@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from banyan.attention.base import AttentionMetadata
-from banyan.attention.torch_backend import TorchAttentionBackend
+from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch
 from banyan.layers.packed_linear import PackedLinear, can_pack, pack_linears
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
@@ -34,13 +34,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class DeferredInputs:
+    """Input tokens sampled by the step before (overlap): fill input_ids[flat] from the
+    runner's per-row token buffer at rows, once that step has run."""
+
+    flat: torch.Tensor  # [D] int64 indices into input_ids
+    rows: torch.Tensor  # [D] int64 table rows
+
+
+@dataclass(slots=True)
 class StepInputs:
     """A step's tensors on the device, built once from the batch's lists."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    sample_tokens: torch.Tensor | None  # [S] int64 flat index of each sampling request's last token
+    logit_tokens: torch.Tensor | None  # [L] int64 flat index of each token whose logits are needed
     attn_meta: AttentionMetadata
+    deferred: DeferredInputs | None = None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -79,6 +89,7 @@ class ModelRunner:
         max_context: int | None = None,
         mem_fraction: float | None = None,
         show_progress: bool = True,
+        attention_backend: str = "auto",
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
@@ -125,15 +136,17 @@ class ModelRunner:
             cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device
         )
         self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
-        self.backend = TorchAttentionBackend(self.pool, self.table, native=True)
+        self.backend = create_backend(attention_backend, self.pool, self.table)
         self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
         logger.info(
-            "KV cache: %d slots (%.1f MiB, %d bytes per token), table %d rows x %d positions",
+            "KV cache: %d slots (%.1f MiB, %d bytes per token), table %d rows x %d positions; "
+            "attention: %s", 
             num_slots,
             self.pool.total_bytes / 2**20,
             self.pool.bytes_per_slot,
             self.max_rows,
             self.max_context,
+            self.backend.name,
         )
 
     @classmethod
@@ -159,6 +172,7 @@ class ModelRunner:
             max_context=args.max_model_len,
             mem_fraction=args.mem_fraction,
             show_progress=not args.disable_tqdm,
+            attention_backend=args.attention_backend,
         )
 
     # ------------------------------------------------------------------ public surface
@@ -181,24 +195,29 @@ class ModelRunner:
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step -> logits [len(batch.sample_indices), vocab] float32, in that order."""
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            inputs = self.prepare(batch)
-            t1 = time.perf_counter()
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
-            if inputs.sample_tokens is None:
-                logits = hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-            else:
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_tokens))
-            t2 = time.perf_counter()
-        # Host-side times: on CUDA "forward" is launch time unless the caller synchronizes
-        # (the sampler's .tolist() does, and is charged to sampling).
-        self.timings = {"prepare": t1 - t0, "forward": t2 - t1}
+        """Prepare and run one step -> logits [logit rows, vocab] float32 (see `prepare`)."""
+        t0 = time.perf_counter()
+        inputs = self.prepare(batch)
+        t1 = time.perf_counter()
+        logits = self.compute_logits(inputs)
+        self.timings = {"prepare": t1 - t0, "forward": time.perf_counter() - t1}
         return logits
 
+    def compute_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over a prepared step -> logits at `inputs.logit_tokens`, float32.
+        Host-side time: on CUDA this is launch time unless the caller synchronizes."""
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+            if inputs.logit_tokens is None:
+                return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            return self.model.compute_logits(hidden.index_select(0, inputs.logit_tokens))
+
     def prepare(self, batch: ForwardBatch) -> StepInputs:
-        """Validate the batch, build its tensors, write the table, plan attention."""
+        """Validate the batch, build its tensors, write the table, plan attention.
+
+        Logit rows, in order: per sampling request (batch.sample_indices order), its last new
+        token, or with k proposals its last k + 1 new tokens (the logits that check each
+        proposal, then the one after the last)."""
         self.validate(batch)
         dev = self.device
         ext = torch.tensor(batch.extend_lens, dtype=torch.int64)
@@ -211,16 +230,26 @@ class ModelRunner:
             # position of flat token t of request i = prefix_i + (t - start_i)
             positions = torch.repeat_interleave(pre - starts, ext) + torch.arange(batch.num_tokens)
             token_rows = torch.repeat_interleave(torch.tensor(batch.rows, dtype=torch.int64), ext)
-        sample_tokens = None
+        logit_tokens = None
         if batch.sample_indices:
             last = starts + ext - 1
-            sample_tokens = last[torch.tensor(batch.sample_indices, dtype=torch.int64)].to(dev)
+            picked = last[torch.tensor(batch.sample_indices, dtype=torch.int64)]
+            if any(batch.proposed):
+                counts = torch.tensor([len(p) + 1 for p in batch.proposed], dtype=torch.int64)
+                first = torch.cumsum(counts, 0) - counts
+                offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+                picked = torch.repeat_interleave(picked - counts + 1, counts) + offsets
+            logit_tokens = picked.to(dev)
+        deferred = None
+        if batch.deferred_inputs:
+            flat = torch.tensor(batch.deferred_inputs, dtype=torch.int64)
+            deferred = DeferredInputs(flat.to(dev), token_rows[flat].to(dev))
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(dev)
         out_slots = torch.tensor(batch.out_slots, dtype=torch.int64).to(dev)
         positions = positions.to(dev)
         self.table.write_batch(batch, token_rows.to(dev), positions, out_slots)
         meta = self.backend.plan(batch, out_slots)
-        return StepInputs(input_ids, positions, sample_tokens, meta)
+        return StepInputs(input_ids, positions, logit_tokens, meta, deferred)
 
     def validate(self, batch: ForwardBatch) -> None:
         """ValueError on a batch that would index out of the pool, table or vocabulary."""
@@ -255,6 +284,15 @@ class ModelRunner:
         _check_range("input_ids", batch.input_ids, self.vocab_size)
         if batch.sample_indices:
             _check_range("sample_indices", batch.sample_indices, b)
+        if batch.proposed:
+            if len(batch.proposed) != len(batch.sample_indices):
+                raise ValueError("ForwardBatch: proposed needs one list per sampling request")
+            for i, p in zip(batch.sample_indices, batch.proposed, strict=True):
+                if len(p) >= batch.extend_lens[i]:
+                    raise ValueError(f"ForwardBatch: {len(p)} proposed tokens do not fit an "
+                                     f"extend of {batch.extend_lens[i]}")
+        if batch.deferred_inputs:
+            _check_range("deferred_inputs", batch.deferred_inputs, t)
         for p in batch.row_prefixes:
             if not 0 <= p.row < self.max_rows or len(p.slots) > self.max_context:
                 raise ValueError(

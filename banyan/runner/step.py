@@ -1,23 +1,149 @@
-"""The scheduler's Runner: a model forward plus the sampler, one StepOutput per ForwardBatch."""
+"""The scheduler's Runner: `launch(batch)` prepares a step and starts it; `handle.result()` is its
+StepOutput (tokens per sampling request, proposals checked).
+
+Preparation (tensors from the batch's lists, the table, the attention plan) runs on the calling
+thread; the forward, the sampler and the check of proposed tokens run in launch order on one
+worker thread when overlapping (torch ops and the ctypes kernels release the GIL, so the engine
+schedules the next step meanwhile), or inline when not. Steps touch device state (KV pool, token
+buffer) only on that worker, in order; a later step's table writes only reach positions an
+earlier step does not read (its requests' new tokens, or rows of requests that have ended, whose
+release waits for the step reading them).
+
+The per-row token buffer holds the last token sampled for each table row, so a step built before
+its predecessor finished can name "row r's next input is what the step before samples".
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from banyan.batch import ForwardBatch, StepOutput
-from banyan.runner.model_runner import ModelRunner
+import torch
+
+from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
+from banyan.runner.model_runner import ModelRunner, StepInputs
 from banyan.sampling.sampler import Sampler
 
 
+class DoneStep:
+    """The handle of a step already computed (or failed)."""
+
+    def __init__(self, output: StepOutput | None, error: BaseException | None = None) -> None:
+        self._output, self._error = output, error
+
+    def result(self) -> StepOutput:
+        if self._error is not None:
+            raise self._error
+        assert self._output is not None
+        return self._output
+
+
+class DeferredStep:
+    """The handle of a step computed inline when collected (no overlap): the engine's time
+    inside result() is then the forward, as with a worker it is the wait for it."""
+
+    def __init__(self, compute: Callable[[], StepOutput]) -> None:
+        self._compute = compute
+
+    def result(self) -> StepOutput:
+        return self._compute()
+
+
+class RunningStep:
+    """The handle of a step on the worker thread."""
+
+    def __init__(self, future: Future[StepOutput]) -> None:
+        self._future = future
+
+    def result(self) -> StepOutput:
+        return self._future.result()
+
+
 class ModelStepRunner:
-    def __init__(self, model_runner: ModelRunner, sampler: Sampler) -> None:
+    def __init__(self, model_runner: ModelRunner, sampler: Sampler, overlap: bool = False) -> None:
         self.model_runner = model_runner
         self.sampler = sampler
+        rows = model_runner.max_rows
+        self._row_tokens = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
+        self._row_last: list[int] = [0] * rows  # host copy, for penalties over a pending token
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="banyan-step")
+                        if overlap else None)
 
-    def run(self, batch: ForwardBatch) -> StepOutput:
-        logits = self.model_runner.forward(batch)  # [S, V] float32
+    def launch(self, batch: ForwardBatch) -> DoneStep | DeferredStep | RunningStep:
         t0 = time.perf_counter()
-        result = self.sampler.sample(logits, batch.sampling)
-        timings = dict(self.model_runner.timings)
-        timings["sample"] = time.perf_counter() - t0
-        return StepOutput(result.next_tokens, result.logprobs, timings)
+        try:
+            inputs = self.model_runner.prepare(batch)
+        except Exception as exc:  # noqa: BLE001 - reported by result(), as a forward error is
+            return DoneStep(None, exc)
+        prepare = time.perf_counter() - t0
+        if self._worker is not None:
+            return RunningStep(self._worker.submit(self._execute, batch, inputs, prepare))
+        return DeferredStep(lambda: self._execute(batch, inputs, prepare))
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    def _execute(self, batch: ForwardBatch, inputs: StepInputs, prepare: float) -> StepOutput:
+        t0 = time.perf_counter()
+        if inputs.deferred is not None:
+            d = inputs.deferred
+            inputs.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))
+        logits = self.model_runner.compute_logits(inputs)
+        t1 = time.perf_counter()
+        rows = self._logit_rows(batch)
+        result = self.sampler.sample(logits, rows)
+        tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
+        if tokens:
+            last = [t[-1] for t in tokens]
+            rows_now = [r.row for r in batch.sampling]
+            if min(rows_now) >= 0:
+                index = torch.tensor(rows_now, dtype=torch.int64, device=self._row_tokens.device)
+                self._row_tokens.index_copy_(0, index, torch.tensor(last).to(index.device))
+                for r, t in zip(rows_now, last, strict=True):
+                    self._row_last[r] = t
+        t2 = time.perf_counter()
+        return StepOutput(tokens, logprobs,
+                          {"prepare": prepare, "forward": t1 - t0, "sample": t2 - t1})
+
+    def _logit_rows(self, batch: ForwardBatch) -> list[SamplingRow]:
+        """One sampler row per logit row: a request with k proposals samples at k + 1
+        positions, the j-th as if the first j proposals were already its output."""
+        rows: list[SamplingRow] = []
+        proposed = batch.proposed or [[] for _ in batch.sampling]
+        for row, guess in zip(batch.sampling, proposed, strict=True):
+            history = row.output_ids
+            if row.pending and row.params.uses_penalties:
+                history = history + [self._row_last[row.row]]
+            if not guess:
+                rows.append(row if history is row.output_ids
+                            else dataclasses.replace(row, output_ids=history, pending=0))
+                continue
+            for j in range(len(guess) + 1):
+                seen = history + guess[:j] if row.params.uses_penalties else history
+                rows.append(dataclasses.replace(row, output_ids=seen,
+                                                num_output=row.generated + j, pending=0))
+        return rows
+
+    @staticmethod
+    def _accept(batch: ForwardBatch, sampled: list[int],
+                logprobs: list[TokenLogprobs | None]) -> tuple[list[list[int]],
+                                                               list[list[TokenLogprobs]]]:
+        """Per sampling request, its tokens: each proposal the model itself sampled is
+        accepted, then the model's token at the first mismatch (or after the last proposal).
+        Sampling at each position and comparing is exact for proposals that are single
+        guesses (the output follows the model's own distribution, greedy or not)."""
+        tokens: list[list[int]] = []
+        lps: list[list[TokenLogprobs]] = []
+        at = 0
+        proposed = batch.proposed or [[] for _ in batch.sampling]
+        for guess in proposed:
+            n = 0
+            while n < len(guess) and sampled[at + n] == guess[n]:
+                n += 1
+            tokens.append(sampled[at : at + n + 1])
+            lps.append([lp for lp in logprobs[at : at + n + 1] if lp is not None])
+            at += len(guess) + 1
+        return tokens, lps

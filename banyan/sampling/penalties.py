@@ -126,7 +126,7 @@ def min_tokens_bans(rows: Sequence[SamplingRow], eos_token_ids: set[int]) -> lis
     bans: list[tuple[int, int]] = []
     for i, row in enumerate(rows):
         params = row.params
-        if len(row.output_ids) >= params.min_new_tokens:
+        if row.generated >= params.min_new_tokens:
             continue
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:

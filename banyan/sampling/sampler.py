@@ -5,7 +5,7 @@ stop tokens; then, for sampled rows only, temperature, top-k, top-p, min-p; then
 draw per row (filters.py says why that rather than an exponential race over the vocabulary).
 
 Randomness is one uniform number per sampled row. A row with a seed takes it from a hash of
-(seed, len(output_ids)): its tokens depend only on its own logits and seed, not on the batch
+(seed, tokens generated so far): its tokens depend only on its own logits and seed, not on the batch
 around it or its position there, nor on the device's generator, and a retracted-then-resumed
 request draws the same numbers again. Unseeded rows share one batched draw from the engine's
 generator, which lives on the logits' device (no host round trip on a GPU).
@@ -199,7 +199,7 @@ class Sampler:
         u = torch.rand(len(rows), dtype=torch.float64, device=device, generator=self.generator)
         seeded = [(j, s) for j, s in enumerate(row_seed(r) for r in rows) if s is not None]
         if seeded:
-            values = [seeded_uniform(s, len(rows[j].output_ids)) for j, s in seeded]
+            values = [seeded_uniform(s, rows[j].generated) for j, s in seeded]
             positions = torch.tensor([j for j, _ in seeded], dtype=torch.long, device=device)
             u.index_copy_(0, positions, torch.tensor(values, dtype=torch.float64, device=device))
         return u

@@ -11,7 +11,9 @@ Order of service each step:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
 from banyan.scheduler.memory import KVManager
@@ -34,6 +36,12 @@ class BudgetConfig:
     reserve_clip: int = 4096
 
 
+class Proposer(Protocol):
+    """Guesses a decoding request's next tokens (speculative decoding); the runner checks them."""
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]: ...
+
+
 @dataclass(slots=True)
 class ScheduledStep:
     batch: ForwardBatch = field(default_factory=ForwardBatch)
@@ -47,23 +55,27 @@ class ScheduledStep:
 
 
 class BatchBuilder:
-    def __init__(self, config: BudgetConfig, kv: KVManager, policy: SchedulePolicy) -> None:
+    def __init__(self, config: BudgetConfig, kv: KVManager, policy: SchedulePolicy,
+                 proposer: Proposer | None = None, max_proposed: int = 0) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
+        self.proposer = proposer
+        self.max_proposed = max_proposed
         self.new_token_ratio = config.new_token_ratio_init
 
     def build(self, running: list[Request], waiting: WaitingQueue) -> ScheduledStep:
         step = ScheduledStep()
         self._schedule_decodes(step, running, waiting)
         budget = self.config.max_prefill_tokens
-        # Prompts not fully in KV before this step: their chunks reach the prefix cache only after
-        # it, so waiting requests sharing them must not compute the same tokens alongside.
-        prefilling = [r for r in running if r.remaining > 1]  # decodes above: remaining == 0
-        for req in prefilling:
+        for req in [r for r in running if r.remaining > 1]:  # prompts still in chunks
             if budget <= 0:
                 break
             budget -= self._add_chunk(step, req, budget)
+        # Prompts whose KV no collected step has written in full (chunks in this step, or in one
+        # still running with overlap) reach the prefix cache only later, so waiting requests
+        # sharing them must not compute the same tokens alongside.
+        prefilling = [r for r in running if r.written < len(r.prompt_ids)]
         self._admit(step, running, waiting, budget, prefilling)
         if step.retracted:
             self.new_token_ratio = self.config.new_token_ratio_init
@@ -77,15 +89,24 @@ class BatchBuilder:
     def _schedule_decodes(
         self, step: ScheduledStep, running: list[Request], waiting: WaitingQueue
     ) -> None:
-        decoding = [r for r in running if r.remaining == 1]
+        decoding = [r for r in running if r.remaining == 1 and not r.ends_with_pending]
         while decoding and self.kv.available < len(decoding):
             victim = running.pop()  # the most recently admitted
             self.retract(victim, waiting)
             step.retracted.append(victim)
             if victim in decoding:
                 decoding.remove(victim)
-        for req in decoding:
-            self._add(step, req, 1)
+        for i, req in enumerate(decoding):
+            self._add(step, req, 1, self._proposals(req, len(decoding) - i))
+
+    def _proposals(self, req: Request, decodes_left: int) -> list[int]:
+        """Speculative tokens for a decode: never past max_new_tokens, and only from slots that
+        are free now beyond what the decodes still to schedule need (no eviction for a guess)."""
+        if self.proposer is None or req.pending:
+            return []
+        room = min(self.max_proposed, req.max_new_tokens - req.generated - 1,
+                   self.kv.allocator.num_free - decodes_left)
+        return self.proposer.propose(req, room)[:room] if room > 0 else []
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int) -> int:
         n = min(req.remaining, self.config.chunked_prefill_size, budget)
@@ -106,7 +127,9 @@ class BatchBuilder:
             return  # memory is short: admitting now would only retract again
         reserved = self._reserved(running)
         for req in self.policy.order(waiting, prefilling):
-            if budget <= 0 or len(running) >= self.config.max_running_requests:
+            # (rows of requests that ended while a step still reads them come back a step later)
+            if budget <= 0 or len(running) >= self.config.max_running_requests \
+                    or not self.kv.free_rows:
                 return
             self.kv.match(req)
             n = min(req.remaining, self.config.chunked_prefill_size, budget)
@@ -132,27 +155,39 @@ class BatchBuilder:
         future = sum(min(r.max_new_tokens - len(r.output_ids), clip) for r in running)
         return math.ceil(future * self.new_token_ratio)
 
-    def _add(self, step: ScheduledStep, req: Request, n: int) -> None:
-        slots = self.kv.alloc_for(req, n)
+    def _add(self, step: ScheduledStep, req: Request, n: int, proposed: Sequence[int] = ()) -> None:
+        """Put n of req's tokens (then its proposals, if any) into the step."""
+        samples = req.remaining == n  # the sequence's end is in this step
+        slots = self.kv.alloc_for(req, n + len(proposed))
         assert slots is not None, "caller checked availability"
         batch = step.batch
         assert req.row is not None
         if req.row_synced < req.num_computed:
             batch.row_prefixes.append(RowPrefix(req.row, req.slots[: req.num_computed]))
         start = req.num_computed
+        known = min(start + n, req.num_tokens)
         batch.rows.append(req.row)
         batch.prefix_lens.append(start)
-        batch.extend_lens.append(n)
-        batch.input_ids.extend(req.token_ids(start, start + n))
+        batch.extend_lens.append(n + len(proposed))
+        batch.input_ids.extend(req.token_ids(start, known))
+        if known < start + n:  # the token a running step samples for it (overlap)
+            assert start + n - known == 1 and req.pending == 1
+            batch.deferred_inputs.append(len(batch.input_ids))
+            batch.input_ids.append(0)
+        batch.input_ids.extend(proposed)
         batch.out_slots.extend(slots)
         req.slots.extend(slots)
         req.row_synced = req.num_computed
-        if req.remaining == 0:
+        req.inflight += 1
+        if samples:
             batch.sample_indices.append(len(step.reqs))
-            batch.sampling.append(
-                SamplingRow(req.params, req.prompt_ids, req.output_ids, req.params.seed)
-            )
+            params = req.params
+            history = list(req.output_ids) if params.uses_penalties else []
+            batch.sampling.append(SamplingRow(params, req.prompt_ids, history, params.seed,
+                                              req.generated, req.row, req.pending))
+            batch.proposed.append(list(proposed))
             step.sampled.append(req)
+            req.pending += 1
         step.reqs.append(req)
 
     def retract(self, req: Request, waiting: WaitingQueue) -> None:

@@ -15,6 +15,8 @@ allocation would fail or evict cache, so admission and retraction see what they 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from banyan.cache.base import PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.request import Request
@@ -85,6 +87,10 @@ class KVManager:
         self.allocator.free(req.decode_run)
         req.decode_run = []
 
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
     def alloc_row(self) -> int:
         return self._free_rows.pop()
 
@@ -97,7 +103,7 @@ class KVManager:
         self.cache.lock(result.handle)
         req.cache_handle = result.handle
         req.slots = list(result.slots)
-        req.locked_len = len(result.slots)
+        req.locked_len = req.written = len(result.slots)
 
     def count_admission(self, req: Request) -> None:
         self.prefix_queried += len(req.prompt_ids)
@@ -116,16 +122,16 @@ class KVManager:
         self.cache.unlock(req.cache_handle)
         req.cache_handle = None
         req.slots = []
-        req.locked_len = 0
+        req.locked_len = req.written = 0
 
-    def cache_unfinished(self, req: Request) -> None:
-        """After a prefill chunk: hand the computed prefix to the cache so others can share it,
-        and move the request onto the cache's copy (its duplicates are freed)."""
+    def cache_unfinished(self, req: Request, n: int) -> None:
+        """After a prefill chunk that ends at token n: hand the computed prefix to the cache so
+        others can share it, and move the request onto the cache's copy (its duplicates are
+        freed). Slots past n (a step still in flight) stay the request's own."""
         if not self.cache.keeps_prefixes:
             return
-        n = req.num_computed
         tokens = req.token_ids(0, n)
-        result = self.cache.insert(tokens, req.slots, req.namespace)
+        result = self.cache.insert(tokens, req.slots[:n], req.namespace)
         self.allocator.free(req.slots[req.locked_len : result.cached_len])
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
@@ -136,20 +142,29 @@ class KVManager:
         req.slots = shared + req.slots[len(shared) :]
         req.locked_len = len(shared)
 
-    def drop_uncomputed(self, req: Request, n: int) -> None:
-        """Free the last n slots of req, given to a step that failed: their K/V was never
-        written, so `release` must not offer them to the cache."""
-        assert len(req.slots) - n >= req.locked_len, "a failed step's slots are the request's own"
+    def drop_uncomputed(self, req: Request, keep: int) -> None:
+        """Free req's slots from token `keep` on, given to a step that failed (and any launched
+        after it): their K/V is garbage, so `release` must not offer them to the cache."""
+        assert keep >= req.locked_len, "a failed step's slots are the request's own"
+        self.drop_tail(req, len(req.slots) - keep)
+
+    def drop_tail(self, req: Request, n: int) -> None:
+        """Hand back req's last n slots (rejected speculative tokens, or a failed step's)."""
+        if n <= 0:
+            return
         self.allocator.free(req.slots[len(req.slots) - n :])
         del req.slots[len(req.slots) - n :]
         req.row_synced = min(req.row_synced, len(req.slots))
+        req.written = min(req.written, len(req.slots))
 
     def release(self, req: Request) -> None:
         """Give up a request's KV (finished, aborted or retracted): its computed tokens are
         offered to the cache, the rest freed, its lock and row dropped."""
         if req.slots:
-            n = req.num_computed
-            result = self.cache.insert(req.token_ids(0, n), req.slots, req.namespace)
+            # Only K/V that collected steps wrote is cached; a step in flight (a request
+            # retracted under overlap) may still be writing the rest.
+            n = max(min(req.num_computed, req.written), req.locked_len)
+            result = self.cache.insert(req.token_ids(0, n), req.slots[:n], req.namespace)
             self.allocator.free(req.slots[req.locked_len : max(result.cached_len, req.locked_len)])
             # A partial last page is never cached: it stays ours to free.
             self.allocator.free(req.slots[max(self.cache.aligned_len(n), req.locked_len) :])
@@ -164,14 +179,15 @@ class KVManager:
         req.locked_len = 0
         req.cache_handle = None
         req.row = None
-        req.row_synced = 0
+        req.row_synced = req.written = 0
 
-    def check_integrity(self, running: list[Request]) -> None:
-        """free + cached + held by requests (decode runs included) = every slot, each in exactly
-        one place."""
+    def check_integrity(self, running: list[Request], ended: Iterable[Request] = ()) -> None:
+        """free + cached + held by requests (decode runs included; `ended`: requests whose KV
+        waits for a step in flight) = every slot, each in exactly one place."""
         free = self.allocator.free_set()
         cached = self.cache.cached_slots()
-        held = [s for r in running for s in (*r.slots[r.locked_len :], *r.decode_run)]
+        holders = [*running, *ended]
+        held = [s for r in holders for s in (*r.slots[r.locked_len :], *r.decode_run)]
         everything = list(free) + cached + held
         assert len(free) == self.allocator.num_free, "a slot is twice in the free list"
         assert len(everything) == self.capacity, (
@@ -179,5 +195,5 @@ class KVManager:
             f"{len(held)} != capacity {self.capacity}"
         )
         assert len(set(everything)) == self.capacity, "a slot is in two places"
-        assert len(self._free_rows) + sum(r.row is not None for r in running) == self.num_rows
-        assert self._with_runs == {r for r in running if r.decode_run}, "decode run set drifted"
+        assert len(self._free_rows) + sum(r.row is not None for r in holders) == self.num_rows
+        assert self._with_runs == {r for r in holders if r.decode_run}, "decode run set drifted"

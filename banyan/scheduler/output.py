@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from banyan.batch import StepOutput
-from banyan.scheduler.builder import ScheduledStep
+from banyan.batch import TokenLogprobs
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate
 
 
@@ -22,33 +21,33 @@ def finish_reason_after(req: Request, stop_token: bool, stopped_by_text: bool,
     return None
 
 
-def apply_step(step: ScheduledStep, out: StepOutput, max_model_len: int) -> list[RequestUpdate]:
-    """Append each sampled token, stream its text, and mark finished requests (their KV is
-    released by the caller)."""
-    updates: list[RequestUpdate] = []
-    for req, token, logprob in zip(step.sampled, out.next_tokens, out.logprobs, strict=True):
+def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
+                 max_model_len: int) -> RequestUpdate:
+    """Append a step's tokens for one request (1..k+1 of them) in order, streaming their text,
+    until one ends the request: the tokens after it are dropped (their KV slots are the
+    caller's to hand back). Sets req.finish_reason; the caller releases the KV."""
+    appended: list[int] = []
+    kept_logprobs: list[TokenLogprobs] = []
+    text_parts: list[str] = []
+    reason: FinishReason | None = None
+    for i, token in enumerate(tokens):
         req.output_ids.append(token)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        text, stopped = "", False
+        appended.append(token)
+        if i < len(logprobs):
+            req.logprobs.append(logprobs[i])
+            kept_logprobs.append(logprobs[i])
+        stopped = False
         stop_token = is_stop_token(req, token)
         if req.text is not None and not stop_token:
             delta = req.text.push(token)  # applies stop strings only past min_new_tokens
-            text, stopped = delta.text, delta.stopped
+            text_parts.append(delta.text)
+            stopped = delta.stopped
         reason = finish_reason_after(req, stop_token, stopped, max_model_len)
         if reason is not None:
-            req.finish_reason = reason
             if req.text is not None and not stopped:
-                text += req.text.finish()
-        updates.append(
-            RequestUpdate(
-                rid=req.rid,
-                new_token_ids=[token],
-                text=text,
-                finish_reason=reason,
-                logprobs=[logprob] if logprob is not None else [],
-                prompt_tokens=len(req.prompt_ids),
-                cached_tokens=req.cached_tokens,
-            )
-        )
-    return updates
+                text_parts.append(req.text.finish())
+            break
+    req.finish_reason = reason
+    return RequestUpdate(rid=req.rid, new_token_ids=appended, text="".join(text_parts),
+                         finish_reason=reason, logprobs=kept_logprobs,
+                         prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)

@@ -59,9 +59,17 @@ class Request:
     cache_handle: Any = None  # locked prefix-cache node
     locked_len: int = 0  # slots[:locked_len] belong to the prefix cache (locked)
     row_synced: int = 0  # slots[:row_synced] are already written into the table row
+    written: int = 0  # slots[:written] hold K/V of collected steps (the rest: a step in flight)
     # Slots taken ahead for its next decode tokens (a contiguous run, so its K/V stays in runs),
     # last to be used first; not yet in `slots`.
     decode_run: list[int] = field(default_factory=list)
+
+    # Overlap scheduling: tokens sampled by launched steps whose output is not applied yet (0 or
+    # 1), and launched steps that include this request and are not yet collected. A request
+    # that ends while a step still reads its KV keeps its slots until that step is collected.
+    pending: int = 0
+    inflight: int = 0
+    release_deferred: bool = False
 
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_retractions: int = 0
@@ -77,8 +85,19 @@ class Request:
 
     @property
     def remaining(self) -> int:
-        """Tokens whose KV is still to be computed before the next token can be sampled."""
-        return self.num_tokens - len(self.slots)
+        """Tokens whose KV is still to be computed before the next token can be sampled (a
+        pending token counts: its value arrives before the step that computes it runs)."""
+        return self.num_tokens + self.pending - len(self.slots)
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far, pending ones included."""
+        return len(self.output_ids) + self.pending
+
+    @property
+    def ends_with_pending(self) -> bool:
+        """Its pending token is its last (max_new_tokens reached): nothing more to schedule."""
+        return self.pending > 0 and self.generated >= self.max_new_tokens
 
     @property
     def finished(self) -> bool:

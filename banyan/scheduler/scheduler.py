@@ -1,8 +1,16 @@
-"""The scheduler loop: admit, build a step, run it, apply the result, release the finished.
+"""The scheduler: `schedule()` builds a step, `update()` applies what the runner computed for it.
 
-Free of torch: it hands a `Runner` one ForwardBatch and gets one StepOutput back, so it is tested
-with a fake runner. The offline Engine calls `step()` in-process; the server's engine process
-calls it in its own loop.
+Free of torch: it hands a `Runner` one ForwardBatch and gets a handle whose `result()` is one
+StepOutput, so it is tested with a fake runner. `step()` is one turn of the engine loop:
+
+    sequential:  schedule n, launch n, collect n
+    overlap:     schedule n, launch n, collect n-1    (n-1's forward ran while n was scheduled)
+
+With overlap, step n is built before step n-1's tokens are known: a decode's input then names
+"the token the running step samples for this row" (`ForwardBatch.deferred_inputs`); a request
+counts that token as `pending`. A request that ends at step n-1 was already put into step n: its
+output there is dropped, and its KV is released only once step n is collected (no running step
+ever reads a slot that was handed to someone else).
 """
 
 from __future__ import annotations
@@ -16,9 +24,9 @@ from typing import Protocol
 from banyan.batch import ForwardBatch, StepOutput
 from banyan.cache.base import PrefixCache
 from banyan.mem.allocator import SlotAllocator
-from banyan.scheduler.builder import BatchBuilder, BudgetConfig
+from banyan.scheduler.builder import BatchBuilder, BudgetConfig, Proposer, ScheduledStep
 from banyan.scheduler.memory import KVManager
-from banyan.scheduler.output import apply_step
+from banyan.scheduler.output import apply_tokens
 from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Status
@@ -26,8 +34,16 @@ from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Statu
 logger = logging.getLogger(__name__)
 
 
+class StepHandle(Protocol):
+    def result(self) -> StepOutput:
+        """Block until the step is computed; raise what the step raised."""
+        ...
+
+
 class Runner(Protocol):
-    def run(self, batch: ForwardBatch) -> StepOutput: ...
+    def launch(self, batch: ForwardBatch) -> StepHandle:
+        """Start computing a step and return at once (steps run in launch order)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -35,30 +51,37 @@ class SchedulerConfig:
     max_model_len: int
     budget: BudgetConfig
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    overlap: bool = False  # schedule step n while step n-1 runs
+    max_proposed: int = 0  # speculative tokens per decode (with a proposer)
     check_integrity: bool = False  # assert the KV bookkeeping after every step (tests)
 
 
 @dataclass(slots=True)
 class StepStats:
-    """Wall time of the last step by phase, and what it computed."""
+    """Host time of the last loop turn by phase, and what the step launched in it computes."""
 
     schedule: float = 0.0
-    run: float = 0.0
-    output: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)  # the runner's own split
+    launch: float = 0.0  # the runner's host-side preparation (launch returns at once)
+    wait: float = 0.0  # blocked on the collected step's result
+    output: float = 0.0  # tokens applied, text streamed, requests released
+    timings: dict[str, float] = field(default_factory=dict)  # the collected step's own split
     num_tokens: int = 0
     num_reqs: int = 0
     num_retracted: int = 0
 
+    @property
+    def run(self) -> float:
+        return self.launch + self.wait
+
 
 class Scheduler:
-    def __init__(
-        self, runner: Runner, config: SchedulerConfig, allocator: SlotAllocator, cache: PrefixCache
-    ) -> None:
+    def __init__(self, runner: Runner, config: SchedulerConfig, allocator: SlotAllocator,
+                 cache: PrefixCache, proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.config = config
         self.kv = KVManager(allocator, cache, config.budget.max_running_requests)
-        self.builder = BatchBuilder(config.budget, self.kv, SchedulePolicy(config.policy, cache))
+        self.builder = BatchBuilder(config.budget, self.kv, SchedulePolicy(config.policy, cache),
+                                    proposer, config.max_proposed)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -66,10 +89,12 @@ class Scheduler:
         self.total_retractions = 0
         self._seq = itertools.count()
         self._nothing_to_do: list[Request] = []
+        self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # overlap only
+        self._ended_in_flight: set[Request] = set()  # ended, KV held until their step is collected
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._nothing_to_do)
+        return bool(self.running or self.waiting or self._nothing_to_do or self._in_flight)
 
     def add_request(self, req: Request) -> None:
         """Queue a request; ValueError when it could never run here."""
@@ -89,6 +114,10 @@ class Scheduler:
                 f"{req.max_new_tokens} can never fit in the KV cache ({capacity} tokens); "
                 f"raise --kv-cache-memory or lower max_new_tokens"
             )
+        # The context length bounds generation: knowing it up front lets a step be scheduled
+        # before the previous one's tokens arrive (overlap) without running past it.
+        req.max_new_tokens = min(req.max_new_tokens,
+                                 self.config.max_model_len - len(req.prompt_ids))
         req.arrival_seq = next(self._seq)
         self.requests[req.rid] = req
         if req.max_new_tokens == 0:
@@ -97,7 +126,8 @@ class Scheduler:
             self.waiting.push(req)
 
     def abort(self, rid: str) -> RequestUpdate | None:
-        """End a request now, wherever it is; its KV returns to the pool at once."""
+        """End a request now, wherever it is; its KV returns to the pool at once (or when the
+        step still reading it is collected)."""
         req = self.requests.get(rid)
         if req is None:
             return None
@@ -109,52 +139,131 @@ class Scheduler:
             self.running.remove(req)
         req.finish_reason = FinishReason.ABORT
         self._finish(req)
+        self._collect_if_idle()
         text = req.text.finish() if req.text is not None else ""
         return RequestUpdate(rid, [], text, FinishReason.ABORT, prompt_tokens=len(req.prompt_ids),
                              cached_tokens=req.cached_tokens)
 
+    # ---- the loop ------------------------------------------------------------------------
+
     def step(self) -> list[RequestUpdate]:
-        """Run one step; return what happened to each request it touched."""
+        """One turn of the engine loop; what happened to each request it touched."""
         stats = StepStats()
-        t0 = time.perf_counter()
         updates = self._finish_zero_length()
-        step = self.builder.build(self.running, self.waiting)
+        t0 = time.perf_counter()
+        step = self.schedule()
+        t1 = time.perf_counter()
+        handle = None if step.empty else self.runner.launch(step.batch)
+        t2 = time.perf_counter()
+        stats.schedule, stats.launch = t1 - t0, t2 - t1
         stats.num_retracted = len(step.retracted)
+        stats.num_tokens, stats.num_reqs = step.batch.num_tokens, step.batch.batch_size
+        launched = None if handle is None else (step, handle)
+        if self.config.overlap:
+            collect, self._in_flight = self._in_flight, launched
+        else:
+            collect = launched
+        if collect is not None:
+            updates += self._collect(*collect, stats)
+        self._collect_if_idle()
+        self.last_step = stats
+        return updates
+
+    def _collect_if_idle(self) -> None:
+        """When every request in the running step has ended, collect it now (what it computed
+        is void) to release their KV rather than hold it until the next request arrives."""
+        if self._in_flight is not None and not (self.running or self.waiting):
+            step, handle = self._in_flight
+            self._in_flight = None
+            assert not self._collect(step, handle, StepStats()), "only ended requests were left"
+
+    def schedule(self) -> ScheduledStep:
+        """Build the next step: admit, chunk, retract; allocates its KV slots."""
+        step = self.builder.build(self.running, self.waiting)
         self.total_retractions += len(step.retracted)
         if step.retracted:
             logger.info("retracted %d request(s): KV cache full", len(step.retracted))
-        t1 = time.perf_counter()
-        stats.schedule = t1 - t0
-        if step.empty:
-            self.last_step = stats
-            return updates
+        return step
+
+    def _collect(self, step: ScheduledStep, handle: StepHandle,
+                 stats: StepStats) -> list[RequestUpdate]:
+        t0 = time.perf_counter()
         try:
-            out = self.runner.run(step.batch)
+            out = handle.result()
         except Exception as exc:  # one bad step must not kill the engine or other requests
             logger.exception("step failed; aborting its %d request(s)", len(step.reqs))
-            for req, n in zip(step.reqs, step.batch.extend_lens, strict=True):
-                self.running.remove(req)
-                self.kv.drop_uncomputed(req, n)  # their K/V was never written: not for the cache
-                req.finish_reason = FinishReason.ABORT
-                req.error = f"internal error: {exc}"
+            return self._fail(step, exc)
+        t1 = time.perf_counter()
+        updates = self.update(step, out)
+        stats.wait, stats.output = t1 - t0, time.perf_counter() - t1
+        stats.timings = out.timings
+        return updates
+
+    def update(self, step: ScheduledStep, out: StepOutput) -> list[RequestUpdate]:
+        """Apply a collected step: tokens to requests, finished requests released, prefill
+        chunks offered to the prefix cache, unused speculative slots handed back."""
+        batch = step.batch
+        if len(out.sampled_token_ids) != len(step.sampled):
+            raise RuntimeError(f"runner answered {len(out.sampled_token_ids)} rows for "
+                               f"{len(step.sampled)} sampling requests")
+        updates: list[RequestUpdate] = []
+        speculative: set[int] = set()
+        for j, req in enumerate(step.sampled):
+            req.pending -= 1
+            if req.finished:
+                continue  # ended while this step ran: what it computed for it is void
+            proposed = batch.proposed[j] if batch.proposed else []
+            if proposed:
+                speculative.add(batch.sample_indices[j])
+            update = apply_tokens(req, out.sampled_token_ids[j],
+                                  out.logprobs[j] if out.logprobs else [],
+                                  self.config.max_model_len)
+            if proposed and req.status is Status.RUNNING:
+                # KV is valid for the input token and the accepted proposals only.
+                self.kv.drop_tail(req, len(proposed) + 1 - len(update.new_token_ids))
+            updates.append(update)
+        for i, req in enumerate(step.reqs):
+            req.inflight -= 1
+            end = batch.prefix_lens[i] + batch.extend_lens[i]
+            if req.status is Status.RUNNING:
+                req.written = max(req.written, min(end, req.num_computed))
+            if req.finished:
+                self._release_if_collected(req)
+            elif req.finish_reason is not None:  # ended by this step's tokens
+                if req.status is Status.WAITING:  # retracted while its last token was sampled
+                    self.waiting.remove(req)
+                else:
+                    self.running.remove(req)
                 self._finish(req)
-                updates.append(RequestUpdate(req.rid, [], "", FinishReason.ABORT,
-                                             prompt_tokens=len(req.prompt_ids), error=req.error))
-            return updates
-        t2 = time.perf_counter()
-        updates += apply_step(step, out, self.config.max_model_len)
-        for req, n in zip(step.reqs, step.batch.extend_lens):
-            if req.finish_reason is not None:
-                self.running.remove(req)
-                self._finish(req)
-            elif n > 1:  # a prefill (chunk): share it with waiting requests now, not at the end
-                self.kv.cache_unfinished(req)
+            elif batch.extend_lens[i] > 1 and i not in speculative \
+                    and req.status is Status.RUNNING:
+                # a prefill chunk: share it with waiting requests now, not at the end
+                self.kv.cache_unfinished(req, end)
         if self.config.check_integrity:
-            self.kv.check_integrity(self.running)
-        t3 = time.perf_counter()
-        stats.run, stats.output, stats.timings = t2 - t1, t3 - t2, out.timings
-        stats.num_tokens, stats.num_reqs = step.batch.num_tokens, step.batch.batch_size
-        self.last_step = stats
+            self.kv.check_integrity(self.running, self._ended_in_flight)
+        return updates
+
+    def _fail(self, step: ScheduledStep, exc: Exception) -> list[RequestUpdate]:
+        """A step raised: its requests end with an error; the K/V it (and any step after it)
+        was to write is never offered to the prefix cache."""
+        sampled = set(step.sampled)
+        updates = []
+        for req, start in zip(step.reqs, step.batch.prefix_lens, strict=True):
+            req.inflight -= 1
+            req.pending -= req in sampled
+            if req.finished:
+                self._release_if_collected(req)
+                continue
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+                self.kv.drop_uncomputed(req, start)
+            else:
+                self.waiting.remove(req)
+            req.finish_reason = FinishReason.ABORT
+            req.error = f"internal error: {exc}"
+            self._finish(req)
+            updates.append(RequestUpdate(req.rid, [], "", FinishReason.ABORT,
+                                         prompt_tokens=len(req.prompt_ids), error=req.error))
         return updates
 
     def _finish_zero_length(self) -> list[RequestUpdate]:
@@ -167,6 +276,14 @@ class Scheduler:
                               prompt_tokens=len(r.prompt_ids)) for r in done]
 
     def _finish(self, req: Request) -> None:
-        self.kv.release(req)
         req.status = Status.FINISHED
         del self.requests[req.rid]
+        if req.inflight:
+            self._ended_in_flight.add(req)
+        else:
+            self.kv.release(req)
+
+    def _release_if_collected(self, req: Request) -> None:
+        if req.inflight == 0 and req in self._ended_in_flight:
+            self._ended_in_flight.discard(req)
+            self.kv.release(req)

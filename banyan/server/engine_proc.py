@@ -196,9 +196,12 @@ class EngineLoop:
         times = self.counters.times
         wall = end - start
         timings = last.timings
-        phases = {"schedule": last.schedule, "prepare": timings.get("prepare", 0.0),
-                  "forward": timings.get("forward", 0.0), "sample": timings.get("sample", 0.0),
-                  "output": last.output}
+        forward, sample = timings.get("forward", 0.0), timings.get("sample", 0.0)
+        if forward + sample > wall:  # overlap: the collected step began in the turn before
+            scale = wall / (forward + sample)
+            forward, sample = forward * scale, sample * scale
+        phases = {"schedule": last.schedule, "prepare": last.launch, "forward": forward,
+                  "sample": sample, "output": last.output}
         times.schedule += phases["schedule"]
         times.prepare += phases["prepare"]
         times.forward += phases["forward"]
@@ -226,7 +229,8 @@ class EngineLoop:
             retractions=sched.total_retractions, steps=c.steps,
             times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
             busy_fraction=(sum(b for _, b in c.recent) / recent_wall) if recent_wall else 0.0,
-            last_step={"schedule": last.schedule, "run": last.run, "output": last.output,
+            last_step={"schedule": last.schedule, "launch": last.launch, "wait": last.wait,
+                       "output": last.output,
                        **last.timings, "num_tokens": float(last.num_tokens),
                        "num_reqs": float(last.num_reqs)},
         )

@@ -24,7 +24,7 @@ def _split_line(entry: dict[str, Any]) -> str:
             f"steps): busy {split['busy_fraction']:.0%} (forward {split['forward_s']:.2f} s, "
             f"sampling {split['sample_s']:.2f} s); idle: input preparation "
             f"{split['prepare_s']:.2f} s, scheduling {split['schedule_s']:.2f} s, output "
-            f"processing {split['output_s']:.2f} s, runner other {split['run_other_s']:.2f} s, "
+            f"processing {split['output_s']:.2f} s, waiting on the forward {split['wait_s']:.2f} s, "
             f"driver {split['driver_s']:.2f} s.")
 
 

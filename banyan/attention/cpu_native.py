@@ -1,0 +1,61 @@
+"""The "cpu-native" attention backend: decodes and prefill chunks of up to MAX_NATIVE_EXTEND
+tokens through the C++ CPU kernel (native_plan.py), everything else (longer fresh chunks) on the
+SDPA paths it inherits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from banyan.attention.base import AttentionMetadata
+from banyan.attention.native_plan import NativePlan, native_attention, plan_native, takes_extend
+from banyan.attention.registry import register_backend
+from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata, token_starts
+from banyan.batch import ForwardBatch
+from banyan.kernels import native as native_kernels
+from banyan.mem.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class NativeMetadata(TorchAttentionMetadata):
+    native: NativePlan | None = None  # the kernel's requests; the inherited paths get the rest
+
+
+@register_backend("cpu-native")
+class CpuNativeBackend(SdpaBackend):
+    @classmethod
+    def supports(cls, pool: KVPool) -> bool:
+        return native_kernels.supports(pool.device, pool.dtype)
+
+    def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> NativeMetadata:
+        meta = NativeMetadata(backend=self, num_tokens=batch.num_tokens, out_slots=out_slots)
+        starts = token_starts(batch)
+        taken = [i for i, n in enumerate(batch.extend_lens) if n == 1 or takes_extend(n)]
+        if taken:
+            meta.native = plan_native(
+                self.table.table,
+                [batch.rows[i] for i in taken],
+                [batch.prefix_lens[i] for i in taken],
+                [batch.extend_lens[i] for i in taken],
+                [starts[i] for i in taken],
+            )
+        self._plan_paths(meta, batch, starts, set(taken))
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        assert isinstance(meta, NativeMetadata)
+        nat = meta.native
+        if nat is None:
+            return super().forward(q, k, v, layer_id, meta)
+        self.pool.store(layer_id, meta.out_slots, k, v)
+        T, H, D = q.shape
+        q = q.contiguous()
+        out = q.new_empty((T, H, D))
+        pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
+        native_attention(q, pool_k, pool_v, self.table.table, nat, self.scale, out)
+        if nat.num_tokens < T:  # longer chunks: the SDPA paths
+            self._attend_paths(q, k, v, layer_id, meta, out)
+        return out

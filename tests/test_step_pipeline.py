@@ -1,0 +1,211 @@
+"""The step pipeline with the model-free runner: schedule/update split, overlap (step n built
+before step n-1's tokens are known), several tokens per request (proposals), failures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from banyan.cache.no_cache import NoPrefixCache
+from banyan.cache.radix import RadixCache
+from banyan.mem.allocator import SlotAllocator
+from banyan.scheduler import Request, Scheduler, SchedulerConfig
+from banyan.scheduler.builder import BudgetConfig
+from banyan.scheduler.request import FinishReason
+from tests.fake_runner import FakeRunner, next_token, reference
+from tests.test_scheduler import make_request, random_prompts
+
+
+def build(overlap: bool, num_slots: int = 2000, cache: bool = False, chunk: int = 48,
+          proposer: object = None, max_proposed: int = 0) -> tuple[Scheduler, FakeRunner]:
+    runner = FakeRunner(num_slots)
+    allocator = SlotAllocator(num_slots)
+    config = SchedulerConfig(max_model_len=400, budget=BudgetConfig(8, 96, chunk),
+                             overlap=overlap, max_proposed=max_proposed, check_integrity=True)
+    prefix_cache = RadixCache(allocator) if cache else NoPrefixCache()
+    return Scheduler(runner, config, allocator, prefix_cache, proposer), runner  # type: ignore[arg-type]
+
+
+def drain(sched: Scheduler) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(20_000):
+        if not sched.has_work:
+            break
+        for u in sched.step():
+            outputs.setdefault(u.rid, []).extend(u.new_token_ids)
+    assert not sched.has_work
+    free = sched.kv.allocator.num_free + sched.kv.cache.evictable_size
+    assert free == sched.kv.capacity, "KV slots leaked"
+    return outputs
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "radix"])
+@pytest.mark.parametrize("num_slots", [2000, 400], ids=["roomy", "retracting"])
+def test_overlap_outputs_equal_reference(cache: bool, num_slots: int) -> None:
+    prompts = random_prompts(20, seed=4)
+    prompts += [prompts[0][:60] + p for p in prompts[1:5]]  # shared prefixes
+    sched, runner = build(overlap=True, num_slots=num_slots, cache=cache)
+    for i, p in enumerate(prompts):
+        sched.add_request(make_request(str(i), p, 5 + i % 23, eos=None if i % 3 else 7))
+    out = drain(sched)
+    for i, p in enumerate(prompts):
+        assert out[str(i)] == reference(p, 5 + i % 23, None if i % 3 else 7), f"request {i}"
+    assert any(b.deferred_inputs for b in runner.batches), "overlap never deferred an input"
+    if num_slots == 400:
+        assert sched.total_retractions > 0
+
+
+def test_overlap_schedules_before_tokens_are_known() -> None:
+    """Step n+1 is built before step n is collected: its decode input is deferred, and a
+    request that reached max_new_tokens is not scheduled again."""
+    sched, runner = build(overlap=True)
+    sched.add_request(make_request("a", [5, 6, 7], 3))
+    sched.step()  # schedules and launches the prefill; nothing collected yet
+    assert sched.requests["a"].pending == 1 and sched.requests["a"].output_ids == []
+    updates = sched.step()  # launches decode 1 (input deferred), collects the prefill
+    assert [u.new_token_ids for u in updates] == [reference([5, 6, 7], 1)]
+    assert runner.batches[1].deferred_inputs == [0]
+    out = drain(sched)
+    assert out["a"] == reference([5, 6, 7], 3)[1:]
+    assert len(runner.batches) == 3, "a request was scheduled past max_new_tokens"
+
+
+def test_eos_under_overlap_drops_the_extra_step_and_frees_once() -> None:
+    prompt = [9, 10, 11, 12]
+    full = reference(prompt, 30)
+    eos = full[4]
+    sched, runner = build(overlap=True)
+    sched.add_request(make_request("a", prompt, 30, eos=eos))
+    sched.add_request(make_request("b", [3, 4], 30))
+    out = drain(sched)
+    assert out["a"] == full[:5] and out["b"] == reference([3, 4], 30)
+    # a was in the step after the one that sampled its EOS (built before the EOS was known)
+    rows_with_a = [b for b in runner.batches if b.rows and len(b.rows) == 2]
+    assert len(rows_with_a) == 6
+
+
+def test_abort_while_in_flight() -> None:
+    sched, _ = build(overlap=True)
+    for i, p in enumerate(random_prompts(6, seed=2)):
+        sched.add_request(make_request(str(i), p, 20))
+    out: dict[str, list[int]] = {}
+    for _ in range(4):
+        for u in sched.step():
+            out.setdefault(u.rid, []).extend(u.new_token_ids)
+    assert sched.abort("2") is not None and sched.abort("4") is not None
+    for rid, tokens in drain(sched).items():
+        out.setdefault(rid, []).extend(tokens)
+    assert len(out.get("2", [])) < 20
+    for i, p in enumerate(random_prompts(6, seed=2)):
+        if i not in (2, 4):
+            assert out[str(i)] == reference(p, 20)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_failed_step_aborts_its_requests_only(overlap: bool) -> None:
+    sched, runner = build(overlap=overlap, cache=True)
+    sched.add_request(make_request("a", list(range(3, 80)), 6))
+    sched.step()
+    runner.fail_next = True
+    sched.add_request(make_request("b", [3, 4, 5], 6))
+    outs = drain(sched)
+    assert outs.get("a") is not None
+    # a repeat of a prompt whose step failed gets the reference (no garbage K/V was cached)
+    sched.add_request(make_request("c", list(range(3, 80)), 6))
+    sched.add_request(make_request("d", [3, 4, 5], 6))
+    outs = drain(sched)
+    assert outs["c"] == reference(list(range(3, 80)), 6)
+    assert outs["d"] == reference([3, 4, 5], 6)
+
+
+class ReferenceProposer:
+    """Proposes the reference continuation with every `wrong`-th guess spoiled."""
+
+    def __init__(self, wrong: int) -> None:
+        self.wrong = wrong
+        self.calls = 0
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        self.calls += 1
+        context = req.all_ids()
+        guess = []
+        for j in range(max_tokens):
+            t = next_token(context)
+            if self.wrong and (self.calls + j) % self.wrong == 0:
+                t = 3 + (t - 3 + 1) % 94  # another id in the fake vocabulary
+            guess.append(t)
+            context = context + [t]
+        return guess
+
+
+@pytest.mark.parametrize("wrong", [0, 3, 1])
+def test_proposals_keep_outputs_and_hand_back_slots(wrong: int) -> None:
+    prompts = random_prompts(10, seed=9)
+    proposer = ReferenceProposer(wrong)
+    sched, runner = build(overlap=False, proposer=proposer, max_proposed=4, cache=True)
+    for i, p in enumerate(prompts):
+        sched.add_request(make_request(str(i), p, 3 + 2 * i))
+    out = drain(sched)
+    for i, p in enumerate(prompts):
+        assert out[str(i)] == reference(p, 3 + 2 * i)
+    produced = sum(len(v) for v in out.values())
+    decode_steps = len([b for b in runner.batches if b.proposed and any(b.proposed)])
+    if wrong == 0:  # all accepted: k + 1 tokens per verify step
+        assert decode_steps < produced / 3
+    assert any(len(p) == 4 for b in runner.batches for p in b.proposed)
+
+
+def test_stop_inside_accepted_proposals_drops_the_rest() -> None:
+    prompt = [20, 21, 22]
+    full = reference(prompt, 40)
+    eos = full[6]
+    sched, _ = build(overlap=False, proposer=ReferenceProposer(0), max_proposed=5)
+    sched.add_request(make_request("a", prompt, 40, eos=eos))
+    out = drain(sched)
+    assert out["a"] == full[:7]
+    assert sched.kv.allocator.num_free == sched.kv.capacity
+
+
+def test_update_rejects_a_mismatched_output() -> None:
+    from banyan.batch import StepOutput
+
+    sched, _ = build(overlap=False)
+    sched.add_request(make_request("a", [3, 4], 4))
+    step = sched.schedule()
+    with pytest.raises(RuntimeError, match="rows"):
+        sched.update(step, StepOutput(sampled_token_ids=[], logprobs=[]))
+
+
+def test_random_mix_under_overlap_and_aborts() -> None:
+    rng = random.Random(11)
+    sched, _ = build(overlap=True, num_slots=500, cache=True, chunk=17)
+    expected: dict[str, list[int]] = {}
+    got: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    n = 0
+    for turn in range(400):
+        if n < 40 and rng.random() < 0.3:
+            p = [rng.randrange(3, 97) for _ in range(rng.randint(1, 90))]
+            if rng.random() < 0.5:
+                p = [5, 6, 7, 8] * 10 + p
+            m = rng.randint(1, 25)
+            sched.add_request(make_request(f"r{n}", p, m))
+            expected[f"r{n}"] = reference(p, m)
+            n += 1
+        if sched.requests and rng.random() < 0.03:
+            rid = rng.choice(sorted(sched.requests))
+            sched.abort(rid)
+            aborted.add(rid)
+        for u in sched.step():
+            got.setdefault(u.rid, []).extend(u.new_token_ids)
+            if u.finish_reason is FinishReason.ABORT:
+                aborted.add(u.rid)
+    got_rest = drain(sched)
+    for rid, toks in got_rest.items():
+        got.setdefault(rid, []).extend(toks)
+    for rid, want in expected.items():
+        if rid in aborted:
+            assert got.get(rid, []) == want[: len(got.get(rid, []))]
+        else:
+            assert got[rid] == want, rid
