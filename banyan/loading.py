@@ -12,7 +12,7 @@ from banyan.args import EngineArgs
 from banyan.cache.no_cache import NoPrefixCache
 from banyan.cache.radix import RadixCache
 from banyan.core import EngineCore
-from banyan.layers.packed_linear import PackedLinear
+from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import load_tokenizer, resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
@@ -71,13 +71,7 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
         cache,
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
-    core.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    # Prepacked linears hold their weights outside parameters(); a tied head's packed copy is
-    # the embedding already counted.
+    # A tied head's packed copy is the embedding, already counted.
     tied = runner.model.tied_head
-    core.weight_bytes += sum(
-        m.weight_bytes
-        for m in runner.model.modules()
-        if isinstance(m, PackedLinear) and m is not tied
-    )
+    core.weight_bytes = model_weight_bytes(runner.model, skip=(tied,) if tied else ())
     return core

@@ -16,7 +16,7 @@ import torch
 from banyan.batch import RowPrefix
 from banyan.demo import build_random_model
 from banyan.kernels import fused_ops
-from banyan.layers.packed_linear import PackedLinear, can_pack
+from banyan.layers.linear import Linear, PackedBf16Method
 from banyan.mem.allocator import SlotAllocator
 from tests.model_helpers import (
     ARCHS,
@@ -177,7 +177,8 @@ def test_bf16_load(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["llama"]
     runner = make_runner(path, dtype="bfloat16")
     qkv = runner.model.layers[0].self_attn.qkv_proj
-    assert (qkv.packed if isinstance(qkv, PackedLinear) else qkv.weight).dtype == torch.bfloat16
+    assert (qkv.packed if isinstance(qkv.method, PackedBf16Method) else qkv.weight).dtype \
+        == torch.bfloat16
     assert runner.model.rotary.inv_freq.dtype == torch.float32
     assert runner.pool.k[0].dtype == torch.bfloat16
     ids = random_ids(40, seed=10)
@@ -191,15 +192,16 @@ def test_bf16_prepacked_weights_give_identical_logits(
     model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = model_dirs["qwen2"]  # biases on q/k/v: the packed path carries them
-    if not can_pack(torch.device("cpu"), torch.bfloat16):
+    if not PackedBf16Method.available(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this torch build has no oneDNN weight packing")
     ids = random_ids(40, seed=11)
     logits = []
     for packing in (True, False):
         if not packing:
-            monkeypatch.setattr("banyan.runner.model_runner.can_pack", lambda *a: False)
+            monkeypatch.setattr(PackedBf16Method, "available", lambda *a: False)
         runner = make_runner(path, dtype="bfloat16")
-        linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+        linears = [m for m in runner.model.modules()
+                   if isinstance(m, Linear) and isinstance(m.method, PackedBf16Method)]
         assert len(linears) == (4 * runner.model_config.layers + 1 if packing else 0)
         seq, alloc = Seq(0, ids), SlotAllocator(runner.num_slots)
         logits.append(torch.cat(run_step(runner, alloc, [(seq, 36)])

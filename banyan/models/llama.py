@@ -19,6 +19,7 @@ from torch import nn
 from banyan.attention.base import AttentionMetadata
 from banyan.kernels import fused_ops
 from banyan.layers.activation import silu_and_mul
+from banyan.layers.linear import Linear
 from banyan.layers.norm import RMSNorm
 from banyan.layers.rotary import RotaryEmbedding, apply_rotary
 from banyan.models.config import ModelConfig
@@ -40,8 +41,8 @@ class LlamaAttention(nn.Module):
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
@@ -78,8 +79,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden, 2 * cfg.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate, cfg.hidden, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
@@ -120,11 +121,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.rope_type, cfg.rope_theta, cfg.head_dim)
-        self.lm_head: nn.Module | None = None  # tied: logits use embed_tokens.weight
+        self.lm_head: Linear | None = None  # tied: logits use embed_tokens.weight
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+            self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False)
         # A tied head in another layout (a prepacked copy of the embedding, set by the runner)
-        self.tied_head: nn.Module | None = None
+        self.tied_head: Linear | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata

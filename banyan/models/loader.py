@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from banyan.layers.linear import dense_weight_loader
 from banyan.models.config import ModelConfig, resolve_dtype
 from banyan.models.llama import LlamaForCausalLM, WeightSlot
 
@@ -91,6 +92,8 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
                 done[id(param)] = nn.Parameter(
                     torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False
                 )
+                if hasattr(param, "weight_loader"):  # the layer's own way to load it
+                    done[id(param)].weight_loader = param.weight_loader  # type: ignore[attr-defined]
             module._parameters[name] = done[id(param)]
         for name, buf in list(module._buffers.items()):
             if buf is not None:
@@ -148,17 +151,12 @@ def _fill(
                 if slot is None:
                     unexpected.append(name)
                     continue
-                target = params[slot.param]
-                if slot.rows is not None:
-                    target = target.narrow(0, slot.start, slot.rows)
-                shape = tuple(handle.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    raise ValueError(
-                        f"tensor {name!r} in {f.name} has shape {shape}, "
-                        f"the config expects {tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(handle.get_tensor(name))  # casts to the model dtype and device
+                param = params[slot.param]
+                loader = getattr(param, "weight_loader", dense_weight_loader)
+                try:
+                    loader(param, handle.get_tensor(name), slot.start, slot.rows)
+                except ValueError as exc:
+                    raise ValueError(f"tensor {name!r} in {f.name}: {exc}") from None
                 seen.add(name)
 
 

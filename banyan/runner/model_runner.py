@@ -21,7 +21,7 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch
-from banyan.layers.packed_linear import PackedLinear, can_pack, pack_linears
+from banyan.layers.linear import Linear, PackedBf16Method, convert_linears
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
@@ -104,10 +104,10 @@ class ModelRunner:
             model_path, dtype=dtype, device=self.device, show_progress=show_progress, config=cfg
         )
         self.dtype = self.model.embed_tokens.weight.dtype
-        if can_pack(self.device, self.dtype):
-            packed = pack_linears(self.model)
+        if PackedBf16Method.available(self.device, self.dtype):
             if self.model.lm_head is None:
-                self.model.tied_head = PackedLinear(self.model.embed_tokens.weight, None)
+                self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
+            packed = convert_linears(self.model, PackedBf16Method)
             logger.info("oneDNN-prepacked %d linear weights", packed)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
