@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 def _doc(text: str, **extra: object) -> dict[str, object]:
@@ -91,3 +96,34 @@ def parse_bytes(text: str | int) -> int:
     if size <= 0:
         raise ValueError(f"kv_cache_memory must be positive, got {text!r}")
     return size
+
+
+# ---- the CLI, generated from the dataclasses (one flag per field) ----------------------------
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; `str` -> str (annotations are strings under __future__)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {**vars(typing), **vars(types)})  # noqa: S307 - our own hints
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+    """One flag per field: --field-name, typed from the annotation, help from the field doc."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(f.type)
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text,
+                                choices=f.metadata.get("choices"))
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})

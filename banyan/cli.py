@@ -8,40 +8,13 @@ import dataclasses
 import json
 import logging
 import sys
-import types
-import typing
-from typing import Any
 
-from banyan.args import EngineArgs
+from banyan.args import EngineArgs, add_dataclass_args, engine_args_from
+from banyan.bench.cli import add_bench_parser
+from banyan.engine import Engine
+from banyan.router.cli import add_dp_args, add_route_parser, run_serve_dp
 from banyan.sampling.params import SamplingParams
-
-
-def _base_type(annotation: Any) -> Any:
-    """`int | None` -> int; `str` -> str (annotations are strings under __future__)."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {**vars(typing), **vars(types)})  # noqa: S307 - our own hints
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if args else annotation
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
-    """One flag per field: --field-name, typed from the annotation, help from the field doc."""
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(f.type)
-        help_text = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if kind is bool:
-            parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text,
-                                choices=f.metadata.get("choices"))
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+from banyan.server.args import ServerArgs
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -76,14 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="banyan", description="Banyan LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from banyan.server.args import ServerArgs
-
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_dataclass_args(serve.add_argument_group("engine"), EngineArgs)
     add_dataclass_args(serve.add_argument_group("server"), ServerArgs)
     serve.set_defaults(func=cmd_serve)
-
-    from banyan.router.cli import add_dp_args, add_route_parser
 
     add_dp_args(serve)
     add_route_parser(sub)
@@ -94,15 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     _add_sampling_args(gen)
 
-    from banyan.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
     return parser
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from banyan.engine import Engine
-
     args = engine_args_from(ns)
     params = _sampling_from(ns)
     try:
@@ -131,8 +96,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from banyan.server.args import ServerArgs
-    from banyan.server.launch import run_server
+    from banyan.server.launch import run_server  # FastAPI and uvicorn: only when serving
 
     try:
         engine_args = engine_args_from(ns)
@@ -141,8 +105,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if ns.dp != 1:
-        from banyan.router.cli import run_serve_dp
-
         return run_serve_dp(ns, engine_args, server_args)
     return run_server(engine_args, server_args)
 

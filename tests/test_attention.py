@@ -113,7 +113,7 @@ def test_engine_on_each_backend_matches_transformers(llama_dir: Path) -> None:
     from banyan.kernels import native
 
     for name in ("sdpa", "cpu-native") if native.load() is not None else ("sdpa",):
-        with Engine(str(llama_dir), dtype="float32", disable_tqdm=True,
+        with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
                     attention_backend=name) as engine:
             outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
                 max_new_tokens=8, temperature=0.0))

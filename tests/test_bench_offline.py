@@ -17,7 +17,7 @@ from banyan.engine import Engine
 
 @pytest.fixture(scope="module")
 def engine(llama_dir: Path) -> Iterator[Engine]:
-    with Engine(model=str(llama_dir), dtype="float32", kv_cache_memory="32MiB",
+    with Engine(model=str(llama_dir), dtype="float32", device="cpu", kv_cache_memory="32MiB",
                 disable_tqdm=True) as eng:
         yield eng
 

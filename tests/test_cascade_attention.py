@@ -362,7 +362,7 @@ def greedy_plans_match_transformers(
     )
     prompts = shared_prompts(systems, count)
     max_new = [6 + i % 7 for i in range(len(prompts))]
-    with Engine(str(path), dtype="float32", disable_tqdm=True, max_prefill_tokens=256,
+    with Engine(str(path), dtype="float32", device="cpu", disable_tqdm=True, max_prefill_tokens=256,
                 chunked_prefill_size=128) as engine:
         outs = engine.generate(
             input_ids=prompts,

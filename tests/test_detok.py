@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from banyan.demo import training_corpus
-from banyan.detok import IncrementalDetokenizer, StopStringMatcher, TextAccumulator
+from banyan.engine.detok import IncrementalDetokenizer, StopStringMatcher, TextAccumulator
 from banyan.sampling.params import SamplingParams
 
 TEXTS = [

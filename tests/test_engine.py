@@ -54,8 +54,8 @@ SETTINGS = {
 def test_greedy_matches_transformers(llama_dir: Path, workload, setting: str,
                                      overlap: bool) -> None:
     prompts, max_new, expected = workload
-    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True, disable_overlap=not overlap,
-                **SETTINGS[setting]) as engine:
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                disable_overlap=not overlap, **SETTINGS[setting]) as engine:
         engine.core.scheduler.config.check_integrity = True
         outs = engine.generate(input_ids=prompts, sampling_params=[greedy(n) for n in max_new])
         for i, out in enumerate(outs):
@@ -69,8 +69,8 @@ def test_greedy_matches_transformers(llama_dir: Path, workload, setting: str,
 
 def test_requests_arriving_while_others_decode(llama_dir: Path, workload) -> None:
     prompts, max_new, expected = workload
-    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True, max_prefill_tokens=96,
-                chunked_prefill_size=64) as engine:
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                max_prefill_tokens=96, chunked_prefill_size=64) as engine:
         engine.core.scheduler.config.check_integrity = True
         got: dict[str, list[int]] = {}
         pending = list(range(len(prompts)))
@@ -92,7 +92,7 @@ def test_greedy_matches_transformers_other_archs(model_dirs: dict[str, Path], ar
     prompts = prompts_1_to_300(6, seed=3)
     expected = [hf_greedy(model_dirs[arch], p, 12) for p in prompts]
     for overlap in (True, False):
-        with Engine(str(model_dirs[arch]), dtype="float32", disable_tqdm=True,
+        with Engine(str(model_dirs[arch]), dtype="float32", device="cpu", disable_tqdm=True,
                     chunked_prefill_size=50, max_prefill_tokens=100,
                     disable_overlap=not overlap) as engine:
             outs = engine.generate(input_ids=prompts, sampling_params=greedy(12))
@@ -112,7 +112,7 @@ def test_overlap_changes_no_output(llama_dir: Path) -> None:
     results = {}
     for overlap in (True, False):
         for no_cache in (True, False):
-            with Engine(str(llama_dir), dtype="float32", disable_tqdm=True,
+            with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
                         disable_overlap=not overlap, no_prefix_cache=no_cache,
                         chunked_prefill_size=64, max_prefill_tokens=128) as engine:
                 engine.core.scheduler.config.check_integrity = True
@@ -127,7 +127,7 @@ def test_overlap_changes_no_output(llama_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def engine(llama_dir: Path) -> Engine:
-    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True) as eng:
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True) as eng:
         eng.core.scheduler.config.check_integrity = True
         yield eng
 

@@ -219,7 +219,7 @@ def test_outputs_identical_with_and_without_prefix_cache(llama_dir: Path, settin
     params = [SamplingParams(max_new_tokens=8 + i % 9, temperature=0.0) for i in range(len(prompts))]
     results = {}
     for no_cache in (True, False):
-        with Engine(str(llama_dir), dtype="float32", disable_tqdm=True, no_prefix_cache=no_cache,
+        with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True, no_prefix_cache=no_cache,
                     **setting) as engine:
             engine.core.scheduler.config.check_integrity = True
             outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -237,7 +237,7 @@ def test_outputs_identical_with_and_without_prefix_cache(llama_dir: Path, settin
 
 def test_engine_explains_misses_and_flushes(llama_dir: Path) -> None:
     prompt = list(range(3, 83))
-    with Engine(str(llama_dir), dtype="float32", disable_tqdm=True) as engine:
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True) as engine:
         assert engine.explain_prefix(input_ids=prompt)["miss_cause"] == "unseen"
         engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=2))
         seen = engine.explain_prefix(input_ids=prompt)

@@ -12,15 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from banyan.args import EngineArgs, add_dataclass_args, engine_args_from
 from banyan.bench.workload_args import add_workload_args, workload_from_args, workload_vocab
 
 logger = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: Any) -> None:
-    from banyan.args import EngineArgs
-    from banyan.cli import add_dataclass_args
-
     bench = sub.add_parser("bench", help="benchmarks")
     modes = bench.add_subparsers(dest="mode", required=True)
 
@@ -79,7 +77,6 @@ def run_offline(ns: argparse.Namespace) -> int:
     from banyan.bench.offline import bandwidth_bound, batch1, machine_info, run_workload
     from banyan.bench.report import format_table, plot, write_json
     from banyan.bench.workloads import random_workload
-    from banyan.cli import engine_args_from
     from banyan.engine import Engine
 
     args = engine_args_from(ns)
@@ -88,7 +85,7 @@ def run_offline(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns, vocab)
     warm = random_workload(4, 32, 4, vocab, seed=12345)
     run_workload(engine, warm, use_tqdm=False)  # first-call costs stay out of the timing
-    engine.core.scheduler.kv.cache.flush()  # the warm-up's prompts must not count as hits
+    engine.core.flush_cache()  # the warm-up's prompts must not count as hits
     result = run_workload(engine, workload, history=ns.history, use_tqdm=True)
     records = result.pop("records")
     out: dict[str, Any] = {

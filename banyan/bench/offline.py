@@ -120,8 +120,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
     outputs: dict[int, list[int]] = {}
     conv: dict[int, list[int]] = {}
     last_token: dict[int, float] = {}
-    sched = engine.core.scheduler
-    retractions0 = sched.total_retractions
+    retractions0 = engine.core.stats().retractions
     split = StepSplit()
     prefix = f"bench{next(_run_ids)}-"
     bar = tqdm(total=len(reqs), desc="bench offline", unit="req",
@@ -146,7 +145,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
             t_step = time.perf_counter()
             updates = engine.step()
             now = time.perf_counter()
-            split.add(sched.last_step, now - t_step)
+            split.add(engine.core.stats().last_step, now - t_step)
             for u in updates:
                 if not u.rid.startswith(prefix):
                     continue
@@ -194,7 +193,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
         "cached_tokens": summary["cached_tokens"] or 0,
         "prefix_hit_rate": summary["prefix_hit_rate"],
         "hit_rate_vs_optimum": summary["hit_rate_vs_optimum"],
-        "retractions": sched.total_retractions - retractions0,
+        "retractions": engine.core.stats().retractions - retractions0,
         "history": history if workload.dependent else None,
         "reusable_tokens": reusable,
         "summary": summary,

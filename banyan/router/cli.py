@@ -6,14 +6,12 @@ import argparse
 import sys
 from typing import Any
 
-from banyan.args import EngineArgs
+from banyan.args import EngineArgs, add_dataclass_args
 from banyan.router.args import SERVE_SKIP, RouterArgs
 from banyan.server.args import ServerArgs
 
 
 def add_route_parser(sub: Any) -> None:
-    from banyan.cli import add_dataclass_args
-
     route = sub.add_parser("route", help="route requests to engine replicas (cache-aware, "
                                          "load-aware, with failover)")
     group = route.add_argument_group("router")
@@ -24,8 +22,6 @@ def add_route_parser(sub: Any) -> None:
 
 
 def add_dp_args(serve: argparse.ArgumentParser) -> None:
-    from banyan.cli import add_dataclass_args
-
     group = serve.add_argument_group(
         "data parallel", "With --dp N > 1: N engine replicas, each its own processes with "
         "1/N of --num-threads, behind the router on --host/--port.")

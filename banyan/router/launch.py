@@ -110,17 +110,34 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return lambda: libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def replica_devices(device: str, dp: int, cuda_count: int) -> list[str]:
+    """The device of each of dp replicas: GPU i for replica i on a CUDA machine (ValueError
+    when there are fewer GPUs than replicas), the CPU for all otherwise."""
+    on_cuda = device.startswith("cuda") or (device == "auto" and cuda_count > 0)
+    if not on_cuda:
+        return [device] * dp
+    if dp > 1 and ":" in device:
+        raise ValueError(f"--dp {dp} gives each replica its own GPU: use --device cuda or "
+                         f"auto, not {device}")
+    if cuda_count < dp:
+        raise ValueError(f"--dp {dp} needs {dp} GPUs, this machine has {cuda_count}")
+    return [f"cuda:{i}" for i in range(dp)] if dp > 1 else [device]
+
+
 def start_replicas(engine_args: EngineArgs, server_args: ServerArgs,
                    dp: int) -> list[tuple[subprocess.Popen[bytes], str]]:
     """N `banyan serve` processes on free localhost ports, the CPU threads split between them;
     returns (process, url) pairs. Started before any thread exists here (preexec_fn)."""
     threads = engine_args.num_threads or os.cpu_count() or 1
     per_replica = max(1, threads // dp)
+    import torch  # only to count GPUs: the router itself never touches a device
+
+    devices = replica_devices(engine_args.device, dp, torch.cuda.device_count())
     preexec = _parent_death_signal()
     replicas = []
     for i in range(dp):
         port = free_port()
-        e = dataclasses.replace(engine_args, num_threads=per_replica)
+        e = dataclasses.replace(engine_args, num_threads=per_replica, device=devices[i])
         s = dataclasses.replace(server_args, host="127.0.0.1", port=port)
         cmd = [sys.executable, "-m", "banyan.cli", "serve", *dataclass_argv(e),
                *dataclass_argv(s)]
@@ -180,7 +197,11 @@ def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: Router
         server_args, served_model_name=(server_args.served_model_name or engine_args.model
                                         or DEMO_MODEL_NAME))
     engine_args = dataclasses.replace(engine_args, model=str(model_dir))
-    replicas = start_replicas(engine_args, server_args, dp)
+    try:
+        replicas = start_replicas(engine_args, server_args, dp)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     try:
         return asyncio.run(_dp_main(replicas, server_args, router_args))
     except KeyboardInterrupt:

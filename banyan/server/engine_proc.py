@@ -20,9 +20,9 @@ import msgspec
 import zmq
 
 from banyan.args import EngineArgs
-from banyan.core import EngineCore
+from banyan.engine.build import build_engine_core
+from banyan.engine.core import EngineCore
 from banyan.scheduler import RequestUpdate
-from banyan.scheduler.request import Status
 from banyan.server.ipc import (
     AbortRequest,
     AddRequest,
@@ -159,11 +159,9 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - a scheduler bug must not kill the engine
             logger.exception("engine step failed; aborting every request")
             updates = []
-            for rid in list(self.core.scheduler.requests):
-                update = self.core.abort(rid)
-                if update is not None:
-                    update.error = f"internal error: {exc}"
-                    updates.append(update)
+            updates = self.core.abort_all()
+            for update in updates:
+                update.error = f"internal error: {exc}"
         for update in updates:
             self.counters.generation_tokens += len(update.new_token_ids)
             if update.finish_reason is not None:
@@ -183,16 +181,14 @@ class EngineLoop:
         """Queue times of the requests this step admitted for the first time (a request that
         is no longer waiting was admitted at the step's start, when the scheduler ran)."""
         waits = []
-        requests = self.core.scheduler.requests
         for child, arrival in list(self.arrivals.items()):
-            req = requests.get(child)
-            if req is None or req.status is not Status.WAITING:
+            if not self.core.is_waiting(child):
                 waits.append(max(step_start - arrival, 0.0))
                 del self.arrivals[child]
         return waits
 
     def _account(self, start: float, end: float) -> None:
-        last = self.core.scheduler.last_step
+        last = self.core.stats().last_step
         times = self.counters.times
         wall = end - start
         timings = last.timings
@@ -215,20 +211,20 @@ class EngineLoop:
     # ---- replies -------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        sched = self.core.scheduler
-        kv = sched.kv
+        core = self.core.stats()
         c = self.counters
         recent_wall = sum(w for w, _ in c.recent)
-        last = sched.last_step
+        last = core.last_step
         return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_capacity=kv.capacity, kv_free=kv.free_slots,
-            kv_evictable=kv.cache.evictable_size, kv_protected=kv.cache.protected_size,
-            prompt_tokens=kv.prefix_queried, generation_tokens=c.generation_tokens,
-            prefix_cache_queries=kv.prefix_queried, prefix_cache_hits=kv.prefix_hit,
-            retractions=sched.total_retractions, steps=c.steps,
+            num_running=core.num_running, num_waiting=core.num_waiting,
+            kv_capacity=core.kv_capacity, kv_free=core.kv_free,
+            kv_evictable=core.kv_evictable, kv_protected=core.kv_protected,
+            prompt_tokens=core.prefix_queried, generation_tokens=c.generation_tokens,
+            prefix_cache_queries=core.prefix_queried, prefix_cache_hits=core.prefix_hit,
+            retractions=core.retractions, steps=c.steps,
             times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
-            busy_fraction=(sum(b for _, b in c.recent) / recent_wall) if recent_wall else 0.0,
+            busy_fraction=(min(sum(b for _, b in c.recent) / recent_wall, 1.0)
+                           if recent_wall else 0.0),
             last_step={"schedule": last.schedule, "launch": last.launch, "wait": last.wait,
                        "output": last.output,
                        **last.timings, "num_tokens": float(last.num_tokens),
@@ -244,7 +240,7 @@ class EngineLoop:
             if self.core.has_work:
                 return ControlReply(msg.id, False, "cannot flush the cache while requests are "
                                     "running or waiting; retry when the server is idle")
-            if not self.core.scheduler.kv.cache.flush():
+            if not self.core.flush_cache():
                 return ControlReply(msg.id, False, "cannot flush: cached prefixes are in use")
             return ControlReply(msg.id, True, "Cache flushed.")
         return ControlReply(msg.id, False, f"unknown control request {msg.kind!r}")
@@ -265,7 +261,7 @@ class EngineLoop:
             "kv_usage": stats.kv_usage,
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
-            "num_requests": len(self.core.scheduler.requests),
+            "num_requests": len(self.core.request_ids()),
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prompt_tokens": stats.prompt_tokens,
@@ -318,18 +314,17 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         try:
-            core = EngineCore.from_args(args)
+            core = build_engine_core(args)
         except Exception as exc:  # noqa: BLE001 - report any start-up failure to the launcher
             logger.exception("engine failed to start")
             _send_blocking(outbox, EngineFailed(f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from None
         loop = EngineLoop(core, inbox, outbox, parent_pid)
         _send_blocking(outbox, EngineReady(os.getpid(), core.max_model_len, core.vocab_size,
-                                           core.scheduler.kv.capacity, sorted(core.eos_ids)))
+                                           core.kv_capacity, sorted(core.eos_ids)))
         logger.info("engine ready (pid %d)", os.getpid())
         loop.run()
-        for rid in list(core.scheduler.requests):
-            core.abort(rid)
+        core.abort_all()
         logger.info("engine stopped")
     finally:
         inbox.close()

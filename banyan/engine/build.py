@@ -11,7 +11,7 @@ import torch
 from banyan.args import EngineArgs
 from banyan.cache.no_cache import NoPrefixCache
 from banyan.cache.radix import RadixCache
-from banyan.core import EngineCore
+from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import load_tokenizer, resolve_model_dir

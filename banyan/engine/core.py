@@ -1,5 +1,7 @@
 """EngineCore: the tokenizer-aware shell around the Scheduler that turns user requests into
-scheduler Requests and steps them. Shared by the offline Engine and the server's engine process.
+scheduler Requests and steps them. Shared by the offline Engine and the server's engine process,
+and the only door to the scheduler: callers ask it for stats, cache flushes and aborts instead
+of reaching into the scheduler's queues or prefix cache.
 """
 
 from __future__ import annotations
@@ -10,10 +12,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from banyan.args import EngineArgs
+from banyan.engine.detok import TextAccumulator
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, RequestUpdate, Scheduler
+from banyan.scheduler.request import Status
+from banyan.scheduler.scheduler import StepStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CoreStats:
+    """A snapshot of the engine's state and counters."""
+
+    num_running: int
+    num_waiting: int
+    num_requests: int
+    kv_capacity: int
+    kv_free: int  # on the free list or in decode runs
+    kv_evictable: int  # cached, held by no running request
+    kv_protected: int  # cached and locked by running requests
+    kv_cached: int  # held by the prefix cache (evictable + protected)
+    prefix_queried: int  # prompt tokens looked up in the prefix cache at first admission
+    prefix_hit: int  # ... and served from it
+    retractions: int
+    last_step: StepStats
 
 
 @dataclass(slots=True)
@@ -35,12 +58,6 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.weight_bytes = 0  # bytes of weights read per forward (for the bandwidth bound)
-
-    @classmethod
-    def from_args(cls, args: EngineArgs) -> EngineCore:
-        from banyan.loading import build_engine_core
-
-        return build_engine_core(args)
 
     def add(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
             namespace: str | None = None) -> SampleGroup:
@@ -82,15 +99,50 @@ class EngineCore:
         return SampleGroup(rid, added, prompt)
 
     def _text_stream(self, prompt: list[int], params: SamplingParams) -> Any:
-        from banyan.detok import TextAccumulator
-
         return TextAccumulator.from_params(self.tokenizer, prompt, params)
 
     def step(self) -> list[RequestUpdate]:
+        """One turn of the engine loop (overlapped unless --disable-overlap)."""
         return self.scheduler.step()
 
     def abort(self, rid: str) -> RequestUpdate | None:
         return self.scheduler.abort(rid)
+
+    def abort_all(self) -> list[RequestUpdate]:
+        updates = [self.scheduler.abort(rid) for rid in list(self.scheduler.requests)]
+        return [u for u in updates if u is not None]
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests not yet finished (n > 1 samples as "rid#i")."""
+        return list(self.scheduler.requests)
+
+    def is_waiting(self, rid: str) -> bool:
+        """Whether the request is queued and was never admitted (or was retracted)."""
+        req = self.scheduler.requests.get(rid)
+        return req is not None and req.status is Status.WAITING
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (e.g. after a weight reload); False while requests run."""
+        return self.scheduler.kv.cache.flush()
+
+    def explain_prefix(self, tokens: list[int], namespace: str | None = None) -> dict[str, object]:
+        """How much of `tokens` the prefix cache holds now, and why the rest would miss."""
+        return self.scheduler.kv.explain(tokens, namespace)
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.scheduler.kv.capacity
+
+    def stats(self) -> CoreStats:
+        sched, kv = self.scheduler, self.scheduler.kv
+        return CoreStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_requests=len(sched.requests), kv_capacity=kv.capacity, kv_free=kv.free_slots,
+            kv_evictable=kv.cache.evictable_size, kv_protected=kv.cache.protected_size,
+            kv_cached=kv.cache.cached_size, prefix_queried=kv.prefix_queried,
+            prefix_hit=kv.prefix_hit,
+            retractions=sched.total_retractions, last_step=sched.last_step,
+        )
 
     @property
     def has_work(self) -> bool:

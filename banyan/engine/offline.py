@@ -9,7 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from banyan.args import EngineArgs
-from banyan.core import EngineCore, SampleGroup
+from banyan.engine.build import build_engine_core
+from banyan.engine.core import SampleGroup
 from banyan.outputs import CompletionOutput, RequestOutput, StreamChunk
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import RequestUpdate
@@ -26,7 +27,7 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine argument(s): {', '.join(sorted(unknown))}")
         self.args = EngineArgs(model=model, **kwargs)
-        self.core = EngineCore.from_args(self.args)
+        self.core = build_engine_core(self.args)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()
 
@@ -37,8 +38,7 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        for rid in list(self.core.scheduler.requests):
-            self.core.abort(rid)
+        self.core.abort_all()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """End a request (all its samples) now; its KV returns to the pool at once."""
-        for rid in list(self.core.scheduler.requests):
+        for rid in self.core.request_ids():
             if rid == request_id or rid.startswith(f"{request_id}#"):
                 self.core.abort(rid)
 
@@ -68,20 +68,20 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (e.g. after a weight reload); False while requests run."""
-        return self.core.scheduler.kv.cache.flush()
+        return self.core.flush_cache()
 
     def explain_prefix(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None,
                        cache_salt: str | None = None) -> dict[str, object]:
         """How much of a prompt the prefix cache holds now, and why the rest would miss:
         {"matched", "query", "miss_cause": "none" | "evicted" | "unseen"}."""
         ids = self.encode(prompt) if prompt is not None else list(input_ids or [])
-        return self.core.scheduler.kv.explain(ids, cache_salt)
+        return self.core.explain_prefix(ids, cache_salt)
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """Prompt tokens looked up in the prefix cache at admission, and those it served."""
-        kv = self.core.scheduler.kv
-        return {"queried_tokens": kv.prefix_queried, "hit_tokens": kv.prefix_hit,
-                "cached_slots": kv.cache.cached_size, "free_slots": kv.free_slots}
+        s = self.core.stats()
+        return {"queried_tokens": s.prefix_queried, "hit_tokens": s.prefix_hit,
+                "cached_slots": s.kv_cached, "free_slots": s.kv_free}
 
     # -- batch generation -----------------------------------------------------------------
 
