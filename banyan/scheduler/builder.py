@@ -156,36 +156,47 @@ class BatchBuilder:
         return math.ceil(future * self.new_token_ratio)
 
     def _add(self, step: ScheduledStep, req: Request, n: int, proposed: Sequence[int] = ()) -> None:
-        """Put n of req's tokens (then its proposals, if any) into the step."""
-        samples = req.remaining == n  # the sequence's end is in this step
+        """Put n of req's tokens (then its proposals, if any) into the step. The hot path of a
+        step (once per running request), hence the locals."""
+        prompt, output, row = req.prompt_ids, req.output_ids, req.row
+        assert row is not None
+        start = len(req.slots)
+        total = len(prompt) + len(output)  # tokens known now
+        samples = total + req.pending - start == n  # the sequence's end is in this step
         slots = self.kv.alloc_for(req, n + len(proposed))
         assert slots is not None, "caller checked availability"
         batch = step.batch
-        assert req.row is not None
-        if req.row_synced < req.num_computed:
-            batch.row_prefixes.append(RowPrefix(req.row, req.slots[: req.num_computed]))
-        start = req.num_computed
-        known = min(start + n, req.num_tokens)
-        batch.rows.append(req.row)
+        if req.row_synced < start:
+            batch.row_prefixes.append(RowPrefix(row, req.slots[:start]))
+        input_ids = batch.input_ids
+        batch.rows.append(row)
         batch.prefix_lens.append(start)
         batch.extend_lens.append(n + len(proposed))
-        batch.input_ids.extend(req.token_ids(start, known))
-        if known < start + n:  # the token a running step samples for it (overlap)
-            assert start + n - known == 1 and req.pending == 1
-            batch.deferred_inputs.append(len(batch.input_ids))
-            batch.input_ids.append(0)
-        batch.input_ids.extend(proposed)
+        if start + n <= total:
+            if n == 1:
+                input_ids.append(prompt[start] if start < len(prompt)
+                                 else output[start - len(prompt)])
+            else:
+                input_ids.extend(req.token_ids(start, start + n))
+        else:  # the last token is the one a running step samples for it (overlap)
+            assert start + n - total == 1 and req.pending == 1
+            input_ids.extend(req.token_ids(start, total))
+            batch.deferred_inputs.append(len(input_ids))
+            input_ids.append(0)
+        if proposed:
+            input_ids.extend(proposed)
         batch.out_slots.extend(slots)
         req.slots.extend(slots)
-        req.row_synced = req.num_computed
+        req.row_synced = start + n + len(proposed)
         req.inflight += 1
         if samples:
             batch.sample_indices.append(len(step.reqs))
             params = req.params
-            history = list(req.output_ids) if params.uses_penalties else []
-            batch.sampling.append(SamplingRow(params, req.prompt_ids, history, params.seed,
-                                              req.generated, req.row, req.pending))
-            batch.proposed.append(list(proposed))
+            history = list(output) if params.uses_penalties else []
+            batch.sampling.append(SamplingRow(params, prompt, history, params.seed,
+                                              len(output) + req.pending, row, req.pending))
+            if self.proposer is not None:
+                batch.proposed.append(list(proposed))
             step.sampled.append(req)
             req.pending += 1
         step.reqs.append(req)

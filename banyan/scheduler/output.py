@@ -26,8 +26,15 @@ def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
     """Append a step's tokens for one request (1..k+1 of them) in order, streaming their text,
     until one ends the request: the tokens after it are dropped (their KV slots are the
     caller's to hand back). Sets req.finish_reason; the caller releases the KV."""
+    if len(tokens) == 1:  # the common case, once per running request per step: kept lean
+        token = tokens[0]
+        req.output_ids.append(token)
+        if logprobs:
+            req.logprobs.append(logprobs[0])
+        text, reason = _push(req, token, max_model_len)
+        return RequestUpdate(req.rid, tokens, text, reason, logprobs[:1],
+                             len(req.prompt_ids), req.cached_tokens)
     appended: list[int] = []
-    kept_logprobs: list[TokenLogprobs] = []
     text_parts: list[str] = []
     reason: FinishReason | None = None
     for i, token in enumerate(tokens):
@@ -35,19 +42,23 @@ def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
         appended.append(token)
         if i < len(logprobs):
             req.logprobs.append(logprobs[i])
-            kept_logprobs.append(logprobs[i])
-        stopped = False
-        stop_token = is_stop_token(req, token)
-        if req.text is not None and not stop_token:
-            delta = req.text.push(token)  # applies stop strings only past min_new_tokens
-            text_parts.append(delta.text)
-            stopped = delta.stopped
-        reason = finish_reason_after(req, stop_token, stopped, max_model_len)
+        text, reason = _push(req, token, max_model_len)
+        text_parts.append(text)
         if reason is not None:
-            if req.text is not None and not stopped:
-                text_parts.append(req.text.finish())
             break
+    return RequestUpdate(req.rid, appended, "".join(text_parts), reason,
+                         logprobs[: len(appended)], len(req.prompt_ids), req.cached_tokens)
+
+
+def _push(req: Request, token: int, max_model_len: int) -> tuple[str, FinishReason | None]:
+    """Stream one appended token's text and decide whether it ends the request."""
+    text, stopped = "", False
+    stop_token = is_stop_token(req, token)
+    if req.text is not None and not stop_token:
+        delta = req.text.push(token)  # applies stop strings only past min_new_tokens
+        text, stopped = delta.text, delta.stopped
+    reason = finish_reason_after(req, stop_token, stopped, max_model_len)
+    if reason is not None and req.text is not None and not stopped:
+        text += req.text.finish()
     req.finish_reason = reason
-    return RequestUpdate(rid=req.rid, new_token_ids=appended, text="".join(text_parts),
-                         finish_reason=reason, logprobs=kept_logprobs,
-                         prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+    return text, reason

@@ -208,37 +208,39 @@ class Scheduler:
                                f"{len(step.sampled)} sampling requests")
         updates: list[RequestUpdate] = []
         speculative: set[int] = set()
+        outputs, logprobs = out.sampled_token_ids, out.logprobs
+        max_len = self.config.max_model_len
+        running, finished = Status.RUNNING, Status.FINISHED
         for j, req in enumerate(step.sampled):
             req.pending -= 1
-            if req.finished:
+            if req.status is finished:
                 continue  # ended while this step ran: what it computed for it is void
-            proposed = batch.proposed[j] if batch.proposed else []
+            proposed = batch.proposed[j] if batch.proposed else None
+            update = apply_tokens(req, outputs[j], logprobs[j] if logprobs else [], max_len)
             if proposed:
                 speculative.add(batch.sample_indices[j])
-            update = apply_tokens(req, out.sampled_token_ids[j],
-                                  out.logprobs[j] if out.logprobs else [],
-                                  self.config.max_model_len)
-            if proposed and req.status is Status.RUNNING:
-                # KV is valid for the input token and the accepted proposals only.
-                self.kv.drop_tail(req, len(proposed) + 1 - len(update.new_token_ids))
+                if req.status is running:  # KV is valid for the input and accepted tokens
+                    self.kv.drop_tail(req, len(proposed) + 1 - len(update.new_token_ids))
             updates.append(update)
-        for i, req in enumerate(step.reqs):
+        for i, (req, prefix, n) in enumerate(zip(step.reqs, batch.prefix_lens,
+                                                 batch.extend_lens, strict=True)):
             req.inflight -= 1
-            end = batch.prefix_lens[i] + batch.extend_lens[i]
-            if req.status is Status.RUNNING:
-                req.written = max(req.written, min(end, req.num_computed))
-            if req.finished:
+            status = req.status
+            if status is running:
+                written = min(prefix + n, len(req.slots))
+                if written > req.written:
+                    req.written = written
+            if status is finished:
                 self._release_if_collected(req)
             elif req.finish_reason is not None:  # ended by this step's tokens
-                if req.status is Status.WAITING:  # retracted while its last token was sampled
-                    self.waiting.remove(req)
-                else:
+                if status is running:
                     self.running.remove(req)
+                else:  # retracted while its last token was sampled
+                    self.waiting.remove(req)
                 self._finish(req)
-            elif batch.extend_lens[i] > 1 and i not in speculative \
-                    and req.status is Status.RUNNING:
+            elif n > 1 and status is running and i not in speculative:
                 # a prefill chunk: share it with waiting requests now, not at the end
-                self.kv.cache_unfinished(req, end)
+                self.kv.cache_unfinished(req, prefix + n)
         if self.config.check_integrity:
             self.kv.check_integrity(self.running, self._ended_in_flight)
         return updates
