@@ -121,6 +121,26 @@ class Proxy:
         task.add_done_callback(self._checks.discard)
 
     async def open(self, worker: Worker, up: Upstream) -> _Opened:
+        """The worker's response, or _Retryable; also as soon as the health checks take the
+        worker out (a hung worker never answers, and --worker-timeout is long)."""
+        down = worker.down
+        if down.is_set():
+            raise _Retryable("unavailable", "the worker is out of rotation")
+        opening = asyncio.ensure_future(self._open(worker, up))
+        watch = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not opening.done():
+                opening.cancel()  # closes the connection: the worker aborts the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await opening
+        if opening.cancelled():
+            raise _Retryable("unavailable", "the worker failed its health checks")
+        return opening.result()
+
+    async def _open(self, worker: Worker, up: Upstream) -> _Opened:
         request = self.client.build_request(up.method, worker.url + up.path, headers=up.headers,
                                             content=up.body)
         try:
