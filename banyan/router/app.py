@@ -169,7 +169,11 @@ def build_app(router: Router) -> FastAPI:
                 key = route_key(request.url.path, msgspec.json.decode(body))
             except Exception:  # noqa: BLE001
                 key = None
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        # The path as the client sent it (still percent-encoded): the decoded one may hold
+        # characters that are not allowed in a URL (httpx.InvalidURL: a 500).
+        raw_path = request.scope.get("raw_path") or request.url.path.encode()
+        path = raw_path.decode("latin-1") + (f"?{request.url.query}" if request.url.query
+                                             else "")
         return proxy.response(Upstream(request.method, path,
                                        forward_headers(request.headers.raw), body, key, routed))
 
@@ -219,8 +223,16 @@ def build_app(router: Router) -> FastAPI:
 
         results = await asyncio.gather(*(one(w.url) for w in workers))
         router.policy.flush()
-        ok = all(r["status"] == 200 for r in results)
-        return JSONResponse({"success": ok, "workers": results}, status_code=200 if ok else 502)
+        # A worker that refused (busy: 400) is the caller's to retry, not a gateway failure;
+        # one that could not be reached or failed is.
+        statuses = [r["status"] for r in results]
+        if all(st == 200 for st in statuses):
+            status = 200
+        elif all(st is not None and st < 500 for st in statuses):
+            status = 400
+        else:
+            status = 502
+        return JSONResponse({"success": status == 200, "workers": results}, status_code=status)
 
     # ---- operations --------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from banyan.router.keys import RouteKey
 from banyan.router.metrics import RouterMetrics
 from banyan.router.policies import Policy, least_loaded
 from banyan.router.workers import Worker, WorkerRegistry
-from banyan.server.errors import error_body
+from banyan.server.errors import ApiError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,11 @@ class Proxy:
         return opening.result()
 
     async def _open(self, worker: Worker, up: Upstream) -> _Opened:
-        request = self.client.build_request(up.method, worker.url + up.path, headers=up.headers,
-                                            content=up.body)
+        try:
+            request = self.client.build_request(up.method, worker.url + up.path,
+                                                headers=up.headers, content=up.body)
+        except httpx.InvalidURL as exc:
+            raise ApiError(400, f"invalid request path: {exc}") from None
         try:
             response = await self.client.send(request, stream=True)
         except httpx.ConnectError as exc:
