@@ -28,7 +28,8 @@ import psutil
 LONE = "\\ud800"
 REFUSED: list[tuple[str, str]] = [  # (path, raw JSON body): each must be refused with a 4xx
     ("/v1/completions", '{"prompt": "a", "seed": 36893488147419103232}'),
-    ("/generate", '{"text": "a", "rid": "same", "sampling_params": {"top_k": 36893488147419103232}}'),
+    ("/generate",
+     '{"text": "a", "rid": "same", "sampling_params": {"top_k": 36893488147419103232}}'),
     ("/generate", f'{{"text": "a", "rid": "{LONE}"}}'),
     ("/v1/completions", f'{{"prompt": "a", "stop": "{LONE}"}}'),
     ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}'),

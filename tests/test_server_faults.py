@@ -73,7 +73,8 @@ LONE = "\\ud800"  # a lone surrogate, as JSON text
 RAW_CASES: dict[str, tuple[str, str]] = {
     # name: (path, raw JSON body)
     "seed > 2^64": ("/v1/completions", '{"prompt": "a", "seed": 36893488147419103232}'),
-    "top_k > 2^64": ("/generate", '{"text": "a", "sampling_params": {"top_k": 36893488147419103232}}'),
+    "top_k > 2^64": ("/generate",
+                     '{"text": "a", "sampling_params": {"top_k": 36893488147419103232}}'),
     "max_tokens > 2^64": ("/v1/completions", '{"prompt": "a", "max_tokens": 36893488147419103232}'),
     "surrogate in stop": ("/v1/completions", f'{{"prompt": "a", "stop": "{LONE}"}}'),
     "surrogate in rid": ("/generate", f'{{"text": "a", "rid": "{LONE}"}}'),

@@ -136,7 +136,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)  # deprecated by OpenAI, still sent
+    # deprecated by OpenAI, still sent
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
