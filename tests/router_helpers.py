@@ -79,8 +79,10 @@ def start_replicas(model_dir: Path, log_dir: Path, n: int) -> list[ServerProcess
 
 def start_router(workers: Sequence[str], log_dir: Path, *extra: str) -> ServerProcess:
     port = free_port()
+    # The tests change workers with plain httpx (no Origin header), as an admin script would.
     cmd = [sys.executable, "-m", "banyan.cli", "route", "--port", str(port),
-           "--health-check-interval", "0.5", "--log-level", "warning", *extra]
+           "--health-check-interval", "0.5", "--log-level", "warning",
+           "--allow-admin-without-key", *extra]
     for w in workers:
         cmd += ["--worker", w]
     return start_processes([(cmd, port, "router")], log_dir, "/workers")[0]

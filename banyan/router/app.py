@@ -4,6 +4,12 @@ Endpoints: the generation endpoints (/v1/completions, /v1/chat/completions, /gen
 worker the policy picks; /v1/models, /tokenize, /detokenize to any healthy worker; /flush_cache to
 all of them. /health is 200 while at least one worker takes traffic. /workers lists (GET), adds
 (POST {"url"}) and removes (DELETE {"url"} or ?url=: the worker drains first) workers.
+
+Changing the workers re-points every client's traffic, so it is an admin's act: it needs
+--admin-api-key (a key of its own: API users cannot do it), and JSON (a web page can send a
+text/plain POST anywhere without asking; it cannot send application/json without a CORS
+preflight, which the router never answers). Everything the router answers itself is an
+OpenAI-shaped JSON error, never a plain-text 500.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from typing import Any
 import httpx
 import msgspec
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Scope
 
 import banyan
 from banyan.router.args import RouterArgs
@@ -29,7 +37,7 @@ from banyan.router.metrics import RouterMetrics
 from banyan.router.policies import Policy, make_policy
 from banyan.router.proxy import Proxy, Upstream, forward_headers
 from banyan.router.workers import WorkerRegistry
-from banyan.server.api_server import ApiKeyMiddleware
+from banyan.server.api_server import ApiKeyMiddleware, bearer_matches
 from banyan.server.errors import ApiError, bad_request, error_body, read_raw_body
 
 logger = logging.getLogger(__name__)
@@ -75,9 +83,10 @@ class Router:
 
 
 def build_router(args: RouterArgs) -> Router:
-    # No read timeout (a non-streamed generation sends nothing until it is done) and no pool
+    # The read timeout is the worker timeout: the longest a worker may stay silent. No pool
     # limit (the workers' own admission is the limit; httpx's default of 100 would queue here).
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=args.connect_timeout),
+    client = httpx.AsyncClient(timeout=httpx.Timeout(args.worker_timeout,
+                                                     connect=args.connect_timeout, pool=None),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=512))
     policy = make_policy(args)
@@ -88,10 +97,38 @@ def build_router(args: RouterArgs) -> Router:
                   Proxy(args, registry, policy, metrics, client))
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+ADMIN_METHODS = frozenset({"POST", "DELETE"})
+
+
+def is_admin(scope: Scope) -> bool:
+    return scope["path"] == "/workers" and scope.get("method") in ADMIN_METHODS
+
+
+def check_admin(request: Request, args: RouterArgs) -> None:
+    """The admin key, or (only when allowed) no key and no browser."""
+    if args.admin_api_key is not None:
+        if not bearer_matches(request.scope, args.admin_api_key.encode()):
+            raise ApiError(401, "changing the workers needs the admin key (`Authorization: "
+                           "Bearer ADMIN_KEY`)")
+        return
+    if not args.allow_admin_without_key:
+        raise ApiError(403, "changing the workers is off: start the router with "
+                       "--admin-api-key (or --allow-admin-without-key on a trusted network)")
+    # A browser says where the page came from; curl and scripts do not. A page must never
+    # re-point the router, whatever origin it claims.
+    site = request.headers.get("sec-fetch-site")
+    if "origin" in request.headers or (site is not None and site != "none"):
+        raise ApiError(403, "changing the workers from a web page is refused")
+
+
+async def _json_body(request: Request, args: RouterArgs) -> dict[str, Any]:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise ApiError(415, "send the body as JSON (Content-Type: application/json)")
+    raw = await read_raw_body(request, args.max_request_bytes, args.request_body_timeout)
     try:
-        data = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError:
+        data = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
         data = None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
@@ -112,14 +149,31 @@ def build_app(router: Router) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)),
                             status_code=exc.status_code)
 
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
+                            status_code=500)
+
     async def forward(request: Request, routed: bool) -> Response:
-        body = await read_raw_body(request, args.max_request_bytes)
+        body = await read_raw_body(request, args.max_request_bytes, args.request_body_timeout)
         key = None
         if routed:
-            # Not JSON: no key to route on; the worker will answer with the error.
-            with contextlib.suppress(msgspec.DecodeError):
+            # The key is a hint: a body it cannot make sense of (not JSON, odd shapes) goes to
+            # the least-loaded worker, which answers with the error.
+            try:
                 key = route_key(request.url.path, msgspec.json.decode(body))
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            except Exception:  # noqa: BLE001
+                key = None
+        # The path as the client sent it (still percent-encoded): the decoded one may hold
+        # characters that are not allowed in a URL (httpx.InvalidURL: a 500).
+        raw_path = request.scope.get("raw_path") or request.url.path.encode()
+        path = raw_path.decode("latin-1") + (f"?{request.url.query}" if request.url.query
+                                             else "")
         return proxy.response(Upstream(request.method, path,
                                        forward_headers(request.headers.raw), body, key, routed))
 
@@ -169,8 +223,16 @@ def build_app(router: Router) -> FastAPI:
 
         results = await asyncio.gather(*(one(w.url) for w in workers))
         router.policy.flush()
-        ok = all(r["status"] == 200 for r in results)
-        return JSONResponse({"success": ok, "workers": results}, status_code=200 if ok else 502)
+        # A worker that refused (busy: 400) is the caller's to retry, not a gateway failure;
+        # one that could not be reached or failed is.
+        statuses = [r["status"] for r in results]
+        if all(st == 200 for st in statuses):
+            status = 200
+        elif all(st is not None and st < 500 for st in statuses):
+            status = 400
+        else:
+            status = 502
+        return JSONResponse({"success": status == 200, "workers": results}, status_code=status)
 
     # ---- operations --------------------------------------------------------------------------
 
@@ -192,7 +254,8 @@ def build_app(router: Router) -> FastAPI:
 
     @app.post("/workers")
     async def add_worker(request: Request) -> Response:
-        url = (await _json_body(request)).get("url")
+        check_admin(request, args)
+        url = (await _json_body(request, args)).get("url")
         if not isinstance(url, str):
             raise bad_request("give the worker as {\"url\": \"http://host:port\"}", "url")
         try:
@@ -204,9 +267,10 @@ def build_app(router: Router) -> FastAPI:
 
     @app.delete("/workers")
     async def remove_worker(request: Request) -> Response:
+        check_admin(request, args)
         url = request.query_params.get("url")
         if url is None:
-            url = (await _json_body(request)).get("url")
+            url = (await _json_body(request, args)).get("url")
         if not isinstance(url, str):
             raise bad_request("give the worker as ?url=... or {\"url\": ...}", "url")
         worker = registry.remove(url)
@@ -216,5 +280,8 @@ def build_app(router: Router) -> FastAPI:
         return JSONResponse({**worker.info(), "state": "removed" if removed else "draining"})
 
     if args.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+        # With an admin key, the admin endpoints check that key instead (one Authorization
+        # header cannot carry both).
+        exempt = is_admin if args.admin_api_key is not None else None
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, exempt=exempt)
     return app

@@ -7,6 +7,7 @@ has under the same names: the router listens where `serve` was told to listen).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 
 from banyan.args import _doc
@@ -15,7 +16,7 @@ POLICIES = ["cache_aware", "round_robin", "shortest_queue", "random"]
 
 # Fields of RouterArgs that `banyan serve` already has (from ServerArgs) or sets itself.
 SERVE_SKIP = frozenset({"host", "port", "workers", "api_key", "log_level", "max_request_bytes",
-                        "access_log"})
+                        "access_log", "request_body_timeout"})
 
 
 @dataclass(slots=True)
@@ -49,12 +50,14 @@ class RouterArgs:
     eviction_interval: float = field(default=30.0, metadata=_doc(
         "cache_aware: seconds between two passes that trim each worker's tree to "
         "--max-tree-size."))
-    health_check_interval: float = field(default=2.0, metadata=_doc(
+    health_check_interval: float = field(default=1.0, metadata=_doc(
         "Seconds between health checks (GET /health, and /metrics for KV usage) of each "
-        "worker, healthy or not: a failed worker is retried at this pace."))
-    health_check_timeout: float = field(default=5.0, metadata=_doc(
-        "Seconds a health check may take before it counts as failed."))
-    health_failure_threshold: int = field(default=3, metadata=_doc(
+        "worker, healthy or not: a failed worker is retried at this pace. With the defaults a "
+        "hung worker is out of rotation within about 3 s (interval + 2 x timeout)."))
+    health_check_timeout: float = field(default=1.0, metadata=_doc(
+        "Seconds a health check may take before it counts as failed (a worker's /health does "
+        "no work: a slow answer means a stuck process)."))
+    health_failure_threshold: int = field(default=2, metadata=_doc(
         "Consecutive failed health checks that take a worker out (a refused connection or a 503 "
         "takes it out at once; a dropped connection when a check made right then fails too). "
         "One passed check brings it back."))
@@ -62,12 +65,29 @@ class RouterArgs:
         "Other workers a request is retried on when its worker fails before sending any "
         "output."))
     connect_timeout: float = field(default=5.0, metadata=_doc(
-        "Seconds to connect to a worker (no limit on the response: generations are long)."))
+        "Seconds to connect to a worker."))
+    worker_timeout: float = field(default=600.0, metadata=_doc(
+        "Seconds a worker may go without sending anything (the response, or the next bytes of "
+        "a stream) before the request is failed over to another worker (nothing sent to the "
+        "client yet) or its stream ends with an error event. A non-streamed generation sends "
+        "nothing until it is done: keep this above the longest one. Requests to a worker that "
+        "fails its health checks are failed over at once, whatever this says."))
     api_key: str | None = field(default=None, metadata=_doc(
         "When set, every endpoint but /health and /metrics needs `Authorization: Bearer KEY`; "
-        "the header is forwarded to the workers unchanged."))
-    max_request_bytes: int = field(default=8 * 1024 * 1024, metadata=_doc(
+        "the header is forwarded to the workers unchanged. Default: the BANYAN_API_KEY "
+        "environment variable."))
+    admin_api_key: str | None = field(default=None, metadata=_doc(
+        "Key for changing the workers (POST and DELETE /workers): `Authorization: Bearer "
+        "ADMIN_KEY`. Unset, those endpoints are refused (see --allow-admin-without-key). "
+        "Default: the BANYAN_ADMIN_API_KEY environment variable."))
+    allow_admin_without_key: bool = field(default=False, metadata=_doc(
+        "Without --admin-api-key, accept POST/DELETE /workers from anyone who can reach the "
+        "router, except from web pages (requests with an Origin or Sec-Fetch-Site header: a "
+        "page in a user's browser must not re-point the router). For trusted networks only."))
+    max_request_bytes: int = field(default=2 * 1024 * 1024, metadata=_doc(
         "Largest request body accepted, in bytes (larger: HTTP 413)."))
+    request_body_timeout: float = field(default=30.0, metadata=_doc(
+        "Seconds a client may take to send its request body (longer: HTTP 408)."))
     log_level: str = field(default="info", metadata=_doc(
         "Logging level.", choices=["debug", "info", "warning", "error"]))
     access_log: bool = field(default=False, metadata=_doc("Log one line per HTTP request."))
@@ -83,7 +103,7 @@ class RouterArgs:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("eviction_interval", "health_check_interval", "health_check_timeout",
-                     "connect_timeout"):
+                     "connect_timeout", "worker_timeout", "request_body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_tree_size", "health_failure_threshold", "max_request_bytes"):
@@ -91,8 +111,12 @@ class RouterArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
+        if self.api_key is None:
+            self.api_key = os.environ.get("BANYAN_API_KEY") or None
+        if self.admin_api_key is None:
+            self.admin_api_key = os.environ.get("BANYAN_ADMIN_API_KEY") or None
+        if self.api_key == "" or self.admin_api_key == "":
+            raise ValueError("api_key and admin_api_key must not be empty")
         self.workers = [normalize_url(u) for u in self.workers]
 
     @classmethod

@@ -52,7 +52,8 @@ def run_serve_dp(ns: argparse.Namespace, engine_args: EngineArgs,
         router_args = RouterArgs.from_namespace(
             ns, host=server_args.host, port=server_args.port, workers=[],
             api_key=server_args.api_key, log_level=server_args.log_level,
-            max_request_bytes=server_args.max_request_bytes, access_log=server_args.access_log)
+            max_request_bytes=server_args.max_request_bytes, access_log=server_args.access_log,
+            request_body_timeout=server_args.request_body_timeout)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -65,7 +65,8 @@ def _chat_text(messages: Any) -> str | None:
             return None
         content = m.get("content")
         if isinstance(content, list):  # content parts: the text ones, in order
-            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+            content = "".join(t for p in content if isinstance(p, dict)
+                              and isinstance(t := p.get("text"), str))
         parts.append(f"{m.get('role', '')}\x1f{content if isinstance(content, str) else ''}\x1e")
     return "".join(parts)
 

@@ -1,6 +1,9 @@
 """Processes: `banyan route` (the router alone) and `banyan serve --dp N` (N engine replicas, each
 a `banyan serve` process of its own on a free localhost port, plus the router in this process).
 
+A replica whose process exits is started again on its port (bounded by --max-engine-restarts,
+with a doubling pause); the router's health checks take it out and bring it back.
+
 SIGTERM or SIGINT stops the router gracefully (open requests get --shutdown-timeout), then the
 replicas (SIGTERM, SIGKILL if they outstay their own shutdown). On Linux the replicas also get
 SIGTERM if this process dies without cleaning up (PR_SET_PDEATHSIG), so none is left behind.
@@ -124,53 +127,95 @@ def replica_devices(device: str, dp: int, cuda_count: int) -> list[str]:
     return [f"cuda:{i}" for i in range(dp)] if dp > 1 else [device]
 
 
-def start_replicas(engine_args: EngineArgs, server_args: ServerArgs,
-                   dp: int) -> list[tuple[subprocess.Popen[bytes], str]]:
-    """N `banyan serve` processes on free localhost ports, the CPU threads split between them;
-    returns (process, url) pairs. Started before any thread exists here (preexec_fn)."""
+@dataclasses.dataclass(slots=True)
+class Replica:
+    """One `banyan serve` child: how to start it again, and how often it was restarted."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    cmd: list[str]
+    env: dict[str, str]
+    restarts: int = 0
+    restart_at: float | None = None  # time.monotonic() of the planned restart
+
+
+def start_replicas(engine_args: EngineArgs, server_args: ServerArgs, dp: int) -> list[Replica]:
+    """N `banyan serve` processes on free localhost ports, the CPU threads split between them.
+    Started before any thread exists here (preexec_fn). The API key travels in the environment,
+    not on the command line, which every user of the machine can read."""
     threads = engine_args.num_threads or os.cpu_count() or 1
     per_replica = max(1, threads // dp)
+    env = dict(os.environ)
+    if server_args.api_key is not None:
+        env["BANYAN_API_KEY"] = server_args.api_key
     import torch  # only to count GPUs: the router itself never touches a device
 
     devices = replica_devices(engine_args.device, dp, torch.cuda.device_count())
-    preexec = _parent_death_signal()
     replicas = []
     for i in range(dp):
         port = free_port()
         e = dataclasses.replace(engine_args, num_threads=per_replica, device=devices[i])
-        s = dataclasses.replace(server_args, host="127.0.0.1", port=port)
+        s = dataclasses.replace(server_args, host="127.0.0.1", port=port, api_key=None)
         cmd = [sys.executable, "-m", "banyan.cli", "serve", *dataclass_argv(e),
                *dataclass_argv(s)]
-        proc = subprocess.Popen(cmd, preexec_fn=preexec)  # noqa: PLW1509 - no threads yet
+        proc = _spawn(cmd, env)
         logger.info("replica %d: pid %d on port %d, %d thread(s)", i, proc.pid, port,
                     per_replica)
-        replicas.append((proc, f"http://127.0.0.1:{port}"))
+        replicas.append(Replica(proc, f"http://127.0.0.1:{port}", cmd, env))
     return replicas
 
 
-def stop_replicas(replicas: list[tuple[subprocess.Popen[bytes], str]], timeout: float) -> None:
-    for proc, _ in replicas:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=env, preexec_fn=_parent_death_signal())  # noqa: PLW1509
+
+
+async def supervise_replicas(replicas: list[Replica], max_restarts: int,
+                             backoff: float) -> None:
+    """Forever: a replica whose process exited is started again on its port (the router's
+    health checks bring it back into rotation), after a pause that doubles each time, at most
+    max_restarts times per replica."""
+    while True:
+        await asyncio.sleep(0.5)
+        now = time.monotonic()
+        for r in replicas:
+            if r.proc.poll() is None:
+                continue
+            if r.restart_at is None:
+                if r.restarts >= max_restarts:
+                    continue  # given up on: the router keeps it out of rotation
+                r.restart_at = now + backoff * 2 ** r.restarts
+                logger.error("replica %s exited with %s; restarting it in %.1f s", r.url,
+                             r.proc.returncode, r.restart_at - now)
+            elif now >= r.restart_at:
+                r.restarts += 1
+                r.restart_at = None
+                r.proc = _spawn(r.cmd, r.env)
+                logger.warning("replica %s restarted (pid %d, restart %d of %d)", r.url,
+                               r.proc.pid, r.restarts, max_restarts)
+
+
+def stop_replicas(replicas: list[Replica], timeout: float) -> None:
+    for r in replicas:
+        if r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    for proc, url in replicas:
+    for r in replicas:
         try:
-            proc.wait(max(deadline - time.monotonic(), 0.1))
+            r.proc.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            logger.warning("replica %s did not stop in %.0f s: killing it", url, timeout)
-            proc.kill()
-            proc.wait()
+            logger.warning("replica %s did not stop in %.0f s: killing it", r.url, timeout)
+            r.proc.kill()
+            r.proc.wait()
 
 
-async def wait_healthy(replicas: list[tuple[subprocess.Popen[bytes], str]],
-                       timeout: float) -> None:
+async def wait_healthy(replicas: list[Replica], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    pending = dict((url, proc) for proc, url in replicas)
+    pending = {r.url: r for r in replicas}
     async with httpx.AsyncClient(timeout=2.0) as client:
         while pending:
-            for url, proc in list(pending.items()):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"replica {url} exited with {proc.returncode}")
+            for url, r in list(pending.items()):
+                if r.proc.poll() is not None:
+                    raise RuntimeError(f"replica {url} exited with {r.proc.returncode}")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(f"{url}/health")).status_code == 200:
                         del pending[url]
@@ -211,8 +256,8 @@ def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: Router
         logger.info("replicas stopped")
 
 
-async def _dp_main(replicas: list[tuple[subprocess.Popen[bytes], str]],
-                   server_args: ServerArgs, router_args: RouterArgs) -> int:
+async def _dp_main(replicas: list[Replica], server_args: ServerArgs,
+                   router_args: RouterArgs) -> int:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -228,5 +273,12 @@ async def _dp_main(replicas: list[tuple[subprocess.Popen[bytes], str]],
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
     logger.info("%d replicas healthy", len(replicas))
-    args = dataclasses.replace(router_args, workers=[url for _, url in replicas])
-    return await _serve_router(args)
+    args = dataclasses.replace(router_args, workers=[r.url for r in replicas])
+    keeper = loop.create_task(supervise_replicas(replicas, server_args.max_engine_restarts,
+                                                 server_args.engine_restart_backoff))
+    try:
+        return await _serve_router(args)
+    finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper

@@ -34,7 +34,7 @@ from banyan.router.keys import RouteKey
 from banyan.router.metrics import RouterMetrics
 from banyan.router.policies import Policy, least_loaded
 from banyan.router.workers import Worker, WorkerRegistry
-from banyan.server.errors import error_body
+from banyan.server.errors import ApiError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +121,31 @@ class Proxy:
         task.add_done_callback(self._checks.discard)
 
     async def open(self, worker: Worker, up: Upstream) -> _Opened:
-        request = self.client.build_request(up.method, worker.url + up.path, headers=up.headers,
-                                            content=up.body)
+        """The worker's response, or _Retryable; also as soon as the health checks take the
+        worker out (a hung worker never answers, and --worker-timeout is long)."""
+        down = worker.down
+        if down.is_set():
+            raise _Retryable("unavailable", "the worker is out of rotation")
+        opening = asyncio.ensure_future(self._open(worker, up))
+        watch = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not opening.done():
+                opening.cancel()  # closes the connection: the worker aborts the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await opening
+        if opening.cancelled():
+            raise _Retryable("unavailable", "the worker failed its health checks")
+        return opening.result()
+
+    async def _open(self, worker: Worker, up: Upstream) -> _Opened:
+        try:
+            request = self.client.build_request(up.method, worker.url + up.path,
+                                                headers=up.headers, content=up.body)
+        except httpx.InvalidURL as exc:
+            raise ApiError(400, f"invalid request path: {exc}") from None
         try:
             response = await self.client.send(request, stream=True)
         except httpx.ConnectError as exc:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -39,6 +39,9 @@ class Worker:
     failures: int = 0  # consecutive failed checks
     last_error: str | None = None
     last_check: float | None = None  # time.time() of the last health check
+    # Set when the worker is taken out: requests still waiting on it fail over at once (a hung
+    # worker would otherwise hold them until --worker-timeout). A fresh one when it comes back.
+    down: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def state(self) -> str:
@@ -137,6 +140,7 @@ class WorkerRegistry:
         """A request found the worker down (refused or dropped connection, 503): out at once,
         rather than after the health checks notice."""
         worker.last_error = error
+        worker.down.set()
         if worker.healthy:
             worker.healthy = False
             logger.warning("worker %s failed (%s): taken out", worker.url, error)
@@ -149,23 +153,29 @@ class WorkerRegistry:
         timeout = self.args.health_check_timeout
         error: str | None = None
         try:
-            r = await self.client.get(f"{worker.url}/health", timeout=timeout)
+            # The whole check under one limit (httpx's applies to each read, not the total).
+            async with asyncio.timeout(timeout):
+                r = await self.client.get(f"{worker.url}/health", timeout=timeout)
             if r.status_code != 200:
                 error = f"/health answered {r.status_code}"
         except httpx.HTTPError as exc:
             error = f"/health: {type(exc).__name__}: {exc}"
+        except TimeoutError:
+            error = f"/health: no answer within {timeout:g} s"
         worker.last_check = time.time()
         if error is None:
             try:
-                r = await self.client.get(f"{worker.url}/metrics", timeout=timeout)
+                async with asyncio.timeout(timeout):
+                    r = await self.client.get(f"{worker.url}/metrics", timeout=timeout)
                 if r.status_code == 200:
                     worker.kv_usage = parse_kv_usage(r.text)
-            except httpx.HTTPError:
+            except (httpx.HTTPError, TimeoutError):
                 pass  # load falls back to the in-flight count
             worker.failures = 0
             worker.last_error = None
             if not worker.healthy:
                 logger.info("worker %s healthy", worker.url)
+                worker.down = asyncio.Event()
             worker.healthy = True
             return True
         worker.failures += 1

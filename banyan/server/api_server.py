@@ -11,10 +11,14 @@ import dataclasses
 import logging
 import os
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,6 +30,13 @@ from banyan.server.errors import ApiError, engine_dead, error_body
 from banyan.server.metrics import step_times_dict
 from banyan.server.native import NativeServing
 from banyan.server.openai_serving import OpenAIServing
+from banyan.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
 from banyan.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -33,31 +44,63 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # monitoring works without the API key
 
 
-class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on every path but OPEN_PATHS (pure ASGI: no buffering of
-    streamed responses, unlike BaseHTTPMiddleware)."""
+def bearer_matches(scope: Scope, key: bytes) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 9110: it is case-insensitive),
+    compared in constant time."""
+    got = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = got.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key)
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+    await JSONResponse(error_body(status, message), status_code=status)(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on every path but OPEN_PATHS and `exempt` (which check keys
+    of their own) (pure ASGI: no buffering of streamed responses, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app: ASGIApp, api_key: str,
+                 exempt: Callable[[Scope], bool] | None = None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
+                or (self.exempt is not None and self.exempt(scope))
+                or bearer_matches(scope, self.key)):
             await self.app(scope, receive, send)
             return
-        got = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(got, self.expected):
-            response = JSONResponse(error_body(401, "invalid or missing API key (send "
-                                                    "`Authorization: Bearer KEY`)"),
-                                    status_code=401)
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+        await refuse(scope, receive, send, 401,
+                     "invalid or missing API key (send `Authorization: Bearer KEY`)")
+
+
+def publish_bodies(app: FastAPI, bodies: dict[tuple[str, str], type[BaseModel]]) -> None:
+    """/openapi.json with the real request models: the handlers read their bodies themselves
+    (for 400s instead of 422s, and the size limit), so FastAPI cannot see them; they are put
+    into the schema here, by (method, path)."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for (method, path), model in bodies.items():
+                model_schema = model.model_json_schema(
+                    ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path][method]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Banyan", version=banyan.__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     openai = OpenAIServing(state)
     native = NativeServing(state)
 
@@ -162,6 +205,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    publish_bodies(app, {("post", "/v1/completions"): CompletionRequest,
+                         ("post", "/v1/chat/completions"): ChatCompletionRequest,
+                         ("post", "/generate"): GenerateRequest,
+                         ("post", "/tokenize"): TokenizeRequest,
+                         ("post", "/detokenize"): DetokenizeRequest})
     if state.args.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.args.api_key)
     return app

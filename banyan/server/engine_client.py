@@ -10,9 +10,10 @@ import itertools
 import logging
 import multiprocessing.process
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -25,6 +26,7 @@ from banyan.server.ipc import (
     ControlRequest,
     EngineFailed,
     EngineReady,
+    EngineStats,
     FromEngine,
     PushSocket,
     Shutdown,
@@ -46,7 +48,7 @@ class RequestRejected(ValueError):
 
 @dataclass(slots=True)
 class EngineRequest:
-    rid: str
+    rid: str  # the caller's name for it (logs, responses); the engine gets an id of ours
     prompt_ids: list[int]
     params: SamplingParams
     namespace: str | None = None
@@ -140,8 +142,10 @@ class EngineClient:
         self._parents: dict[str, tuple[Stream, list[str]]] = {}  # user rid -> (stream, children)
         self._rpcs: dict[int, asyncio.Future[ControlReply]] = {}
         self._rpc_ids = itertools.count()
+        self._rids = itertools.count()
         self._reader: asyncio.Task[None] | None = None
         self._watching = False
+        self.on_dead: Callable[[], None] | None = None  # the engine died (not a shutdown)
 
     # ---- life cycle --------------------------------------------------------------------------
 
@@ -167,6 +171,7 @@ class EngineClient:
             raise RuntimeError(f"unexpected first message from the engine: {type(msg).__name__}")
         recv.cancel()
         if died.done():
+            await _join(self.process, 2.0)  # the sentinel can be readable before waitpid is
             raise RuntimeError(f"the engine process exited during start-up "
                                f"(exit code {self.process.exitcode})")
         raise RuntimeError(f"the engine did not start within {timeout:.0f} s")
@@ -210,11 +215,13 @@ class EngineClient:
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
         self._watching = False
-        if not self.closing:
-            self.process.join(0)
-            logger.error("the engine process died (exit code %s); requests fail with 503 now",
-                         self.process.exitcode)
         self._mark_dead()
+        if not self.closing:
+            logger.error("the engine process died; requests fail with 503 now")
+            # What its last snapshot said was running is not running any more.
+            self.metrics.engine = EngineStats()
+            if self.on_dead is not None:
+                self.on_dead()
 
     def _mark_dead(self) -> None:
         if self.dead:
@@ -236,21 +243,31 @@ class EngineClient:
 
     def submit(self, requests: Sequence[EngineRequest]) -> Stream:
         """Send requests (all with the same n) to the engine; their outputs come through one
-        Stream. Close the stream when done (always: it aborts what is unfinished)."""
+        Stream. Close the stream when done (always: it aborts what is unfinished).
+
+        The engine's request ids are made here, never taken from the user: the engine names the
+        samples of a request with n > 1 `rid#k`, and a user rid "x#0" next to a user rid "x" with
+        n = 2 would collide. Everything is encoded before anything is registered or sent, so a
+        request the engine could not receive (RequestRejected) leaves no state behind."""
         if self.dead:
             raise EngineDeadError("the engine process is not running")
         n = requests[0].params.n if requests else 1
-        for req in requests:
-            if req.rid in self._parents:
-                raise RequestRejected(f"request id {req.rid!r} is already in use")
-        stream = Stream(self, [r.rid for r in requests], len(requests) * n)
+        rids = [f"{next(self._rids):x}" for _ in requests]
         try:
-            for p, req in enumerate(requests):
-                children = [req.rid] if n == 1 else [f"{req.rid}#{k}" for k in range(n)]
+            payloads = [self._push.encode(AddRequest(rid, req.prompt_ids, req.params,
+                                                     req.namespace))
+                        for rid, req in zip(rids, requests)]
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
+            raise RequestRejected(f"the request holds a value the engine cannot take: "
+                                  f"{exc}") from None
+        stream = Stream(self, rids, len(requests) * n)
+        try:
+            for p, (rid, payload) in enumerate(zip(rids, payloads)):
+                children = [rid] if n == 1 else [f"{rid}#{k}" for k in range(n)]
                 for k, child in enumerate(children):
                     self._routes[child] = (stream, p * n + k)
-                self._parents[req.rid] = (stream, children)
-                self._push.send(AddRequest(req.rid, req.prompt_ids, req.params, req.namespace))
+                self._parents[rid] = (stream, children)
+                self._push.send_bytes(payload)
         except zmq.Again:
             stream.close()
             raise EngineDeadError("the engine is not connected") from None

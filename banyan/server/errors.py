@@ -3,7 +3,7 @@ openai client reads): {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import re
 from typing import Any
 
@@ -14,9 +14,12 @@ from starlette.requests import ClientDisconnect, Request
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -62,8 +65,10 @@ def engine_dead() -> ApiError:
     return ApiError(503, "the engine process is not running; the server cannot serve requests")
 
 
-async def read_raw_body(request: Request, limit: int) -> bytes:
-    """The body's bytes: 413 past `limit` (declared or streamed), 400 if the client hangs up."""
+async def read_raw_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The body's bytes: 413 past `limit` (declared or streamed), 408 when it takes longer than
+    `timeout` seconds to arrive (a slow client must not hold a connection and a buffer forever),
+    400 if the client hangs up."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes is larger than the limit of "
@@ -71,28 +76,33 @@ async def read_raw_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body is larger than the limit of {limit} "
+                                   "bytes")
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected while sending the request") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s") from None
     return b"".join(chunks)
 
 
-async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
+async def read_body(request: Request, model: type[BaseModel], limit: int,
+                    timeout: float | None = None) -> Any:
     """The JSON body parsed into `model`: 413 past `limit` bytes, 400 for bad JSON or fields
-    (never FastAPI's 422)."""
-    raw = await read_raw_body(request, limit)
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
+    (never FastAPI's 422).
+
+    pydantic's own JSON parser does the parsing: it refuses invalid UTF-8, lone surrogates
+    (which could not be encoded for the engine, nor tokenized) and absurd nesting with a
+    ValidationError, where json.loads would pass the first two and raise RecursionError."""
+    raw = await read_raw_body(request, limit, timeout)
+    if not raw.lstrip().startswith(b"{"):
         raise bad_request("the request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
@@ -100,6 +110,8 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
 def validation_error(exc: ValidationError) -> ApiError:
     errors = exc.errors(include_url=False)
     first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first.get('msg')}")
     loc = [str(p) for p in first.get("loc", ())]
     # Union members show up in the location (e.g. prompt.str): keep the field path only.
     param = loc[0] if loc else None

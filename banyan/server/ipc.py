@@ -160,7 +160,15 @@ class PushSocket:
 
     def send(self, msg: msgspec.Struct) -> None:
         """Raise zmq.Again when no peer is connected."""
-        self._sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        self.send_bytes(self._encoder.encode(msg))
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        """The message's bytes; raises (msgspec.EncodeError, OverflowError, ...) for values
+        msgpack cannot carry, before anything is sent."""
+        return self._encoder.encode(msg)
+
+    def send_bytes(self, data: bytes) -> None:
+        self._sock.send(data, flags=zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -11,11 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
-import os
-import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 from banyan.args import EngineArgs
@@ -52,41 +48,41 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: s
     import uvicorn
 
     from banyan.server.api_server import build_app
-    from banyan.server.engine_client import EngineClient
-    from banyan.server.engine_proc import engine_main
     from banyan.server.metrics import ServerMetrics
     from banyan.server.state import ServerState
+    from banyan.server.supervisor import EngineSupervisor, make_ipc_dir
     from banyan.server.tokens import TokenizerSide
 
-    ipc_dir = tempfile.mkdtemp(prefix="banyan-ipc-")
-    inbox, outbox = f"ipc://{ipc_dir}/to-engine", f"ipc://{ipc_dir}/from-engine"
-    process = multiprocessing.get_context("spawn").Process(
-        target=engine_main, args=(engine_args, inbox, outbox, os.getpid(), level),
-        name="banyan-engine", daemon=True)
-    client = EngineClient(process, inbox, outbox, ServerMetrics(model_name))
+    supervisor = EngineSupervisor(engine_args, server_args, level, ServerMetrics(model_name),
+                                  make_ipc_dir())
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
     # Until uvicorn installs its own handlers, SIGTERM cancels the start-up (and cleans up).
     loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
+    tok: TokenizerSide | None = None
     try:
-        process.start()
-        logger.info("engine process %d starting (model %s)", process.pid, model_path)
         try:
-            ready = await client.wait_ready(server_args.engine_start_timeout)
+            client = await supervisor.start()
         except RuntimeError as exc:
             logger.error("%s", exc)
             return 1
+        ready = client.info
+        assert ready is not None
         logger.info("engine ready: max_model_len %d, KV cache %d tokens", ready.max_model_len,
                     ready.kv_capacity)
-        state = ServerState(server_args, engine_args, model_name, model_path,
-                            TokenizerSide(tokenizer, ready.vocab_size), client, client.metrics)
+        tok = TokenizerSide(tokenizer, ready.vocab_size, server_args.tokenizer_threads,
+                            server_args.tokenize_timeout)
+        state = ServerState(server_args, engine_args, model_name, model_path, tok, client,
+                            client.metrics)
         config = uvicorn.Config(
             build_app(state), host=server_args.host, port=server_args.port,
             log_level=server_args.log_level, access_log=server_args.access_log,
             timeout_graceful_shutdown=max(int(server_args.shutdown_timeout), 1), lifespan="off",
             timeout_keep_alive=5)
         server = uvicorn.Server(config)
+        supervisor.on_client = lambda new: setattr(state, "client", new)
+        supervisor.on_give_up = lambda: setattr(server, "should_exit", True)
         loop.remove_signal_handler(signal.SIGTERM)
         # uvicorn handles SIGINT/SIGTERM while serving (graceful shutdown), then restores the
         # previous handlers and raises the signal again: make that a no-op, so the cleanup below
@@ -97,14 +93,15 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: s
         logger.info("serving %s on http://%s:%d", model_name, server_args.host,
                     server_args.port)
         await server.serve()
-        return 0
+        return supervisor.exit_code if server.started else 1
     except asyncio.CancelledError:
         logger.info("start-up interrupted")
         return 143
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
-        await client.shutdown(server_args.shutdown_timeout + 5.0)
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        await supervisor.stop(server_args.shutdown_timeout + 5.0)
+        if tok is not None:
+            tok.close()
         logger.info("server stopped")
 
 

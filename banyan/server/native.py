@@ -13,7 +13,14 @@ from banyan.server.engine_client import EngineDeadError, EngineRequest, RequestR
 from banyan.server.errors import ApiError, bad_request, engine_dead, from_value_error, read_body
 from banyan.server.openai_format import DONE, ChoiceState, lp, sse, sse_error
 from banyan.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
-from banyan.server.state import ServerState, SSEResponse, check_ids, collect
+from banyan.server.state import (
+    ServerState,
+    SSEResponse,
+    check_ids,
+    collect,
+    encode_chat,
+    encode_text,
+)
 
 
 class NativeServing:
@@ -23,7 +30,8 @@ class NativeServing:
     async def generate(self, request: Request) -> Response:
         st = self.state
         body: GenerateRequest = await read_body(request, GenerateRequest,
-                                                st.args.max_request_bytes)
+                                                st.args.max_request_bytes,
+                                                st.args.request_body_timeout)
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give exactly one of text and input_ids", "text")
         ids_in = body.input_ids
@@ -31,7 +39,7 @@ class NativeServing:
             ids_in is not None and (not ids_in or isinstance(ids_in[0], int)))
         if body.text is not None:
             texts = [body.text] if isinstance(body.text, str) else list(body.text)
-            prompts = [check_ids(st, st.tok.encode(t), "text") for t in texts]
+            prompts = [check_ids(st, await encode_text(st, t, "text"), "text") for t in texts]
         else:
             raw: Any = body.input_ids
             id_lists = [raw] if single else raw
@@ -57,7 +65,7 @@ class NativeServing:
         except EngineDeadError:
             raise engine_dead() from None
         except RequestRejected as exc:
-            raise bad_request(str(exc), "rid") from None
+            raise bad_request(str(exc)) from None
         rids = [r.rid if n == 1 else f"{r.rid}#{k}" for r in requests for k in range(n)]
         lens = [len(p) for p in prompts for _ in range(n)]
         if body.stream:
@@ -102,19 +110,19 @@ class NativeServing:
     async def tokenize(self, request: Request) -> Response:
         st = self.state
         body: TokenizeRequest = await read_body(request, TokenizeRequest,
-                                                st.args.max_request_bytes)
+                                                st.args.max_request_bytes,
+                                                st.args.request_body_timeout)
         st.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
-            ids = st.tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await encode_text(st, body.prompt, "prompt", body.add_special_tokens)
         else:
             try:
-                text = st.tok.chat_prompt([m.template_dict() for m in body.messages or []],
-                                          body.add_generation_prompt)
+                messages = [m.template_dict() for m in body.messages or []]
             except ValueError as exc:
                 raise bad_request(str(exc), "messages") from None
-            ids = st.tok.encode_chat(text)
+            ids = await encode_chat(st, messages, body.add_generation_prompt)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": st.engine.max_model_len,
                                "tokens": ids}
         if body.return_token_strs:
@@ -124,13 +132,14 @@ class NativeServing:
     async def detokenize(self, request: Request) -> Response:
         st = self.state
         body: DetokenizeRequest = await read_body(request, DetokenizeRequest,
-                                                  st.args.max_request_bytes)
+                                                  st.args.max_request_bytes,
+                                                st.args.request_body_timeout)
         st.check_model(body.model)
         try:
             st.tok.check_ids(body.tokens)
         except ValueError as exc:
             raise bad_request(str(exc), "tokens") from None
-        return JSONResponse({"prompt": st.tok.decode(body.tokens)})
+        return JSONResponse({"prompt": await st.tok.decode_async(body.tokens)})
 
 
 def _result(rid: str, s: ChoiceState, prompt_len: int, logprob: bool) -> dict[str, Any]:

@@ -30,7 +30,14 @@ from banyan.server.openai_format import (
     usage_chunk,
 )
 from banyan.server.protocol import ChatCompletionRequest, CompletionRequest
-from banyan.server.state import ServerState, SSEResponse, check_ids, collect
+from banyan.server.state import (
+    ServerState,
+    SSEResponse,
+    check_ids,
+    collect,
+    encode_chat,
+    encode_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +70,8 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         st = self.state
         body: CompletionRequest = await read_body(request, CompletionRequest,
-                                                  st.args.max_request_bytes)
+                                                  st.args.max_request_bytes,
+                                                  st.args.request_body_timeout)
         st.check_model(body.model)
         st.check_n(body.n)
         _check_stream_options(body.stream, body.stream_options is not None)
@@ -79,11 +87,12 @@ class OpenAIServing:
         echo_texts: list[str] = []
         for p in raw:
             if isinstance(p, str):
-                prompts.append(check_ids(st, st.tok.encode(p), "prompt"))
+                prompts.append(check_ids(st, await encode_text(st, p, "prompt"), "prompt"))
                 echo_texts.append(p)
             else:
                 prompts.append(check_ids(st, p, "prompt"))
-                echo_texts.append(st.tok.decode(p, skip_special_tokens=False) if body.echo else "")
+                echo_texts.append(await st.tok.decode_async(p, skip_special_tokens=False)
+                                  if body.echo else "")
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         requests = []
         job_id = new_id("cmpl")
@@ -144,7 +153,8 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         st = self.state
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest,
-                                                      st.args.max_request_bytes)
+                                                      st.args.max_request_bytes,
+                                                      st.args.request_body_timeout)
         st.check_model(body.model)
         st.check_n(body.n)
         _check_stream_options(body.stream, body.stream_options is not None)
@@ -152,11 +162,11 @@ class OpenAIServing:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         try:
             messages = [m.template_dict() for m in body.messages]
-            text = st.tok.chat_prompt(messages, body.add_generation_prompt,
-                                      body.continue_final_message, body.chat_template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        ids = check_ids(st, st.tok.encode_chat(text), "messages")
+        ids = check_ids(st, await encode_chat(st, messages, body.add_generation_prompt,
+                                              body.continue_final_message,
+                                              body.chat_template_kwargs), "messages")
         requested = body.requested_max_tokens
         max_new = st.max_new_tokens(
             len(ids), requested, requested is not None, "messages",
@@ -208,6 +218,8 @@ class OpenAIServing:
             return self.state.client.submit(requests)
         except EngineDeadError:
             raise engine_dead() from None
+        except RequestRejected as exc:
+            raise bad_request(str(exc)) from None
 
     async def _collect(self, request: Request, job: _Job) -> list[ChoiceState]:
         states = [ChoiceState() for _ in range(job.num_choices)]

@@ -4,6 +4,11 @@ Shapes follow OpenAI's API plus the extensions vLLM and SGLang accept (top_k, mi
 repetition_penalty, stop_token_ids, ignore_eos, min_tokens, cache_salt, ...). Unknown fields
 are ignored, as both engines do, so clients that send newer OpenAI fields keep working.
 Responses are plain dicts built in `openai_format`.
+
+Every field is checked to what the engine can carry (the rule lives here, once): strict types
+(no true -> 1, no "1" -> 1), integers within int64 (msgpack carries no more, and no count of
+tokens comes near), finite floats; strings are valid Unicode by the time they get here, because
+`errors.read_body` parses with pydantic's JSON parser, which refuses lone surrogates.
 """
 
 from __future__ import annotations
@@ -14,11 +19,17 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from banyan.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 
-TokenId = Annotated[int, Strict()]  # no silent true -> 1 or 1.0 -> 1 for token ids
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenId = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+# strict: JSON numbers only for numbers (ints are fine for floats), JSON booleans only for bools.
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **_STRICT)
 
 
 class StreamOptions(_Body):
@@ -31,18 +42,18 @@ class _SamplingFields(_Body):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,7 +90,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -103,7 +114,7 @@ class ContentPart(_Body):
 
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, tool_call_id, ...) pass through to the chat template.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
 
@@ -124,8 +135,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=0)  # deprecated by OpenAI, still sent
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    # deprecated by OpenAI, still sent
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
@@ -142,11 +154,11 @@ class ChatCompletionRequest(_SamplingFields):
 class NativeSamplingParams(_Body):
     """SGLang's /generate `sampling_params`."""
 
-    max_new_tokens: int = Field(default=128, ge=0)
-    min_new_tokens: int = Field(default=0, ge=0)
+    max_new_tokens: int = Field(default=128, ge=0, le=INT64_MAX)
+    min_new_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, le=INT64_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -155,8 +167,8 @@ class NativeSamplingParams(_Body):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=INT64_MAX)
+    seed: Int64 | None = None
     logit_bias: dict[str, float] | None = None
 
     def to_params(self, logprobs: int | None) -> SamplingParams:

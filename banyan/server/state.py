@@ -76,6 +76,14 @@ class ServerState:
                 f"in the KV cache ({capacity} tokens)", tokens_param)
         return min(requested, room)
 
+    def template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """chat_template_kwargs as the template may see them: a template of the request's own
+        only with --trust-request-chat-template (a template is code the server runs)."""
+        if kwargs and "chat_template" in kwargs and not self.args.trust_request_chat_template:
+            raise bad_request("chat templates sent in requests are not accepted by this server "
+                              "(--trust-request-chat-template)", "chat_template_kwargs")
+        return kwargs
+
     def validate(self, params: SamplingParams) -> SamplingParams:
         try:
             params.validate(self.engine.vocab_size)
@@ -93,6 +101,28 @@ def check_ids(state: ServerState, ids: Iterable[int], param: str) -> list[int]:
     except ValueError as exc:
         raise bad_request(str(exc), param) from None
     return ids
+
+
+async def encode_text(state: ServerState, text: str, param: str,
+                      add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's ids, tokenized off the event loop; 400 when it takes too long."""
+    try:
+        return await state.tok.encode_async(text, add_special_tokens)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+
+
+async def encode_chat(state: ServerState, messages: list[dict[str, Any]],
+                      add_generation_prompt: bool, continue_final_message: bool = False,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A conversation's ids (template rendered and tokenized off the event loop); 400 when the
+    template refuses it or it takes too long."""
+    try:
+        return await state.tok.chat_ids_async(messages, add_generation_prompt,
+                                              continue_final_message,
+                                              state.template_kwargs(template_kwargs))
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 async def close_on_disconnect(request: Request, stream: Stream) -> None:

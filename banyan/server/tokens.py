@@ -3,12 +3,51 @@ to the strings and bytes that logprobs show.
 
 Output text is not decoded here: the engine's TextAccumulator streams exact incremental deltas
 (see docs/architecture.md), so this side only encodes prompts and names single tokens.
+
+Whatever can take long (a chat template, a long prompt's tokenization) runs off the event loop,
+in a small thread pool, under a time limit: one request must not stall every other client and
+/health. A template render past the limit is stopped inside the thread (a trace function in the
+template's own frames raises); a tokenizer call cannot be stopped, but its caller stops waiting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# The file name Jinja gives templates compiled from a string (as chat templates are).
+_TEMPLATE_FILE = "<template>"
+
+
+class TokenizeTimeout(ValueError):
+    """Rendering or tokenizing a prompt took longer than the limit: the request is refused."""
+
+
+def _with_deadline(deadline: float, fn: Callable[..., T], *args: Any) -> T:
+    """Run fn in this (pool) thread; a chat template still rendering at `deadline` raises
+    TokenizeTimeout from inside its own code."""
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise TokenizeTimeout("the chat template took too long to render")
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        # Only template frames are traced: everything else runs at full speed.
+        return local if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    sys.settrace(tracer)
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(None)
 
 
 def _unicode_to_bytes() -> dict[str, int]:
@@ -28,9 +67,12 @@ def _unicode_to_bytes() -> dict[str, int]:
 
 
 class TokenizerSide:
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = 4,
+                 timeout: float = 10.0) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="banyan-tokenize")
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend
         self._byte_map: dict[str, int] | None = None
@@ -41,6 +83,37 @@ class TokenizerSide:
                 self._byte_map = _unicode_to_bytes()
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self._names: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, bytes)
+
+    # ---- off the event loop -----------------------------------------------------------------
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the pool; TokenizeTimeout past the time limit (time queued included)."""
+        deadline = time.monotonic() + self.timeout
+        future = asyncio.get_running_loop().run_in_executor(
+            self._pool, _with_deadline, deadline, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            raise TokenizeTimeout(f"preparing the prompt took longer than {self.timeout:g} s "
+                                  "(the server's --tokenize-timeout)") from None
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.off_loop(self.encode, text, add_special_tokens)
+
+    async def chat_ids_async(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                             continue_final_message: bool = False,
+                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The conversation rendered and tokenized, in one trip to the pool."""
+        def render() -> list[int]:
+            return self.encode_chat(self.chat_prompt(messages, add_generation_prompt,
+                                                     continue_final_message, template_kwargs))
+        return await self.off_loop(render)
+
+    async def decode_async(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return await self.off_loop(self.decode, ids, skip_special_tokens)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- prompts ----------------------------------------------------------------------------
 
@@ -60,6 +133,8 @@ class TokenizerSide:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except TokenizeTimeout:
+            raise
         except Exception as exc:  # noqa: BLE001 - jinja raises many types
             raise ValueError(f"the chat template could not render these messages: {exc}") from exc
         if not isinstance(text, str):

@@ -1,0 +1,77 @@
+"""Issue #14: schemathesis over the server's published schema (/openapi.json), against the server
+and against a router in front of it: no response >= 500 (bounded: a few examples per operation,
+a fixed seed, no shrinking).
+
+The server is kept cheap to fuzz (a 64-token context, n <= 2, <= 4 prompts), so whatever the
+fuzzer asks for finishes in milliseconds on the tiny model.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router_helpers import start_processes
+from tests.test_server import ServerProcess, free_port, running_server
+
+pytest.importorskip("schemathesis")
+
+EXAMPLES = 5  # per operation and phase
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(llama_dir, tmp_path_factory.mktemp("schema-fuzz"), "--max-model-len",
+                        "64", "--max-n", "2", "--max-prompts", "4") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def router(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[ServerProcess]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "banyan.cli", "route", "--port", str(port), "--worker",
+           server.url, "--log-level", "warning"]
+    (proc,) = start_processes([(cmd, port, "router")], tmp_path_factory.mktemp("fuzz-router"),
+                              "/health")
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+def fuzz(schema: Path, base_url: str, seed: int) -> str:
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", str(schema), "--url", base_url,
+           "--checks", "not_a_server_error", "--max-examples", str(EXAMPLES), "--seed",
+           str(seed), "--no-shrink", "--generation-database", "none", "--workers", "2",
+           "--phases", "coverage,fuzzing", "--request-timeout", "30"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          cwd=schema.parent)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "Server error" not in out, out[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def schema(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("schema") / "openapi.json"
+    r = httpx.get(f"{server.url}/openapi.json")
+    assert r.status_code == 200
+    path.write_bytes(r.content)
+    return path
+
+
+def test_fuzz_server(schema: Path, server: ServerProcess) -> None:
+    fuzz(schema, server.url, seed=1)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_fuzz_router(schema: Path, router: ServerProcess, server: ServerProcess) -> None:
+    fuzz(schema, router.url, seed=2)
+    assert httpx.get(f"{router.url}/health").status_code == 200
