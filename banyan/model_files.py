@@ -10,19 +10,28 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    if model is None:
+DEMO_MODEL = "demo"  # --model demo: the random-weight demo model (tests, quick checks)
+
+
+def resolve_model_dir(model: str | None, show_progress: bool = True) -> Path:
+    """The Hugging Face folder to load: `model` itself, the converted copy of a GGUF file (or of
+    the one .gguf in a folder), the demo model for "demo", SmolLM2-135M-Instruct for None."""
+    from banyan.models.gguf_loader import default_model_file, find_gguf, gguf_model_dir
+
+    if model == DEMO_MODEL and not Path(model).exists():
         from banyan.demo import demo_model_dir
 
-        path = demo_model_dir()
-        logger.warning("Using the demo model (random weights: its text is meaningless). "
-                       "Pass --model /path/to/hf-folder for a real model.")
-        return path
-    path = Path(model).expanduser()
+        logger.warning("Using the demo model (random weights: its text is meaningless).")
+        return demo_model_dir()
+    path = default_model_file() if model is None else Path(model).expanduser()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_model_dir(gguf_file, show_progress)
     if not path.is_dir():
-        raise ValueError(f"model folder {model!r} does not exist (Banyan loads local folders only)")
+        raise ValueError(f"model folder or GGUF file {model!r} does not exist "
+                         "(Banyan loads local files only)")
     if not (path / "config.json").exists():
-        raise ValueError(f"model folder {model!r} has no config.json")
+        raise ValueError(f"model folder {model!r} has no config.json and no .gguf file")
     return path
 
 
