@@ -11,6 +11,7 @@ logger = logging.getLogger(__name__)
 
 
 DEMO_MODEL = "demo"  # --model demo: the random-weight demo model (tests, quick checks)
+DEMO_SERVED_NAME = "banyan-demo"
 
 
 def resolve_model_dir(model: str | None, show_progress: bool = True) -> Path:
@@ -33,6 +34,15 @@ def resolve_model_dir(model: str | None, show_progress: bool = True) -> Path:
     if not (path / "config.json").exists():
         raise ValueError(f"model folder {model!r} has no config.json and no .gguf file")
     return path
+
+
+def default_served_name(model: str | None) -> str:
+    """The name the server answers to when --served-model-name is not given."""
+    from banyan.models.gguf_loader import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return DEMO_SERVED_NAME if model == DEMO_MODEL else model
 
 
 def load_tokenizer(path: Path) -> Any:

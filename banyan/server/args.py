@@ -18,7 +18,8 @@ class ServerArgs:
         "When set, every endpoint but /health and /metrics needs `Authorization: Bearer KEY`."))
     served_model_name: str | None = field(default=None, metadata=_doc(
         "Model name in the API (the `model` field). Default: the --model argument as given, "
-        "or 'banyan-demo' for the demo model."))
+        "'SmolLM2-135M-Instruct' without --model, 'banyan-demo' for --model demo. Requests may "
+        "name it or leave `model` out."))
     max_request_bytes: int = field(default=8 * 1024 * 1024, metadata=_doc(
         "Largest request body accepted, in bytes (larger: HTTP 413)."))
     max_n: int = field(default=16, metadata=_doc(

@@ -19,12 +19,13 @@ import tempfile
 from pathlib import Path
 
 from banyan.args import EngineArgs
-from banyan.model_files import load_tokenizer, resolve_model_dir
+from banyan.model_files import (DEMO_SERVED_NAME, default_served_name, load_tokenizer,
+                                 resolve_model_dir)
 from banyan.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "banyan-demo"
+DEMO_MODEL_NAME = DEMO_SERVED_NAME
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
@@ -37,7 +38,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    name = server_args.served_model_name or engine_args.model or DEMO_MODEL_NAME
+    name = server_args.served_model_name or default_served_name(engine_args.model)
     # The engine gets the resolved folder, so it does not build or look up the demo model again.
     engine_args = dataclasses.replace(engine_args, model=str(model_dir))
     try:
