@@ -92,11 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(gen.add_argument_group("engine"), EngineArgs)
     gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, rendered by the model's chat template")
     _add_sampling_args(gen)
 
     from banyan.bench.cli import add_bench_parser
+    from banyan.chat_cli import add_chat_parser
 
     add_bench_parser(sub)
+    add_chat_parser(sub, lambda p: (add_dataclass_args(p.add_argument_group("engine"), EngineArgs),
+                                    _add_sampling_args(p)), engine_args_from, _sampling_from)
     return parser
 
 
@@ -113,7 +118,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     with engine:
         try:
-            outputs = engine.generate(ns.prompt, params, use_tqdm=False)
+            if ns.chat:
+                outputs = engine.chat([[{"role": "user", "content": p}] for p in ns.prompt],
+                                      params)
+                for out, text in zip(outputs, ns.prompt, strict=True):
+                    out.prompt = text  # the user's words, not the rendered template
+            else:
+                outputs = engine.generate(ns.prompt, params, use_tqdm=False)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -125,7 +136,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                                   "finish_reason": sample.finish_reason,
                                   "prompt_tokens": out.prompt_tokens}))
             else:
-                print(f"{out.prompt}{sample.text}")
+                print(f"{out.prompt}\n{sample.text}" if ns.chat else f"{out.prompt}{sample.text}")
                 print(f"  [{sample.completion_tokens} tokens, finish_reason={sample.finish_reason}]")
     return 0
 
