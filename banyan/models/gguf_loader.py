@@ -194,7 +194,13 @@ def convert_gguf(gguf_file: Path, out: Path, show_progress: bool = True) -> None
     tensors = list(iter_gguf_tensors(reader, arch))  # names and types checked, nothing read yet
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
-        AutoConfig.from_pretrained(folder, gguf_file=name).save_pretrained(str(out))
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        # transformers reads head_dim from key_length for some architectures only (not qwen3,
+        # whose config default is 128): the file's own number wins.
+        key_length = reader.fields.get(f"{arch}.attention.key_length")
+        if key_length is not None:
+            config.head_dim = int(key_length.contents())
+        config.save_pretrained(str(out))
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(out))
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
         raise ValueError(f"transformers cannot read the config/tokenizer of {gguf_file}: {exc}") \
