@@ -45,6 +45,29 @@ def default_served_name(model: str | None) -> str:
     return DEMO_SERVED_NAME if model == DEMO_MODEL else model
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict[str, float]:
+    """The sampling settings generation_config.json recommends (only those it names), which the
+    server applies where a request is silent, as vLLM does; {} without the file."""
+    import json
+
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring %s: %s", file, exc)
+        return {}
+    found = {k: float(config[k]) for k in SAMPLING_DEFAULT_KEYS
+             if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    if found:
+        logger.info("sampling defaults from generation_config.json: %s", found)
+    return found
+
+
 def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from banyan.args import EngineArgs
 from banyan.model_files import (DEMO_SERVED_NAME, default_served_name, load_tokenizer,
-                                 resolve_model_dir)
+                                 resolve_model_dir, sampling_defaults)
 from banyan.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: s
         logger.info("engine ready: max_model_len %d, KV cache %d tokens", ready.max_model_len,
                     ready.kv_capacity)
         state = ServerState(server_args, engine_args, model_name, model_path,
-                            TokenizerSide(tokenizer, ready.vocab_size), client, client.metrics)
+                            TokenizerSide(tokenizer, ready.vocab_size), client, client.metrics,
+                            sampling_defaults(Path(model_path)))
         config = uvicorn.Config(
             build_app(state), host=server_args.host, port=server_args.port,
             log_level=server_args.log_level, access_log=server_args.access_log,

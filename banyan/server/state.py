@@ -32,6 +32,7 @@ class ServerState:
     tok: TokenizerSide
     client: EngineClient
     metrics: ServerMetrics
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json
     started: float = field(default_factory=time.time)
 
     @property
