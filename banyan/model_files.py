@@ -10,20 +10,62 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    if model is None:
+DEMO_MODEL = "demo"  # --model demo: the random-weight demo model (tests, quick checks)
+DEMO_SERVED_NAME = "banyan-demo"
+
+
+def resolve_model_dir(model: str | None, show_progress: bool = True) -> Path:
+    """The Hugging Face folder to load: `model` itself, the converted copy of a GGUF file (or of
+    the one .gguf in a folder), the demo model for "demo", SmolLM2-135M-Instruct for None."""
+    from banyan.models.gguf_loader import default_model_file, find_gguf, gguf_model_dir
+
+    if model == DEMO_MODEL and not Path(model).exists():
         from banyan.demo import demo_model_dir
 
-        path = demo_model_dir()
-        logger.warning("Using the demo model (random weights: its text is meaningless). "
-                       "Pass --model /path/to/hf-folder for a real model.")
-        return path
-    path = Path(model).expanduser()
+        logger.warning("Using the demo model (random weights: its text is meaningless).")
+        return demo_model_dir()
+    path = default_model_file() if model is None else Path(model).expanduser()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_model_dir(gguf_file, show_progress)
     if not path.is_dir():
-        raise ValueError(f"model folder {model!r} does not exist (Banyan loads local folders only)")
+        raise ValueError(f"model folder or GGUF file {model!r} does not exist "
+                         "(Banyan loads local files only)")
     if not (path / "config.json").exists():
-        raise ValueError(f"model folder {model!r} has no config.json")
+        raise ValueError(f"model folder {model!r} has no config.json and no .gguf file")
     return path
+
+
+def default_served_name(model: str | None) -> str:
+    """The name the server answers to when --served-model-name is not given."""
+    from banyan.models.gguf_loader import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return DEMO_SERVED_NAME if model == DEMO_MODEL else model
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict[str, float]:
+    """The sampling settings generation_config.json recommends (only those it names), which the
+    server applies where a request is silent, as vLLM does; {} without the file."""
+    import json
+
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring %s: %s", file, exc)
+        return {}
+    found = {k: float(config[k]) for k in SAMPLING_DEFAULT_KEYS
+             if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    if found:
+        logger.info("sampling defaults from generation_config.json: %s", found)
+    return found
 
 
 def load_tokenizer(path: Path) -> Any:

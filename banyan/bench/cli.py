@@ -35,6 +35,10 @@ def add_bench_parser(sub: Any) -> None:
     _add_output_args(off)
     off.set_defaults(func=run_offline)
 
+    from banyan.bench.quality import add_quality_parser
+
+    add_quality_parser(modes)
+
     srv = modes.add_parser("serve", help="a workload against an OpenAI-compatible server")
     s = srv.add_argument_group("server")
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000 (or .../v1)")

@@ -142,6 +142,25 @@ class Engine:
             bar.close()
         return outputs
 
+    def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """A conversation's prompt ids, exactly tokenizer.apply_chat_template(messages,
+        add_generation_prompt=True) (the server's rule, banyan/server/tokens.py)."""
+        from banyan.server.tokens import TokenizerSide
+
+        side = TokenizerSide(self.tokenizer, self.core.vocab_size)
+        return side.encode_chat(side.chat_prompt(list(messages)))
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, *,
+             use_tqdm: bool = False) -> RequestOutput | list[RequestOutput]:
+        """Reply to one conversation ([{"role": ..., "content": ...}, ...]) or, batched, to a
+        list of them; the reply ends at the template's end of turn (finish_reason "stop")."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        outs = self.generate(input_ids=[self.chat_ids(c) for c in convs],  # type: ignore[arg-type]
+                             sampling_params=sampling_params, use_tqdm=use_tqdm)
+        return outs[0] if single else outs
+
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
                input_ids: Sequence[int] | None = None) -> Iterator[StreamChunk]:
         """Yield text/token deltas of one request as they are generated (all samples when n > 1,

@@ -228,8 +228,7 @@ async def wait_healthy(replicas: list[Replica], timeout: float) -> None:
 
 def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: RouterArgs,
            dp: int) -> int:
-    from banyan.model_files import resolve_model_dir
-    from banyan.server.launch import DEMO_MODEL_NAME
+    from banyan.model_files import default_served_name, resolve_model_dir
 
     _set_log_level(server_args.log_level)
     try:
@@ -239,8 +238,8 @@ def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: Router
         return 2
     # Every replica serves under the name a single `banyan serve` would have used.
     server_args = dataclasses.replace(
-        server_args, served_model_name=(server_args.served_model_name or engine_args.model
-                                        or DEMO_MODEL_NAME))
+        server_args, served_model_name=(server_args.served_model_name
+                                        or default_served_name(engine_args.model)))
     engine_args = dataclasses.replace(engine_args, model=str(model_dir))
     try:
         replicas = start_replicas(engine_args, server_args, dp)

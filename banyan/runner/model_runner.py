@@ -154,14 +154,11 @@ class ModelRunner:
         cls, args: EngineArgs, max_rows: int | None = None, model_path: str | Path | None = None
     ) -> ModelRunner:
         """The runner EngineArgs describe. max_rows defaults to max_running_requests; the
-        model to args.model, else the built-in demo model."""
+        model to args.model as resolve_model_dir reads it (a GGUF file, the default model)."""
         from banyan.args import parse_bytes
+        from banyan.model_files import resolve_model_dir
 
-        path = model_path or args.model
-        if path is None:
-            from banyan.demo import demo_model_dir
-
-            path = demo_model_dir()
+        path = model_path or resolve_model_dir(args.model, show_progress=not args.disable_tqdm)
         kv_bytes = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None else None
         return cls(
             path,

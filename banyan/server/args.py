@@ -21,7 +21,8 @@ class ServerArgs:
         "other users of the machine cannot read)."))
     served_model_name: str | None = field(default=None, metadata=_doc(
         "Model name in the API (the `model` field). Default: the --model argument as given, "
-        "or 'banyan-demo' for the demo model."))
+        "'SmolLM2-135M-Instruct' without --model, 'banyan-demo' for --model demo. Requests may "
+        "name it or leave `model` out."))
     max_request_bytes: int = field(default=2 * 1024 * 1024, metadata=_doc(
         "Largest request body accepted, in bytes (larger: HTTP 413), checked before anything is "
         "parsed or tokenized. 2 MiB holds a 128k-token prompt as text or as token ids."))

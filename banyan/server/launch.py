@@ -15,12 +15,18 @@ import signal
 from pathlib import Path
 
 from banyan.args import EngineArgs
-from banyan.model_files import load_tokenizer, resolve_model_dir
+from banyan.model_files import (
+    DEMO_SERVED_NAME,
+    default_served_name,
+    load_tokenizer,
+    resolve_model_dir,
+    sampling_defaults,
+)
 from banyan.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "banyan-demo"
+DEMO_MODEL_NAME = DEMO_SERVED_NAME
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
@@ -33,7 +39,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    name = server_args.served_model_name or engine_args.model or DEMO_MODEL_NAME
+    name = server_args.served_model_name or default_served_name(engine_args.model)
     # The engine gets the resolved folder, so it does not build or look up the demo model again.
     engine_args = dataclasses.replace(engine_args, model=str(model_dir))
     try:
@@ -74,7 +80,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: s
         tok = TokenizerSide(tokenizer, ready.vocab_size, server_args.tokenizer_threads,
                             server_args.tokenize_timeout)
         state = ServerState(server_args, engine_args, model_name, model_path, tok, client,
-                            client.metrics)
+                            client.metrics, sampling_defaults(Path(model_path)))
         config = uvicorn.Config(
             build_app(state), host=server_args.host, port=server_args.port,
             log_level=server_args.log_level, access_log=server_args.access_log,

