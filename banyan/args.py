@@ -53,10 +53,12 @@ class EngineArgs:
     in_batch_prefix_threshold: int = field(default=32, metadata=_doc(
         "A waiting request sharing at least this many uncached prompt tokens with one admitted "
         "in the same step waits a step and reuses its KV instead of computing them again."))
-    disable_overlap: bool = field(default=False, metadata=_doc(
-        "Run each step to the end before scheduling the next (the sequential loop). By default "
-        "the next step is scheduled, and the last one's tokens turned into text, while a step "
-        "runs."))
+    overlap: str = field(default="auto", metadata=_doc(
+        "Overlap scheduling: schedule the next step, and turn the last one's tokens into text, "
+        "while a step runs. auto: on for CUDA (the forward runs on the GPU), off on CPU, where "
+        "the engine thread takes cores and the GIL from the forward (measured slower on a "
+        "2-core Xeon, docs/performance.md). on / off force it.",
+        choices=["auto", "on", "off"]))
     attention_backend: str = field(default="auto", metadata=_doc(
         "Attention implementation: auto (cpu-native where its kernel builds, else sdpa), sdpa "
         "(portable PyTorch), cpu-native (the C++ CPU kernel, falling back to sdpa for long "
@@ -77,6 +79,8 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -35,7 +35,7 @@ def one_run(model: Path, overlap: bool, running: int, steps: int) -> dict[str, f
     with Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True,
                 max_running_requests=running, max_prefill_tokens=16384,
                 chunked_prefill_size=16384, kv_cache_memory="256MiB",
-                disable_overlap=not overlap) as engine:
+                overlap="on" if overlap else "off") as engine:
         params = SamplingParams(max_new_tokens=steps + 40, temperature=0.0, ignore_eos=True)
         for i in range(running):
             engine.add_request(input_ids=[3 + (i * 7 + j) % 500 for j in range(32)],

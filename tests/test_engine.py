@@ -55,7 +55,7 @@ def test_greedy_matches_transformers(llama_dir: Path, workload, setting: str,
                                      overlap: bool) -> None:
     prompts, max_new, expected = workload
     with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
-                disable_overlap=not overlap, **SETTINGS[setting]) as engine:
+                overlap="on" if overlap else "off", **SETTINGS[setting]) as engine:
         engine.core.scheduler.config.check_integrity = True
         outs = engine.generate(input_ids=prompts, sampling_params=[greedy(n) for n in max_new])
         for i, out in enumerate(outs):
@@ -94,7 +94,7 @@ def test_greedy_matches_transformers_other_archs(model_dirs: dict[str, Path], ar
     for overlap in (True, False):
         with Engine(str(model_dirs[arch]), dtype="float32", device="cpu", disable_tqdm=True,
                     chunked_prefill_size=50, max_prefill_tokens=100,
-                    disable_overlap=not overlap) as engine:
+                    overlap="on" if overlap else "off") as engine:
             outs = engine.generate(input_ids=prompts, sampling_params=greedy(12))
             assert [o.output_ids for o in outs] == expected, f"overlap={overlap}"
 
@@ -113,7 +113,7 @@ def test_overlap_changes_no_output(llama_dir: Path) -> None:
     for overlap in (True, False):
         for no_cache in (True, False):
             with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
-                        disable_overlap=not overlap, no_prefix_cache=no_cache,
+                        overlap="on" if overlap else "off", no_prefix_cache=no_cache,
                         chunked_prefill_size=64, max_prefill_tokens=128) as engine:
                 engine.core.scheduler.config.check_integrity = True
                 outs = engine.generate(input_ids=prompts, sampling_params=params)

@@ -35,7 +35,7 @@ def test_verified_proposals_match_transformers(llama_dir: Path, wrong: int) -> N
     prompts = prompts_1_to_300(6, seed=8)
     expected = {tuple(p): hf_greedy(llama_dir, p, 14) for p in prompts}
     with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
-                disable_overlap=True) as engine:
+                overlap="off") as engine:
         sched = engine.core.scheduler
         sched.config.check_integrity = True
         sched.builder.proposer = OracleProposer(expected, wrong)

@@ -62,7 +62,7 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
                           args.in_batch_prefix_threshold)
     allocator = SlotAllocator(runner.num_slots)
     cache = NoPrefixCache() if args.no_prefix_cache else RadixCache(allocator, args.page_size)
-    overlap = not args.disable_overlap
+    overlap = args.overlap == "on" or (args.overlap == "auto" and runner.device.type == "cuda")
     scheduler = Scheduler(
         ModelStepRunner(runner, sampler, overlap=overlap),
         SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy,

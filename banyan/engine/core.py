@@ -102,7 +102,7 @@ class EngineCore:
         return TextAccumulator.from_params(self.tokenizer, prompt, params)
 
     def step(self) -> list[RequestUpdate]:
-        """One turn of the engine loop (overlapped unless --disable-overlap)."""
+        """One turn of the engine loop (overlapped with --overlap on)."""
         return self.scheduler.step()
 
     def abort(self, rid: str) -> RequestUpdate | None:
