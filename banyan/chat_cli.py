@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from banyan.args import EngineArgs
+from banyan.engine import Engine
 from banyan.sampling.params import SamplingParams
 
 
@@ -23,14 +24,19 @@ def add_chat_parser(sub: Any, add_args: Callable[[argparse.ArgumentParser], obje
     chat.set_defaults(max_new_tokens=512, func=lambda ns: cmd_chat(ns, engine_args_from(ns), sampling_from(ns)))
 
 
-def cmd_chat(ns: argparse.Namespace, args: EngineArgs, params: SamplingParams) -> int:
-    from banyan.engine import Engine
-
+def open_engine(args: EngineArgs, params: SamplingParams) -> Engine | None:
+    """The engine for a command-line run, or None after printing why the arguments are bad."""
     try:
         params.validate()
-        engine = Engine(**dataclasses.asdict(args))
+        return Engine(**dataclasses.asdict(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_chat(ns: argparse.Namespace, args: EngineArgs, params: SamplingParams) -> int:
+    engine = open_engine(args, params)
+    if engine is None:
         return 2
     history: list[dict[str, str]] = []
     if ns.system:

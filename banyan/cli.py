@@ -4,15 +4,13 @@ dataclasses."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 
 from banyan.args import EngineArgs, add_dataclass_args, engine_args_from
 from banyan.bench.cli import add_bench_parser
-from banyan.chat_cli import add_chat_parser
-from banyan.engine import Engine
+from banyan.chat_cli import add_chat_parser, open_engine
 from banyan.router.cli import add_dp_args, add_route_parser, run_serve_dp
 from banyan.sampling.params import SamplingParams
 from banyan.server.args import ServerArgs
@@ -73,13 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    args = engine_args_from(ns)
     params = _sampling_from(ns)
-    try:
-        params.validate()
-        engine = Engine(**dataclasses.asdict(args))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    engine = open_engine(engine_args_from(ns), params)
+    if engine is None:
         return 2
     with engine:
         try:

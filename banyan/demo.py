@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from banyan.fs import build_dir_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -147,16 +147,6 @@ def demo_model_dir() -> Path:
         "meaningless. Pass --model /path/to/hf-folder for a real model.", target,
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a temporary folder and rename, so a crash never leaves half a model behind.
-    tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=target.parent))
-    try:
-        build_random_model(tmp, "llama", tokenizer_vocab=DEMO_CONFIG["vocab_size"],
-                           initializer_range=0.05, **DEMO_CONFIG)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return build_dir_atomically(target, "demo-", lambda tmp: build_random_model(
+        tmp, "llama", tokenizer_vocab=DEMO_CONFIG["vocab_size"], initializer_range=0.05,
+        **DEMO_CONFIG))

@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from banyan.fs import build_dir_atomically
 from banyan.models.gguf_dequant import check_supported, storage_dtype, to_storage
 
 logger = logging.getLogger(__name__)
@@ -117,18 +116,8 @@ def gguf_model_dir(gguf_file: Path, show_progress: bool = True) -> Path:
         return target
     logger.info("Converting %s into %s (once; later starts reuse it)", gguf_file, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a temporary folder and rename, so a crash never leaves half a model behind.
-    tmp = Path(tempfile.mkdtemp(prefix="convert-", dir=target.parent))
-    try:
-        convert_gguf(gguf_file, tmp, show_progress)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return build_dir_atomically(target, "convert-",
+                                lambda tmp: convert_gguf(gguf_file, tmp, show_progress))
 
 
 def open_gguf(gguf_file: Path) -> tuple[Any, str]:
