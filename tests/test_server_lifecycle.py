@@ -1,4 +1,4 @@
-"""A second server, with --api-key: 401 without the key; then its engine process is killed:
+"""A second server, with --api-key and --overlap on: 401 without the key; then its engine process is killed:
 requests fail fast with 503, an open stream ends with an error event, /health says 503, and
 SIGTERM still shuts the server down cleanly."""
 
@@ -24,8 +24,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # overlap on: the engine process's loop runs the overlapped pipeline here
     srv = start_server(llama_dir, tmp_path_factory.mktemp("server-lifecycle"),
-                       "--api-key", KEY)
+                       "--api-key", KEY, "--overlap", "on")
     try:
         yield srv
     finally:
