@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(ns.reps):
             for mode in ("sequential", "overlap"):
                 runs[mode].append(one_run(model, mode == "overlap", ns.running, ns.steps))
-    result: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]),
+    result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]),
                               "machine": machine_info(), "running": ns.running,
                               "steps": ns.steps, "reps": ns.reps, "runs": runs}
     for mode, rs in runs.items():

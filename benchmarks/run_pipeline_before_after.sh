@@ -18,6 +18,7 @@ for rep in $(seq 1 "$REPS"); do
       overlap) PYTHONPATH=$PWD .venv/bin/python -m banyan.cli $ARGS --overlap on --out "benchmarks/results/pipeline-$mode-$rep.json" ;;
       sequential) PYTHONPATH=$PWD .venv/bin/python -m banyan.cli $ARGS --overlap off --out "benchmarks/results/pipeline-$mode-$rep.json" ;;
     esac >/dev/null 2>&1
+    sed -i "s#$PWD/##g" "benchmarks/results/pipeline-$mode-$rep.json"  # paths relative to the repo
     echo "$mode $rep done"
   done
 done
