@@ -45,7 +45,7 @@ def one_run(model: Path, overlap: bool, running: int, steps: int) -> dict[str, f
             t0 = time.perf_counter()
             engine.step()
             wall = time.perf_counter() - t0
-            s = engine.core.stats().last_step
+            s = engine.core.last_step
             if s.num_reqs != running or s.num_tokens != running or not s.timings:
                 continue  # prefill, or the first turn (nothing collected yet)
             forward = s.timings.get("forward", 0.0) + s.timings.get("sample", 0.0)

@@ -56,6 +56,9 @@ class FakeRunner:
         except Exception as exc:  # noqa: BLE001 - surfaces at result(), as a real step's would
             return DoneStep(None, exc)
 
+    def close(self) -> None:
+        pass
+
     def run(self, batch: ForwardBatch) -> StepOutput:
         batch.input_ids = list(batch.input_ids)  # the scheduler's copy stays as it built it
         for flat in batch.deferred_inputs:

@@ -145,7 +145,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
             t_step = time.perf_counter()
             updates = engine.step()
             now = time.perf_counter()
-            split.add(engine.core.stats().last_step, now - t_step)
+            split.add(engine.core.last_step, now - t_step)
             for u in updates:
                 if not u.rid.startswith(prefix):
                     continue

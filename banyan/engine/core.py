@@ -108,6 +108,16 @@ class EngineCore:
     def abort(self, rid: str) -> RequestUpdate | None:
         return self.scheduler.abort(rid)
 
+    def close(self) -> None:
+        """Abort everything and stop the runner's worker (the engine cannot step after)."""
+        self.abort_all()
+        self.scheduler.runner.close()
+
+    @property
+    def last_step(self) -> StepStats:
+        """Timings of the last loop turn (cheaper than a whole stats() snapshot)."""
+        return self.scheduler.last_step
+
     def abort_all(self) -> list[RequestUpdate]:
         updates = [self.scheduler.abort(rid) for rid in list(self.scheduler.requests)]
         return [u for u in updates if u is not None]

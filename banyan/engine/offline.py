@@ -38,7 +38,7 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        self.core.abort_all()
+        self.core.close()
 
     # -- requests -------------------------------------------------------------------------
 

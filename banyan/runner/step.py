@@ -96,7 +96,7 @@ class ModelStepRunner:
         rows = self._logit_rows(batch)
         result = self.sampler.sample(logits, rows)
         tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
-        if tokens:
+        if tokens and self._worker is not None:  # only overlap reads the buffer back
             last = [t[-1] for t in tokens]
             rows_now = [r.row for r in batch.sampling]
             if min(rows_now) >= 0:
@@ -111,6 +111,8 @@ class ModelStepRunner:
     def _logit_rows(self, batch: ForwardBatch) -> list[SamplingRow]:
         """One sampler row per logit row: a request with k proposals samples at k + 1
         positions, the j-th as if the first j proposals were already its output."""
+        if not batch.proposed and self._worker is None:
+            return batch.sampling  # nothing pending, nothing proposed: the rows as built
         rows: list[SamplingRow] = []
         proposed = batch.proposed or [[] for _ in batch.sampling]
         for row, guess in zip(batch.sampling, proposed, strict=True):

@@ -69,7 +69,6 @@ class Request:
     # that ends while a step still reads its KV keeps its slots until that step is collected.
     pending: int = 0
     inflight: int = 0
-    release_deferred: bool = False
 
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_retractions: int = 0

@@ -45,6 +45,10 @@ class Runner(Protocol):
         """Start computing a step and return at once (steps run in launch order)."""
         ...
 
+    def close(self) -> None:
+        """Release what the runner holds (a worker thread)."""
+        ...
+
 
 @dataclass(slots=True)
 class SchedulerConfig:

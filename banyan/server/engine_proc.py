@@ -188,7 +188,7 @@ class EngineLoop:
         return waits
 
     def _account(self, start: float, end: float) -> None:
-        last = self.core.stats().last_step
+        last = self.core.last_step
         times = self.counters.times
         wall = end - start
         timings = last.timings
@@ -324,7 +324,7 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
                                            core.kv_capacity, sorted(core.eos_ids)))
         logger.info("engine ready (pid %d)", os.getpid())
         loop.run()
-        core.abort_all()
+        core.close()
         logger.info("engine stopped")
     finally:
         inbox.close()
