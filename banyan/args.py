@@ -63,6 +63,22 @@ class EngineArgs:
         "Attention implementation: auto (cpu-native where its kernel builds, else sdpa), sdpa "
         "(portable PyTorch), cpu-native (the C++ CPU kernel, falling back to sdpa for long "
         "prefill chunks).", choices=["auto", "sdpa", "cpu-native"]))
+    speculative_algorithm: str = field(default="none", metadata=_doc(
+        "Speculative decoding: ngram (guess from the request's own prompt and output: prompt "
+        "lookup), draft (a smaller model with the same tokenizer, --spec-draft-model), none. "
+        "Outputs are unchanged: every guess is checked by the model.",
+        choices=["none", "ngram", "draft"]))
+    speculative_num_tokens: int = field(default=4, metadata=_doc(
+        "Most tokens guessed per request per step (fewer when a request's guesses keep failing)."))
+    speculative_max_step_tokens: int = field(default=16, metadata=_doc(
+        "Guesses only fill a step up to this many decode tokens (decodes plus guesses): larger "
+        "batches are compute-bound and get none (docs/performance.md, Speculative decoding)."))
+    spec_ngram_min: int = field(default=2, metadata=_doc(
+        "ngram: shortest suffix of the text looked up earlier in it."))
+    spec_ngram_max: int = field(default=5, metadata=_doc(
+        "ngram: longest suffix looked up (the longest match wins)."))
+    spec_draft_model: str | None = field(default=None, metadata=_doc(
+        "draft: the draft model (HF folder or GGUF file) sharing the target's tokenizer."))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))
@@ -81,6 +97,12 @@ class EngineArgs:
             parse_bytes(self.kv_cache_memory)
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
+        if self.speculative_algorithm not in ("none", "ngram", "draft"):
+            raise ValueError("speculative_algorithm must be none, ngram or draft, got "
+                             f"{self.speculative_algorithm!r}")
+        if (self.speculative_algorithm == "draft") != (self.spec_draft_model is not None):
+            raise ValueError("spec_draft_model is needed with, and only with, "
+                             "speculative_algorithm=draft")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -3,12 +3,14 @@ accepted prefix plus the model's own token, KV of rejected guesses handed back."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from banyan import Engine, SamplingParams
 from banyan.scheduler import Request
+from banyan.scheduler.speculation import Speculation, SpeculationConfig
 from tests.hf_reference import hf_greedy
 from tests.test_engine import check_pool_empty, prompts_1_to_300
 
@@ -21,7 +23,13 @@ class OracleProposer:
         self.wrong = wrong
         self.proposed = 0
 
-    def propose(self, req: Request, max_tokens: int) -> list[int]:
+    def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        return [self._guess(req, k) for req, k in zip(reqs, max_tokens, strict=True)]
+
+    def forget(self, req: Request) -> None:
+        pass
+
+    def _guess(self, req: Request, max_tokens: int) -> list[int]:
         want = self.expected[tuple(req.prompt_ids)][len(req.output_ids):][:max_tokens]
         guess = []
         for t in want:
@@ -38,8 +46,9 @@ def test_verified_proposals_match_transformers(llama_dir: Path, wrong: int) -> N
                 overlap="off") as engine:
         sched = engine.core.scheduler
         sched.config.check_integrity = True
-        sched.builder.proposer = OracleProposer(expected, wrong)
-        sched.builder.max_proposed = 3
+        sched.speculation = Speculation(OracleProposer(expected, wrong),
+                                        SpeculationConfig(num_tokens=3, max_step_tokens=64))
+        sched.builder.speculation = sched.speculation
         outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
             max_new_tokens=14, temperature=0.0, logprobs=1))
         for p, out in zip(prompts, outs, strict=True):

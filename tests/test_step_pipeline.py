@@ -4,6 +4,7 @@ before step n-1's tokens are known), several tokens per request (proposals), fai
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -12,6 +13,7 @@ from banyan.cache.radix import RadixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler import Request, Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
+from banyan.scheduler.speculation import SpeculationConfig
 from banyan.scheduler.request import FinishReason
 from tests.fake_runner import FakeRunner, next_token, reference
 from tests.test_scheduler import make_request, random_prompts
@@ -22,7 +24,8 @@ def build(overlap: bool, num_slots: int = 2000, cache: bool = False, chunk: int 
     runner = FakeRunner(num_slots)
     allocator = SlotAllocator(num_slots)
     config = SchedulerConfig(max_model_len=400, budget=BudgetConfig(8, 96, chunk),
-                             overlap=overlap, max_proposed=max_proposed, check_integrity=True)
+                             overlap=overlap, check_integrity=True,
+                             speculation=SpeculationConfig(num_tokens=max(max_proposed, 1)))
     prefix_cache = RadixCache(allocator) if cache else NoPrefixCache()
     return Scheduler(runner, config, allocator, prefix_cache, proposer), runner  # type: ignore[arg-type]
 
@@ -126,7 +129,10 @@ class ReferenceProposer:
         self.wrong = wrong
         self.calls = 0
 
-    def propose(self, req: Request, max_tokens: int) -> list[int]:
+    def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        return [self._guess(req, k) for req, k in zip(reqs, max_tokens, strict=True)]
+
+    def _guess(self, req: Request, max_tokens: int) -> list[int]:
         self.calls += 1
         context = req.all_ids()
         guess = []
@@ -137,6 +143,9 @@ class ReferenceProposer:
             guess.append(t)
             context = context + [t]
         return guess
+
+    def forget(self, req: Request) -> None:
+        pass
 
 
 @pytest.mark.parametrize("wrong", [0, 3, 1])

@@ -21,6 +21,9 @@ from banyan.sampling.sampler import Sampler
 from banyan.scheduler import Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
 from banyan.scheduler.policy import PolicyConfig
+from banyan.scheduler.speculation import Proposer, SpeculationConfig
+from banyan.spec.draft import DraftProposer
+from banyan.spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,24 @@ def eos_token_ids(model_dir: Path, tokenizer: Any, hf_config: Any) -> frozenset[
     return frozenset(ids)
 
 
+def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
+    """The speculative proposer EngineArgs name (None: no speculation)."""
+    if args.speculative_algorithm == "ngram":
+        return NgramProposer(args.spec_ngram_min, args.spec_ngram_max)
+    if args.speculative_algorithm == "draft":
+        assert args.spec_draft_model is not None
+        draft_dir = resolve_model_dir(args.spec_draft_model)
+        draft = ModelRunner(draft_dir, dtype=args.dtype, device=target.device,
+                            num_slots=target.num_slots, max_rows=target.max_rows,
+                            max_context=target.max_context, show_progress=not args.disable_tqdm,
+                            attention_backend=args.attention_backend)
+        if draft.vocab_size != target.vocab_size:
+            logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
+                           "tokenizer?", draft.vocab_size, target.vocab_size)
+        return DraftProposer(draft, target.vocab_size)
+    return None
+
+
 def build_engine_core(args: EngineArgs) -> EngineCore:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
@@ -63,12 +84,18 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     allocator = SlotAllocator(runner.num_slots)
     cache = NoPrefixCache() if args.no_prefix_cache else RadixCache(allocator, args.page_size)
     overlap = args.overlap == "on" or (args.overlap == "auto" and runner.device.type == "cuda")
+    if overlap and args.speculative_algorithm != "none":
+        logger.warning("speculative decoding guesses only from known tokens: with overlap, a "
+                       "decode's last token is never known when its step is built, so no "
+                       "guesses are made (use --overlap off)")
+    speculation = SpeculationConfig(args.speculative_num_tokens, args.speculative_max_step_tokens)
     scheduler = Scheduler(
         ModelStepRunner(runner, sampler, overlap=overlap),
         SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy,
-                        overlap=overlap),
+                        overlap=overlap, speculation=speculation),
         allocator,
         cache,
+        make_proposer(args, runner),
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
     # A tied head's packed copy is the embedding, already counted.

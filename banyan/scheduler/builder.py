@@ -13,13 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
 from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
 from banyan.scheduler.memory import KVManager
 from banyan.scheduler.policy import SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import Request, Status
+from banyan.scheduler.speculation import Speculation
 
 
 @dataclass(slots=True)
@@ -36,12 +35,6 @@ class BudgetConfig:
     reserve_clip: int = 4096
 
 
-class Proposer(Protocol):
-    """Guesses a decoding request's next tokens (speculative decoding); the runner checks them."""
-
-    def propose(self, req: Request, max_tokens: int) -> list[int]: ...
-
-
 @dataclass(slots=True)
 class ScheduledStep:
     batch: ForwardBatch = field(default_factory=ForwardBatch)
@@ -56,12 +49,11 @@ class ScheduledStep:
 
 class BatchBuilder:
     def __init__(self, config: BudgetConfig, kv: KVManager, policy: SchedulePolicy,
-                 proposer: Proposer | None = None, max_proposed: int = 0) -> None:
+                 speculation: Speculation | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
-        self.proposer = proposer
-        self.max_proposed = max_proposed
+        self.speculation = speculation
         self.new_token_ratio = config.new_token_ratio_init
 
     def build(self, running: list[Request], waiting: WaitingQueue) -> ScheduledStep:
@@ -96,17 +88,14 @@ class BatchBuilder:
             step.retracted.append(victim)
             if victim in decoding:
                 decoding.remove(victim)
-        for i, req in enumerate(decoding):
-            self._add(step, req, 1, self._proposals(req, len(decoding) - i))
-
-    def _proposals(self, req: Request, decodes_left: int) -> list[int]:
-        """Speculative tokens for a decode: never past max_new_tokens, and only from slots that
-        are free now beyond what the decodes still to schedule need (no eviction for a guess)."""
-        if self.proposer is None or req.pending:
-            return []
-        room = min(self.max_proposed, req.max_new_tokens - req.generated - 1,
-                   self.kv.allocator.num_free - decodes_left)
-        return self.proposer.propose(req, room)[:room] if room > 0 else []
+        if self.speculation is None or not decoding:
+            for req in decoding:
+                self._add(step, req, 1)
+            return
+        # Guesses only take slots that are free now beyond what the decodes need.
+        guesses = self.speculation.plan(decoding, self.kv.allocator.num_free - len(decoding))
+        for req, guess in zip(decoding, guesses, strict=True):
+            self._add(step, req, 1, guess)
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int) -> int:
         n = min(req.remaining, self.config.chunked_prefill_size, budget)
@@ -195,7 +184,7 @@ class BatchBuilder:
             history = list(output) if params.uses_penalties else []
             batch.sampling.append(SamplingRow(params, prompt, history, params.seed,
                                               len(output) + req.pending, row, req.pending))
-            if self.proposer is not None:
+            if self.speculation is not None:
                 batch.proposed.append(list(proposed))
             step.sampled.append(req)
             req.pending += 1

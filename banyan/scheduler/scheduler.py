@@ -24,12 +24,13 @@ from typing import Protocol
 from banyan.batch import ForwardBatch, StepOutput
 from banyan.cache.base import PrefixCache
 from banyan.mem.allocator import SlotAllocator
-from banyan.scheduler.builder import BatchBuilder, BudgetConfig, Proposer, ScheduledStep
+from banyan.scheduler.builder import BatchBuilder, BudgetConfig, ScheduledStep
 from banyan.scheduler.memory import KVManager
 from banyan.scheduler.output import apply_tokens
 from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Status
+from banyan.scheduler.speculation import Proposer, Speculation, SpeculationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class SchedulerConfig:
     budget: BudgetConfig
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     overlap: bool = False  # schedule step n while step n-1 runs
-    max_proposed: int = 0  # speculative tokens per decode (with a proposer)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # with a proposer
     check_integrity: bool = False  # assert the KV bookkeeping after every step (tests)
 
 
@@ -84,8 +85,10 @@ class Scheduler:
         self.runner = runner
         self.config = config
         self.kv = KVManager(allocator, cache, config.budget.max_running_requests)
+        self.speculation = (Speculation(proposer, config.speculation)
+                            if proposer is not None else None)
         self.builder = BatchBuilder(config.budget, self.kv, SchedulePolicy(config.policy, cache),
-                                    proposer, config.max_proposed)
+                                    self.speculation)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -222,6 +225,8 @@ class Scheduler:
             proposed = batch.proposed[j] if batch.proposed else None
             update = apply_tokens(req, outputs[j], logprobs[j] if logprobs else [], max_len)
             if proposed:
+                assert self.speculation is not None
+                self.speculation.record(req, len(proposed), len(outputs[j]) - 1)
                 speculative.add(batch.sample_indices[j])
                 if req.status is running:  # KV is valid for the input and accepted tokens
                     self.kv.drop_tail(req, len(proposed) + 1 - len(update.new_token_ids))
@@ -284,6 +289,8 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         del self.requests[req.rid]
+        if self.speculation is not None:
+            self.speculation.forget(req)
         if req.inflight:
             self._ended_in_flight.add(req)
         else:

@@ -1,0 +1,156 @@
+"""Speculative decoding on the scheduler's side: who gets proposals, how many, and what came of them.
+
+A `Proposer` guesses each decoding request's next tokens (n-gram lookup over its own text, or a
+small draft model); the runner checks all of them in the step that decodes the request and
+answers with the accepted ones plus the model's own next token. This module decides how many
+tokens each request may be given (adaptive) and counts what was proposed and accepted.
+
+Adaptive, because a guess is free only while the forward is memory-bound: at batch 1 on a CPU,
+checking 4-8 tokens costs about what one costs, but a batch of 64 decodes is already
+compute-bound and every rejected guess is paid in full. So:
+- per step: proposals only fill the step up to `max_step_tokens` tokens of decode work (decodes
+  plus guesses); a batch with more decodes than that gets none (the measured knee, see
+  docs/performance.md "Speculative decoding");
+- per request: an exponential average of the fraction of its guesses accepted sets how many it
+  gets (`k * rate`, at least 1); below `min_rate` it gets none for `cooldown` steps, then one
+  probe, so a request whose text stopped repeating stops paying for guesses.
+Torch-free like the rest of the scheduler; proposers that run a model are injected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from banyan.scheduler.request import Request
+
+
+class Proposer(Protocol):
+    """Guesses the next tokens of decoding requests (batched: a draft model runs them at once)."""
+
+    def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        """Per request, at most max_tokens[i] tokens that may follow req's tokens so far."""
+        ...
+
+    def forget(self, req: Request) -> None:
+        """req has ended: drop what is kept for it (a draft model's KV)."""
+        ...
+
+
+@dataclass(slots=True)
+class SpeculationConfig:
+    num_tokens: int = 4  # most tokens proposed per request per step
+    max_step_tokens: int = 16  # decode work of a step (decodes + guesses) speculation may fill
+    min_rate: float = 0.15  # acceptance rate below which a request pauses speculation
+    cooldown: int = 8  # steps a paused request goes without guesses before the next probe
+    ema: float = 0.5  # weight of the latest step in the acceptance average
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"speculative_num_tokens must be >= 1, got {self.num_tokens}")
+        if self.max_step_tokens < 2:
+            raise ValueError(f"speculative_max_step_tokens must be >= 2, got {self.max_step_tokens}")
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters with vLLM's meaning: a draft is one request's guess in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [num_tokens]
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        """Tokens the verifying steps produced: the accepted guesses plus one per draft."""
+        return self.num_accepted_tokens + self.num_drafts
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying step of a request (1 = no guess ever accepted)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def per_position_rate(self) -> list[float]:
+        """Of the drafts, the fraction whose i-th guess was accepted."""
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_emitted_tokens": self.num_emitted_tokens,
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "accepted_per_pos": list(self.accepted_per_pos)}
+
+
+@dataclass(slots=True)
+class _RequestState:
+    rate: float = 1.0  # optimistic until guesses say otherwise
+    paused_for: int = 0
+
+
+class Speculation:
+    def __init__(self, proposer: Proposer, config: SpeculationConfig) -> None:
+        self.proposer = proposer
+        self.config = config
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_tokens)
+        self._state: dict[str, _RequestState] = {}
+
+    def plan(self, decoding: Sequence[Request], free_slots: int) -> list[list[int]]:
+        """Guesses for each of this step's decodes (empty lists where none), never using more
+        than free_slots KV slots (a guess never evicts cache or retracts anyone)."""
+        cfg = self.config
+        room = min(cfg.max_step_tokens - len(decoding), free_slots)
+        wanted: list[int] = []
+        for req in decoding:
+            k = 0
+            # A pending token (overlap) is not known yet: nothing to guess from.
+            if room > 0 and not req.pending:
+                k = min(self._tokens_for(req), req.max_new_tokens - req.generated - 1, room)
+            k = max(k, 0)
+            wanted.append(k)
+            room -= k
+        asked = [i for i, k in enumerate(wanted) if k > 0]
+        out: list[list[int]] = [[] for _ in decoding]
+        if asked:
+            guesses = self.proposer.propose([decoding[i] for i in asked], [wanted[i] for i in asked])
+            for i, guess in zip(asked, guesses, strict=True):
+                out[i] = list(guess[: wanted[i]])
+        return out
+
+    def _tokens_for(self, req: Request) -> int:
+        state = self._state.get(req.rid)
+        if state is None:
+            return self.config.num_tokens
+        if state.paused_for > 0:
+            state.paused_for -= 1
+            return 1 if state.paused_for == 0 else 0  # the probe after a pause
+        return max(1, min(self.config.num_tokens, math.ceil(self.config.num_tokens * state.rate)))
+
+    def record(self, req: Request, proposed: int, accepted: int) -> None:
+        """A verified draft: `accepted` of req's `proposed` guesses were the model's tokens."""
+        if proposed <= 0:
+            return
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += proposed
+        stats.num_accepted_tokens += accepted
+        for pos in range(min(accepted, len(stats.accepted_per_pos))):
+            stats.accepted_per_pos[pos] += 1
+        state = self._state.setdefault(req.rid, _RequestState())
+        cfg = self.config
+        state.rate = (1 - cfg.ema) * state.rate + cfg.ema * accepted / proposed
+        if state.rate < cfg.min_rate:
+            state.paused_for = cfg.cooldown
+            state.rate = cfg.min_rate  # the probe starts from the threshold, not from zero
+
+    def forget(self, req: Request) -> None:
+        self._state.pop(req.rid, None)
+        self.proposer.forget(req)

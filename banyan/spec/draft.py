@@ -1,0 +1,141 @@
+"""Draft-model proposals: a smaller model with the target's tokenizer guesses greedily.
+
+The draft runs on Banyan's own ModelRunner with a paged KV pool and table of its own. Each
+request it has seen keeps a row and the tokens whose K/V the draft holds; before guessing, that
+list is cut back to what the request's real tokens still agree with (the guesses the target
+rejected are rolled back, their slots freed) and the draft catches up on the rest (the prompt on
+first sight, then the target's own token and any accepted guess it never fed). Then one batched
+forward per guessed position, all requests together.
+
+Guesses are the draft's argmax: a proposal that is one fixed token per position makes the
+target's sample-and-compare check (runner/step.py) exactly the rejection sampling of
+speculative decoding, so outputs follow the target's distribution at any temperature.
+The draft keeps no prefix cache: a prompt it has not seen is computed in full (draft prefill is a
+small fraction of a target prefill, and only the first decode step of a request pays it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from banyan.batch import ForwardBatch
+from banyan.mem.allocator import SlotAllocator
+from banyan.runner.model_runner import ModelRunner
+from banyan.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    row: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V the draft holds
+    slots: list[int] = field(default_factory=list)  # slots[i] holds tokens[i]'s K/V
+    confirmed: int = 0  # tokens[:confirmed] are the request's own (the rest: fed guesses)
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, target_vocab: int) -> None:
+        if runner.vocab_size < target_vocab:
+            logger.warning("draft vocabulary (%d) is smaller than the target's (%d): guesses "
+                           "only ever use the shared ids", runner.vocab_size, target_vocab)
+        self.runner = runner
+        self.target_vocab = target_vocab
+        self.allocator = SlotAllocator(runner.num_slots)
+        self._free_rows = list(range(runner.max_rows - 1, -1, -1))
+        self._seqs: dict[str, _DraftSeq] = {}
+
+    def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        guesses: list[list[int]] = [[] for _ in reqs]
+        seqs: dict[int, _DraftSeq] = {}
+        feeds: dict[int, list[int]] = {}
+        for i, req in enumerate(reqs):
+            seq = self._catch_up_plan(req)
+            if seq is None:
+                continue
+            seqs[i] = seq
+            feeds[i] = req.token_ids(len(seq.tokens), req.num_tokens)
+        with torch.inference_mode():
+            for pos in range(max(max_tokens, default=0)):
+                live = [i for i in seqs if max_tokens[i] > pos and
+                        (pos == 0 or (guesses[i] and len(guesses[i]) == pos))]
+                if not live:
+                    break
+                inputs = [feeds[i] if pos == 0 else [guesses[i][-1]] for i in live]
+                tokens = self._forward([seqs[i] for i in live], inputs)
+                if tokens is None:  # draft KV full: no guesses this step
+                    return [[] for _ in reqs]
+                if pos == 0:
+                    for i in live:
+                        seqs[i].confirmed = len(seqs[i].tokens)
+                for i, t in zip(live, tokens, strict=True):
+                    if t < self.target_vocab:
+                        guesses[i].append(t)
+        return guesses
+
+    def forget(self, req: Request) -> None:
+        seq = self._seqs.pop(req.rid, None)
+        if seq is not None:
+            self.allocator.free(seq.slots)
+            self._free_rows.append(seq.row)
+
+    # ------------------------------------------------------------------
+
+    def _catch_up_plan(self, req: Request) -> _DraftSeq | None:
+        """req's draft sequence, cut back to the tokens req really has (at least one left to
+        feed, whose logits give the first guess); None when no table row is free."""
+        seq = self._seqs.get(req.rid)
+        if seq is None:
+            if not self._free_rows:
+                return None
+            seq = self._seqs[req.rid] = _DraftSeq(self._free_rows.pop())
+        keep = seq.confirmed  # a request's tokens never change, only grow: check the guesses only
+        limit = min(len(seq.tokens), req.num_tokens - 1)
+        while keep < limit and seq.tokens[keep] == _token_at(req, keep):
+            keep += 1
+        seq.confirmed = keep
+        if keep < len(seq.tokens):
+            self.allocator.free(seq.slots[keep:])
+            del seq.tokens[keep:], seq.slots[keep:]
+        return seq
+
+    def _forward(self, seqs: list[_DraftSeq], inputs: list[list[int]]) -> list[int] | None:
+        """Extend each sequence by its inputs; the draft's argmax after each one's last input."""
+        batch = ForwardBatch()
+        need = sum(len(x) for x in inputs)
+        slots = self.allocator.alloc(need)
+        if slots is None:
+            self._drop_all()
+            return None
+        at = 0
+        for seq, new in zip(seqs, inputs, strict=True):
+            taken = slots[at : at + len(new)]
+            at += len(new)
+            batch.rows.append(seq.row)
+            batch.prefix_lens.append(len(seq.tokens))
+            batch.extend_lens.append(len(new))
+            batch.input_ids.extend(new)
+            batch.out_slots.extend(taken)
+            batch.sample_indices.append(len(batch.rows) - 1)
+            seq.tokens.extend(new)
+            seq.slots.extend(taken)
+        logits = self.runner.forward(batch)
+        return logits.argmax(dim=-1).tolist()
+
+    def _drop_all(self) -> None:
+        """Out of draft KV (more live requests than its pool holds): start over; every
+        sequence is recomputed at its next guess."""
+        logger.warning("draft KV pool full: dropping the draft's sequences")
+        for seq in self._seqs.values():
+            self.allocator.free(seq.slots)
+            self._free_rows.append(seq.row)
+        self._seqs.clear()
+
+
+def _token_at(req: Request, i: int) -> int:
+    n_prompt = len(req.prompt_ids)
+    return req.prompt_ids[i] if i < n_prompt else req.output_ids[i - n_prompt]
