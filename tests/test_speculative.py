@@ -1,0 +1,252 @@
+"""Speculative decoding on the real runner: outputs never change (greedy token for token, seeded
+sampling draw for draw, unseeded sampling in distribution), whatever the proposer, batching,
+chunking, prefix cache or retraction; the adaptive controller; the n-gram lookup."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from banyan import Engine, SamplingParams
+from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
+from banyan.runner.model_runner import ModelRunner
+from banyan.runner.step import ModelStepRunner
+from banyan.sampling.sampler import Sampler
+from banyan.scheduler import Request
+from banyan.scheduler.speculation import Speculation, SpeculationConfig
+from banyan.spec.ngram import NgramProposer
+from tests.hf_reference import hf_greedy
+from tests.test_engine import SETTINGS, check_pool_empty, prompts_1_to_300
+
+
+def spec_engine(model: Path, algo: str, draft: Path | None = None, **kwargs: object) -> Engine:
+    extra = {"spec_draft_model": str(draft)} if draft is not None else {}
+    engine = Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
+                    speculative_algorithm=algo, speculative_max_step_tokens=64,
+                    spec_ngram_min=1, **extra, **kwargs)
+    engine.core.scheduler.config.check_integrity = True
+    return engine
+
+
+def run_greedy(engine: Engine, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    outs = engine.generate(input_ids=prompts, sampling_params=[
+        SamplingParams(max_new_tokens=n, temperature=0.0) for n in max_new])
+    return [o.output_ids for o in outs]
+
+
+CASES = [  # (arch, proposer, draft arch, setting)
+    ("llama", "ngram", None, "retraction"),
+    ("llama", "draft", "llama", "retraction"),  # the target as its own draft: all accepted
+    ("llama", "draft", "qwen3", "chunked"),  # an unrelated draft: mostly rejected
+    ("mistral", "ngram", None, "chunked"),
+    ("qwen2", "draft", "llama", "one-big-step"),
+    ("qwen3", "ngram", None, "one-big-step"),
+]
+
+
+@pytest.mark.parametrize("arch,algo,draft,setting", CASES)
+def test_greedy_identical_to_transformers(model_dirs: dict[str, Path], arch: str, algo: str,
+                                          draft: str | None, setting: str) -> None:
+    target = model_dirs[arch]
+    prompts = prompts_1_to_300(7, seed=3)
+    max_new = [6 + (5 * i) % 23 for i in range(len(prompts))]
+    expected = [hf_greedy(target, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    with spec_engine(target, algo, model_dirs[draft] if draft else None,
+                     **SETTINGS[setting]) as engine:
+        assert run_greedy(engine, prompts, max_new) == expected
+        stats = engine.core.scheduler.speculation.stats
+        assert stats.num_drafts > 0  # guesses were made and checked
+        if algo == "ngram":  # random models repeat themselves: some guesses are right
+            assert stats.num_accepted_tokens > 0
+        if draft == arch:
+            assert stats.acceptance_rate > 0.9
+        if setting == "retraction":
+            assert engine.core.scheduler.total_retractions > 0
+        check_pool_empty(engine)
+        assert not engine.core.scheduler.speculation._state  # every request forgotten
+
+
+def test_seeded_sampling_draws_the_same_tokens(model_dirs: dict[str, Path]) -> None:
+    """A seeded row's noise depends on (seed, position) only: checking guesses changes nothing."""
+    target = model_dirs["llama"]
+    prompts = prompts_1_to_300(6, seed=5)
+    params = [SamplingParams(max_new_tokens=20, temperature=t, top_p=0.9, seed=100 + i,
+                             ignore_eos=True) for i, t in enumerate([0.7, 1.0] * 3)]
+    with Engine(str(target), dtype="float32", device="cpu", disable_tqdm=True,
+                overlap="off") as plain:
+        want = [o.output_ids for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    with spec_engine(target, "draft", target) as engine:
+        got = [o.output_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        assert engine.core.scheduler.speculation.stats.num_accepted_tokens > 0
+    assert got == want
+
+
+def test_stops_logprobs_n_and_abort_inside_accepted_runs(llama_dir: Path) -> None:
+    prompt = [[20, 21, 22, 20, 21, 22, 20, 21]]
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                overlap="off") as plain:
+        [full] = plain.generate(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2))
+    with spec_engine(llama_dir, "draft", llama_dir) as engine:
+        [spec] = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2))
+        assert spec.output_ids == full.output_ids
+        for a, b in zip(spec.outputs[0].logprobs, full.outputs[0].logprobs, strict=True):
+            assert a.token_id == b.token_id and a.top_ids == b.top_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        # A stop token and a stop string in the middle of what a verified run accepts.
+        stop_id = full.output_ids[9]
+        cut = full.output_ids.index(stop_id) + 1
+        [by_id] = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))
+        assert by_id.output_ids == full.output_ids[:cut] and by_id.finish_reason == "stop"
+        stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+        [by_text] = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))
+        assert by_text.text == full.text[: full.text.index(stop)]
+        [many] = engine.generate(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=13, temperature=0.0, ignore_eos=True, n=3))
+        assert [o.output_ids for o in many.outputs] == [full.output_ids[:13]] * 3
+        # Abort mid-generation: nothing leaks (target KV, draft KV, speculation state).
+        stream = engine.stream(input_ids=prompt[0], sampling_params=SamplingParams(
+            max_new_tokens=200, temperature=0.0, ignore_eos=True))
+        next(stream)
+        stream.close()
+        check_pool_empty(engine)
+        draft = engine.core.scheduler.speculation.proposer
+        assert draft.allocator.num_free == draft.allocator.capacity
+
+
+def _target_probs(runner: ModelRunner, context: list[int], temperature: float,
+                  top_p: float) -> torch.Tensor:
+    """The target's distribution after `context` (float64), from the runner's own logits."""
+    n = len(context)
+    logits = runner.forward(ForwardBatch(rows=[0], prefix_lens=[0], extend_lens=[n],
+                                         input_ids=context, out_slots=list(range(1, n + 1)),
+                                         sample_indices=[0]))[0].double()
+    probs = torch.softmax(logits / temperature, -1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sorted_p[keep]
+    return out / out.sum()
+
+
+def _chi_square_ok(counts: Counter[int], probs: torch.Tensor, draws: int) -> bool:
+    """Pearson's test at p = 0.001 over the tokens expected >= 5 times (the rest lumped)."""
+    expected = (probs * draws).tolist()
+    big = [t for t, e in enumerate(expected) if e >= 5]
+    observed = [counts.get(t, 0) for t in big] + [draws - sum(counts.get(t, 0) for t in big)]
+    exp = [expected[t] for t in big] + [draws - sum(expected[t] for t in big)]
+    if exp[-1] < 5:  # too little left over to be a category
+        observed[-2] += observed.pop()
+        exp[-2] += exp.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, exp, strict=True))
+    df = len(exp) - 1
+    z = 3.090  # the normal quantile of 1 - 0.001; Wilson-Hilferty for the chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_verified_sampling_follows_the_target_distribution(llama_dir: Path, temperature: float,
+                                                           top_p: float) -> None:
+    """One decode step with two guesses, drawn in many rows at once (all sharing the context's
+    KV): the first token follows p(. | context), the next, where the first guess was accepted,
+    p(. | context + guess). The random model is made peaked (its final norm scaled) so that
+    guesses are often accepted and many tokens are likely."""
+    context = [40, 41, 42, 43, 44]
+    rows, launches = 120, 25
+    runner = ModelRunner(llama_dir, dtype="float32", num_slots=4 * rows + 64, max_rows=rows,
+                         max_context=16, show_progress=False)
+    with torch.no_grad():
+        runner.model.norm.weight.mul_(5.0)
+    step_runner = ModelStepRunner(runner, Sampler(runner.vocab_size, runner.device, seed=0))
+    p0 = _target_probs(runner, context, temperature, top_p)
+    guess = [int(p0.argmax()), 7]
+    p1 = _target_probs(runner, context + guess[:1], temperature, top_p)
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=top_p)
+    n_ctx = len(context) - 1  # the last context token is the decode step's input
+    shared = list(range(1, n_ctx + 1))  # the context's K/V, written by _target_probs
+    batch = ForwardBatch(row_prefixes=[RowPrefix(r, shared) for r in range(rows)])
+    for r in range(rows):
+        batch.rows.append(r)
+        batch.prefix_lens.append(n_ctx)
+        batch.extend_lens.append(3)
+        batch.input_ids.extend([context[-1], *guess])
+        batch.out_slots.extend(range(64 + 3 * r, 64 + 3 * r + 3))
+        batch.sample_indices.append(r)
+        batch.sampling.append(SamplingRow(params, context[:-1], [context[-1]]))
+        batch.proposed.append(list(guess))
+    firsts, seconds = Counter[int](), Counter[int]()
+    for _ in range(launches):
+        for tokens in step_runner.launch(batch).result().sampled_token_ids:
+            assert 1 <= len(tokens) <= 3 and tokens[:-1] == guess[: len(tokens) - 1]
+            firsts[tokens[0]] += 1
+            if len(tokens) > 1:
+                seconds[tokens[1]] += 1
+    draws, accepted = rows * launches, sum(seconds.values())
+    assert _chi_square_ok(firsts, p0, draws)
+    assert accepted > 300 and _chi_square_ok(seconds, p1, accepted)
+    p_guess = float(p0[guess[0]])
+    assert abs(accepted / draws - p_guess) < 4 * math.sqrt(p_guess * (1 - p_guess) / draws)
+
+
+# ---- the controller and the lookup, model-free ----------------------------------------------
+
+
+class EchoProposer:
+    """Guesses `token` k times; counts calls."""
+
+    def __init__(self, token: int = 5) -> None:
+        self.token, self.calls, self.forgotten = token, 0, []
+
+    def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        self.calls += 1
+        return [[self.token] * k for k in max_tokens]
+
+    def forget(self, req: Request) -> None:
+        self.forgotten.append(req.rid)
+
+
+def _req(rid: str) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=100), 100)
+
+
+def test_controller_fills_small_steps_only_and_backs_off() -> None:
+    spec = Speculation(EchoProposer(), SpeculationConfig(num_tokens=4, max_step_tokens=10,
+                                                         cooldown=3))
+    a, b = _req("a"), _req("b")
+    assert spec.plan([a, b], free_slots=100) == [[5] * 4, [5] * 4]
+    assert spec.plan([a, b], free_slots=3) == [[5] * 3, []]  # no slot for a guess: no guess
+    assert spec.plan([_req(str(i)) for i in range(10)], free_slots=100) == [[]] * 10  # too big
+    # b's guesses all fail: fewer, then none for `cooldown` steps, then one probe.
+    spec.record(b, 4, 0)
+    assert len(spec.plan([b], 100)[0]) == 2
+    spec.record(b, 2, 0)
+    assert len(spec.plan([b], 100)[0]) == 1
+    spec.record(b, 1, 0)
+    assert [len(spec.plan([b], 100)[0]) for _ in range(3)] == [0, 0, 1]
+    spec.record(a, 4, 4)
+    assert len(spec.plan([a], 100)[0]) == 4
+    assert spec.stats.num_drafts == 4 and spec.stats.accepted_per_pos == [1, 1, 1, 1]
+    assert spec.stats.mean_acceptance_length == pytest.approx(1 + 4 / 4)
+    spec.forget(a)
+    assert "a" not in spec._state and spec.proposer.forgotten == ["a"]
+
+
+@pytest.mark.parametrize("tokens,k,want", [
+    ([1, 2, 3, 4, 5, 6, 1, 2, 3], 3, [4, 5, 6]),
+    ([7, 1, 2, 3, 4, 9, 1, 2], 5, [3, 4, 9, 1, 2]),  # longest suffix first, then [1, 2]
+    ([256, 1, 0, 0, 1, 256, 1], 5, [0, 0, 1, 256, 1]),  # byte patterns straddling ids: skipped
+    ([5, 5, 5, 5, 5, 5, 5, 5], 3, [5, 5, 5]),  # a run: the latest match with k tokens after it
+    ([1, 2, 9, 1, 2, 8, 1, 2], 1, [8]),  # the most recent match
+    ([5, 6], 3, []),
+])
+def test_ngram_lookup(tokens: list[int], k: int, want: list[int]) -> None:
+    assert NgramProposer(2, 4).lookup(tokens[:3], tokens[3:], k) == want
