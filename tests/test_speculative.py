@@ -250,3 +250,34 @@ def test_controller_fills_small_steps_only_and_backs_off() -> None:
 ])
 def test_ngram_lookup(tokens: list[int], k: int, want: list[int]) -> None:
     assert NgramProposer(2, 4).lookup(tokens[:3], tokens[3:], k) == want
+
+
+# ---- the server: streaming and metrics ------------------------------------------------------
+
+
+def test_server_streams_speculated_tokens_and_counts_them(llama_dir: Path,
+                                                          tmp_path: Path) -> None:
+    from openai import OpenAI
+
+    from tests.test_server import metric_values, running_server, wait_idle_and_free
+
+    prompt = [20, 21, 22, 20, 21, 22, 20, 21]
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True) as plain:
+        [want] = plain.generate(input_ids=[prompt], sampling_params=SamplingParams(
+            max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    with running_server(llama_dir, tmp_path, "--speculative-algorithm", "ngram",
+                        "--spec-ngram-min", "1") as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                           temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == want.text
+        metrics = metric_values(srv.url)
+        drafts = metrics[("banyan:spec_decode_num_drafts_total", ())]
+        accepted = metrics[("banyan:spec_decode_num_accepted_tokens_total", ())]
+        first = metrics[("banyan:spec_decode_num_accepted_tokens_per_pos_total",
+                         (("position", "0"),))]
+        assert drafts > 0 and accepted > 0 and first <= drafts
+        info = wait_idle_and_free(srv.url)
+        assert info["speculative"]["num_accepted_tokens"] == accepted

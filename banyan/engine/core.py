@@ -17,6 +17,7 @@ from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, RequestUpdate, Scheduler
 from banyan.scheduler.request import Status
 from banyan.scheduler.scheduler import StepStats
+from banyan.scheduler.speculation import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class CoreStats:
     prefix_hit: int  # ... and served from it
     retractions: int
     last_step: StepStats
+    spec: SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 @dataclass(slots=True)
@@ -152,6 +154,7 @@ class EngineCore:
             kv_cached=kv.cache.cached_size, prefix_queried=kv.prefix_queried,
             prefix_hit=kv.prefix_hit,
             retractions=sched.total_retractions, last_step=sched.last_step,
+            spec=sched.speculation.stats if sched.speculation is not None else None,
         )
 
     @property

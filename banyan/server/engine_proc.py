@@ -23,6 +23,7 @@ from banyan.args import EngineArgs
 from banyan.engine.build import build_engine_core
 from banyan.engine.core import EngineCore
 from banyan.scheduler import RequestUpdate
+from banyan.scheduler.speculation import SpecStats
 from banyan.server.ipc import (
     AbortRequest,
     AddRequest,
@@ -222,6 +223,7 @@ class EngineLoop:
             prompt_tokens=core.prefix_queried, generation_tokens=c.generation_tokens,
             prefix_cache_queries=core.prefix_queried, prefix_cache_hits=core.prefix_hit,
             retractions=core.retractions, steps=c.steps,
+            **_spec_fields(core.spec),
             times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
             busy_fraction=(min(sum(b for _, b in c.recent) / recent_wall, 1.0)
                            if recent_wall else 0.0),
@@ -249,6 +251,7 @@ class EngineLoop:
         import dataclasses
 
         stats = self.stats()
+        core_spec = self.core.stats().spec
         return {
             "engine_pid": os.getpid(),
             "engine_args": dataclasses.asdict(self.core.args),
@@ -271,6 +274,7 @@ class EngineLoop:
             "busy_fraction": stats.busy_fraction,
             "step_times": {f: getattr(stats.times, f) for f in StepTimes.__struct_fields__},
             "last_step": stats.last_step,
+            "speculative": None if core_spec is None else core_spec.as_dict(),
         }
 
     @staticmethod
@@ -344,3 +348,11 @@ def _send_blocking(sock: PushSocket, msg: EngineReady | EngineFailed,
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+def _spec_fields(spec: SpecStats | None) -> dict[str, object]:
+    if spec is None:
+        return {}
+    return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_pos": list(spec.accepted_per_pos)}

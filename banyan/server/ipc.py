@@ -114,6 +114,11 @@ class EngineStats(msgspec.Struct):
     times: StepTimes = msgspec.field(default_factory=StepTimes)
     busy_fraction: float = 0.0  # device-busy share of the wall time of the recent steps
     last_step: dict[str, float] = {}
+    # Speculative decoding (vLLM's meaning): a draft is one request's guesses in one step.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
     @property
     def kv_usage(self) -> float:

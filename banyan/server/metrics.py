@@ -108,6 +108,20 @@ class _EngineCollector(Collector):
                       "Running requests retracted because the KV cache was full (preemptions).",
                       s.retractions)
         yield counter("banyan:engine_steps", "Engine steps run.", s.steps)
+        if s.spec_accepted_per_pos:  # speculative decoding is on (vLLM's spec_decode names)
+            yield counter("banyan:spec_decode_num_drafts", "Verified drafts: one request's "
+                          "guesses checked in one step.", s.spec_num_drafts)
+            yield counter("banyan:spec_decode_num_draft_tokens", "Guessed tokens checked.",
+                          s.spec_num_draft_tokens)
+            yield counter("banyan:spec_decode_num_accepted_tokens", "Guessed tokens accepted.",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                "banyan:spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose guess at this position (0-based) was accepted.",
+                labels=["model_name", "position"])
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([name, str(pos)], n)
+            yield per_pos
         phase = CounterMetricFamily(
             "banyan:step_phase_seconds",
             "Engine loop time by phase: schedule, prepare (inputs), forward, sample, output "
