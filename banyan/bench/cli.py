@@ -86,7 +86,7 @@ def run_offline(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     engine = Engine(**dataclasses.asdict(args))
     vocab = workload_vocab(engine.tokenizer, engine.core.vocab_size)
-    workload = workload_from_args(ns, vocab)
+    workload = workload_from_args(ns, vocab, engine.tokenizer)
     warm = random_workload(4, 32, 4, vocab, seed=12345)
     run_workload(engine, warm, use_tqdm=False)  # first-call costs stay out of the timing
     engine.core.flush_cache()  # the warm-up's prompts must not count as hits
@@ -105,6 +105,12 @@ def run_offline(ns: argparse.Namespace) -> int:
     info = {"Workload": f"{ns.workload} ({len(workload.requests)} requests)",
             "Engine": f"banyan offline, {args.dtype}, "
                       f"prefix cache {'off' if args.no_prefix_cache else 'on'}"}
+    if result.get("speculative"):
+        s = result["speculative"]
+        info["Speculative"] = (f"{args.speculative_algorithm}: acceptance length "
+                               f"{s['mean_acceptance_length']:.2f}, {s['num_accepted_tokens']}/"
+                               f"{s['num_draft_tokens']} guesses accepted, per position "
+                               + " ".join(f"{r:.2f}" for r in s["per_position_rate"]))
     if "batch1" in out:
         b = out["batch1"]
         info["Batch-1 decode (tok/s)"] = (f"{b['decode_tok_s']:.1f} of bound "

@@ -121,6 +121,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
     conv: dict[int, list[int]] = {}
     last_token: dict[int, float] = {}
     retractions0 = engine.core.stats().retractions
+    spec0 = _spec_counts(engine)
     split = StepSplit()
     prefix = f"bench{next(_run_ids)}-"
     bar = tqdm(total=len(reqs), desc="bench offline", unit="req",
@@ -198,8 +199,30 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
         "reusable_tokens": reusable,
         "summary": summary,
         "step_split": split.to_dict(elapsed),
+        "speculative": _spec_delta(spec0, _spec_counts(engine)),
         "records": records,
     }
+
+
+def _spec_counts(engine: Any) -> dict[str, Any] | None:
+    spec = engine.core.stats().spec
+    return None if spec is None else spec.as_dict()
+
+
+def _spec_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Speculation's counters over one run: drafts, guesses, accepted, acceptance length."""
+    if before is None or after is None:
+        return None
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+    out: dict[str, Any] = {k: after[k] - before[k] for k in keys}
+    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"],
+                                                     before["accepted_per_pos"], strict=True)]
+    drafts = out["num_drafts"]
+    out["mean_acceptance_length"] = 1 + out["num_accepted_tokens"] / drafts if drafts else 0.0
+    out["acceptance_rate"] = (out["num_accepted_tokens"] / out["num_draft_tokens"]
+                              if out["num_draft_tokens"] else 0.0)
+    out["per_position_rate"] = [a / drafts if drafts else 0.0 for a in out["accepted_per_pos"]]
+    return out
 
 
 def run_multi_turn(engine: Any, workload: Workload) -> dict[str, Any]:

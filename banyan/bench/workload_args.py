@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from banyan.bench.workloads import (
     WORKLOADS,
@@ -14,10 +15,15 @@ from banyan.bench.workloads import (
     tree_of_thought_workload,
 )
 
+TEXT_WORKLOADS = ("grounded", "chat")  # chat prompts in words (banyan/bench/grounded.py)
+
 
 def add_workload_args(parser: argparse.ArgumentParser, seed_flags: tuple[str, ...]) -> None:
     w = parser.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="random")
+    w.add_argument("--workload", choices=WORKLOADS + TEXT_WORKLOADS, default="random",
+                   help="grounded (repeat/rewrite/edit a given text or code: speculation's best "
+                        "case) and chat (free answers) are chat prompts for a real model, "
+                        "offline only")
     w.add_argument("--num-requests", type=int, default=64, help="random: number of requests")
     w.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
     w.add_argument("--output-len", type=int, default=128,
@@ -50,8 +56,15 @@ def add_workload_args(parser: argparse.ArgumentParser, seed_flags: tuple[str, ..
                    help="seed of the workload (prompts, lengths, arrival times)")
 
 
-def workload_from_args(ns: argparse.Namespace, vocab: int) -> Workload:
+def workload_from_args(ns: argparse.Namespace, vocab: int, tokenizer: Any = None) -> Workload:
     seed = ns.bench_seed
+    if ns.workload in TEXT_WORKLOADS:
+        if tokenizer is None:
+            raise ValueError(f"the {ns.workload} workload is text: it needs the model's tokenizer")
+        from banyan.bench.grounded import chat_workload, grounded_workload
+
+        build = grounded_workload if ns.workload == "grounded" else chat_workload
+        return build(tokenizer, ns.num_requests, ns.output_len)
     if ns.workload == "random":
         return random_workload(ns.num_requests, ns.input_len, ns.output_len, vocab,
                                ns.range_ratio, seed)
