@@ -14,6 +14,7 @@ from typing import Any
 from banyan.bench.metrics import RequestRecord, summarize
 from banyan.bench.report import write_json
 from banyan.bench.workloads import Workload
+from banyan.scheduler.speculation import SpecStats
 from banyan.sampling.params import SamplingParams
 
 _run_ids = itertools.count()
@@ -204,25 +205,14 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
     }
 
 
-def _spec_counts(engine: Any) -> dict[str, Any] | None:
+def _spec_counts(engine: Any) -> SpecStats | None:
     spec = engine.core.stats().spec
-    return None if spec is None else spec.as_dict()
+    return None if spec is None else spec.copy()
 
 
-def _spec_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+def _spec_delta(before: SpecStats | None, after: SpecStats | None) -> dict[str, Any] | None:
     """Speculation's counters over one run: drafts, guesses, accepted, acceptance length."""
-    if before is None or after is None:
-        return None
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
-    out: dict[str, Any] = {k: after[k] - before[k] for k in keys}
-    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"],
-                                                     before["accepted_per_pos"], strict=True)]
-    drafts = out["num_drafts"]
-    out["mean_acceptance_length"] = 1 + out["num_accepted_tokens"] / drafts if drafts else 0.0
-    out["acceptance_rate"] = (out["num_accepted_tokens"] / out["num_draft_tokens"]
-                              if out["num_draft_tokens"] else 0.0)
-    out["per_position_rate"] = [a / drafts if drafts else 0.0 for a in out["accepted_per_pos"]]
-    return out
+    return None if before is None or after is None else after.since(before).as_dict()
 
 
 def run_multi_turn(engine: Any, workload: Workload) -> dict[str, Any]:

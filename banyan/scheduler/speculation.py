@@ -81,13 +81,25 @@ class SpecStats:
         """Of the drafts, the fraction whose i-th guess was accepted."""
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
 
+    def since(self, earlier: SpecStats) -> SpecStats:
+        """The counts between an earlier snapshot and now (one benchmark run)."""
+        return SpecStats(self.num_drafts - earlier.num_drafts,
+                         self.num_draft_tokens - earlier.num_draft_tokens,
+                         self.num_accepted_tokens - earlier.num_accepted_tokens,
+                         [a - b for a, b in zip(self.accepted_per_pos, earlier.accepted_per_pos,
+                                                strict=True)])
+
+    def copy(self) -> SpecStats:
+        return self.since(SpecStats(accepted_per_pos=[0] * len(self.accepted_per_pos)))
+
     def as_dict(self) -> dict[str, object]:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "num_emitted_tokens": self.num_emitted_tokens,
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4),
-                "accepted_per_pos": list(self.accepted_per_pos)}
+                "accepted_per_pos": list(self.accepted_per_pos),
+                "per_position_rate": [round(r, 4) for r in self.per_position_rate()]}
 
 
 @dataclass(slots=True)
@@ -108,6 +120,8 @@ class Speculation:
         than free_slots KV slots (a guess never evicts cache or retracts anyone)."""
         cfg = self.config
         room = min(cfg.max_step_tokens - len(decoding), free_slots)
+        if room <= 0:  # a compute-bound batch, or no free slot: the common case under load
+            return [[] for _ in decoding]
         wanted: list[int] = []
         for req in decoding:
             k = 0

@@ -251,7 +251,8 @@ class EngineLoop:
         import dataclasses
 
         stats = self.stats()
-        core_spec = self.core.stats().spec
+        spec = SpecStats(stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                         stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos)
         return {
             "engine_pid": os.getpid(),
             "engine_args": dataclasses.asdict(self.core.args),
@@ -274,7 +275,7 @@ class EngineLoop:
             "busy_fraction": stats.busy_fraction,
             "step_times": {f: getattr(stats.times, f) for f in StepTimes.__struct_fields__},
             "last_step": stats.last_step,
-            "speculative": None if core_spec is None else core_spec.as_dict(),
+            "speculative": spec.as_dict() if stats.spec_accepted_per_pos else None,
         }
 
     @staticmethod

@@ -94,8 +94,10 @@ class DraftProposer:
                 return None
             seq = self._seqs[req.rid] = _DraftSeq(self._free_rows.pop())
         keep = seq.confirmed  # a request's tokens never change, only grow: check the guesses only
-        limit = min(len(seq.tokens), req.num_tokens - 1)
-        while keep < limit and seq.tokens[keep] == _token_at(req, keep):
+        real = req.token_ids(keep, min(len(seq.tokens), req.num_tokens - 1))
+        for token in real:
+            if seq.tokens[keep] != token:
+                break
             keep += 1
         seq.confirmed = keep
         if keep < len(seq.tokens):
@@ -135,7 +137,3 @@ class DraftProposer:
             self._free_rows.append(seq.row)
         self._seqs.clear()
 
-
-def _token_at(req: Request, i: int) -> int:
-    n_prompt = len(req.prompt_ids)
-    return req.prompt_ids[i] if i < n_prompt else req.output_ids[i - n_prompt]
