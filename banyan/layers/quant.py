@@ -97,7 +97,7 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
 
 class _QuantMethod(LinearMethod):
     """Shared by the int8/int4 methods: no weights of their own at build (they adopt a loaded
-    dense layer), float32 activations into the kernel, the layer's dtype out."""
+    dense layer), float32 activations into the kernel, the input's dtype out."""
 
     def create_weights(self, layer: Linear) -> None:
         raise NotImplementedError("quantized weights are made from a loaded dense layer (adopt)")
@@ -109,18 +109,16 @@ class _QuantMethod(LinearMethod):
         if bias is not None:
             del layer.bias
             layer.bias = bias.detach().float().contiguous()
-        layer.out_dtype = weight.dtype
         return weight
 
-    def _io(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                           tuple[int, ...]]:
-        lead = x.shape[:-1]
+    def _io(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
         out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.float32)
-        return flat, out, lead
+        return flat, out
 
-    def _finish(self, layer: Linear, out: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-        return out.to(layer.out_dtype).reshape(*lead, layer.out_features)
+    def _finish(self, layer: Linear, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The result in the activations' dtype and leading shape."""
+        return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
     @staticmethod
     def _bias_ptr(layer: Linear) -> int | None:
@@ -139,14 +137,14 @@ class Int8Method(_QuantMethod):
         layer.scale = _pad_rows(scale[:, None])[:, 0].contiguous()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        flat, out, lead = self._io(layer, x)
+        flat, out = self._io(layer, x)
         lib = native.load()
         assert lib is not None, "checked at startup (check_quantization)"
         lib.banyan_int8_linear_f32(
             flat.data_ptr(), flat.shape[0], layer.in_features, layer.codes.data_ptr(),
             layer.scale.data_ptr(), self._bias_ptr(layer), out.data_ptr(), layer.out_features,
             torch.get_num_threads())
-        return self._finish(layer, out, lead)
+        return self._finish(layer, out, x)
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.out_features * (layer.in_features + 4)
@@ -176,7 +174,7 @@ class Int4Method(_QuantMethod):
         layer.mins = _to_panels(_pad_rows(low))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        flat, out, lead = self._io(layer, x)
+        flat, out = self._io(layer, x)
         group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
         lib = native.load()
         assert lib is not None, "checked at startup (check_quantization)"
@@ -185,7 +183,7 @@ class Int4Method(_QuantMethod):
             layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
             self._bias_ptr(layer), out.data_ptr(), layer.out_features, group_sums.data_ptr(),
             torch.get_num_threads())
-        return self._finish(layer, out, lead)
+        return self._finish(layer, out, x)
 
     def weight_bytes(self, layer: Linear) -> int:
         groups = layer.in_features // self.group
