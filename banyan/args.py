@@ -69,11 +69,6 @@ class EngineArgs:
         "4-bit with a float16 scale and minimum per 32 inputs). CPU only; activations stay in "
         "--dtype (float32 is the fast one on CPUs without AVX512_BF16).",
         choices=["none", "int8", "int4"]))
-    kv_cache_dtype: str = field(default="auto", metadata=_doc(
-        "KV cache element type: auto (the model dtype), int8 (a float scale per token and head), "
-        "fp8_e4m3 / fp8_e5m2 (one scale per tensor). The quantized ones hold 2x (bf16) or 4x "
-        "(float32) the tokens in the same --kv-cache-memory.",
-        choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"]))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))
@@ -90,11 +85,9 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        for name, allowed in (("quantization", ("none", "int8", "int4")),
-                              ("kv_cache_dtype", ("auto", "int8", "fp8_e4m3", "fp8_e5m2"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of none, int8, int4, "
+                             f"got {self.quantization!r}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
 

@@ -85,8 +85,6 @@ def test_startup_errors_name_the_format() -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="fp4")
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        EngineArgs(kv_cache_dtype="int2")
     with pytest.raises(ValueError, match="CPU only"):
         check_quantization("int8", torch.device("cuda"), torch.float32, [64])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
