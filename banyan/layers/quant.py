@@ -194,8 +194,9 @@ class Int4Method(_QuantMethod):
         codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(layer.out_features, -1)
         scale = _from_panels(layer.scale, layer.out_features)
         low = _from_panels(layer.mins, layer.out_features)
-        per_input = lambda t: t.repeat_interleave(self.group, dim=1)  # noqa: E731
-        return codes.float() * per_input(scale.float()) + per_input(low.float())
+        scale_per_input = scale.float().repeat_interleave(self.group, dim=1)
+        low_per_input = low.float().repeat_interleave(self.group, dim=1)
+        return codes.float() * scale_per_input + low_per_input
 
 
 def quantized_method(quantization: str) -> type[LinearMethod] | None:
