@@ -79,6 +79,12 @@ class EngineArgs:
         "ngram: longest suffix looked up (the longest match wins)."))
     spec_draft_model: str | None = field(default=None, metadata=_doc(
         "draft: the draft model (HF folder or GGUF file) sharing the target's tokenizer."))
+    quantization: str = field(default="none", metadata=_doc(
+        "Weight format of the linear layers, quantized once at load from the checkpoint: none "
+        "(the dtype's), int8 (weight-only, one scale per output channel), int4 (weight-only, "
+        "4-bit with a float16 scale and minimum per 32 inputs). CPU only; activations stay in "
+        "--dtype (float32 is the fast one on CPUs without AVX512_BF16).",
+        choices=["none", "int8", "int4"]))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))
@@ -95,6 +101,9 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of none, int8, int4, "
+                             f"got {self.quantization!r}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.speculative_algorithm not in ("none", "ngram", "draft"):

@@ -112,6 +112,8 @@ def add_quality_parser(modes: Any) -> None:
     q.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     q.add_argument("--text-file", type=Path, default=None,
                    help="text to score (default: a fixed ~600-token English text)")
+    q.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight format of the linears (as for serve)")
     q.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     q.add_argument("--reference", action="store_true",
                    help="also score with transformers on the same (converted) model, float32")
@@ -126,9 +128,10 @@ def run_quality(ns: argparse.Namespace) -> int:
     text = ns.text_file.read_text() if ns.text_file else REFERENCE_TEXT
     ids = list(load_tokenizer(folder).encode(text))
     runner = ModelRunner(folder, dtype=ns.dtype, num_slots=len(ids) + 1, max_rows=1,
-                         max_context=len(ids))
+                         max_context=len(ids), quantization=ns.quantization)
     ours = banyan_perplexity(runner, ids, ns.chunk)
-    report: dict[str, Any] = {"model": str(folder), "dtype": str(runner.dtype), **asdict(ours),
+    report: dict[str, Any] = {"model": str(folder), "dtype": str(runner.dtype),
+                              "quantization": ns.quantization, **asdict(ours),
                               "ppl": ours.ppl}
     if ns.reference:
         from transformers import AutoModelForCausalLM

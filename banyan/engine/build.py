@@ -98,7 +98,9 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
         make_proposer(args, runner),
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
-    # A tied head's packed copy is the embedding, already counted.
-    tied = runner.model.tied_head
-    core.weight_bytes = model_weight_bytes(runner.model, skip=(tied,) if tied else ())
+    # With a tied head in its own layout (packed or quantized), the logits read that copy and a
+    # step reads only its tokens' rows of the embedding: count the head, not the table.
+    model = runner.model
+    skip = (model.embed_tokens,) if model.tied_head is not None else ()
+    core.weight_bytes = model_weight_bytes(model, skip=skip)
     return core

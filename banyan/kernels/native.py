@@ -29,7 +29,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -117,6 +117,11 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, prefix + sfx)
             fn.argtypes = [*argtypes, i64]
             fn.restype = None
+    lib.banyan_int8_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
+    lib.banyan_int8_linear_f32.restype = None
+    lib.banyan_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
+                                           ptr, i64]
+    lib.banyan_int4_linear_f32.restype = None
     return lib
 
 

@@ -22,6 +22,7 @@ from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch
 from banyan.layers.linear import Linear, PackedBf16Method, convert_linears
+from banyan.layers.quant import check_quantization, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
@@ -90,11 +91,13 @@ class ModelRunner:
         mem_fraction: float | None = None,
         show_progress: bool = True,
         attention_backend: str = "auto",
+        quantization: str = "none",
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
         at max_rows * max_context + 1 slots).
-        max_context: longest sequence a table row holds (default max_position_embeddings)."""
+        max_context: longest sequence a table row holds (default max_position_embeddings).
+        quantization: none | int8 | int4 weight-only linears (layers/quant.py)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
@@ -104,11 +107,8 @@ class ModelRunner:
             model_path, dtype=dtype, device=self.device, show_progress=show_progress, config=cfg
         )
         self.dtype = self.model.embed_tokens.weight.dtype
-        if PackedBf16Method.available(self.device, self.dtype):
-            if self.model.lm_head is None:
-                self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
-            packed = convert_linears(self.model, PackedBf16Method)
-            logger.info("oneDNN-prepacked %d linear weights", packed)
+        self.quantization = quantization
+        self._convert_linears(quantization)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
         if num_slots is None and kv_cache_bytes is not None:
@@ -149,6 +149,21 @@ class ModelRunner:
             self.backend.name,
         )
 
+    def _convert_linears(self, quantization: str) -> None:
+        """Quantize the linears (the tied head too: a quantized copy beside the embedding,
+        which lookups keep reading), or else prepack bf16 ones where oneDNN can."""
+        check_quantization(quantization, self.device, self.dtype,
+                           [m.in_features for m in self.model.modules() if isinstance(m, Linear)])
+        method = quantized_method(quantization)
+        if method is None:
+            if not PackedBf16Method.available(self.device, self.dtype):
+                return
+            method = PackedBf16Method
+        if self.model.lm_head is None:
+            self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
+        converted = convert_linears(self.model, method)
+        logger.info("%d linear weights converted to %s", converted, method.__name__)
+
     @classmethod
     def from_engine_args(
         cls, args: EngineArgs, max_rows: int | None = None, model_path: str | Path | None = None
@@ -170,6 +185,7 @@ class ModelRunner:
             mem_fraction=args.mem_fraction,
             show_progress=not args.disable_tqdm,
             attention_backend=args.attention_backend,
+            quantization=args.quantization,
         )
 
     # ------------------------------------------------------------------ public surface

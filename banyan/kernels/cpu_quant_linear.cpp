@@ -1,0 +1,260 @@
+// Weight-only quantized linear layers on CPU: out[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]) with
+// W stored as int8 with one scale per output row, or as 4-bit codes with a scale and a minimum per
+// group of `group` inputs (W = code * scale + min, codes 0..15, scale and min float16). Activations and sums in float32.
+//
+// Layout (made once at load by banyan/layers/quant.py): the rows are cut into panels of 16; a
+// panel stores, for each input k, its 16 rows' weights side by side (int8: 16 bytes; int4: one
+// byte per row for each pair of inputs, k even in the low nibble). A step is then an outer
+// product: one 16-wide weight vector is converted to float once and multiplied into every token
+// of a block of up to 8 tokens, so there is no horizontal sum, the weights stream through memory
+// once per token block (once per step for decode, where the bytes are the cost), and a panel
+// stays in L1 while the token blocks reuse it. Panels are split across torch's OpenMP threads.
+//
+// Only AVX-512F/BW are needed (no VNNI, BF16 or AMX); a plain-loop path builds elsewhere.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int PANEL = 16;
+constexpr int MAX_TB = 8;  // tokens sharing one pass over a panel
+
+inline int threads_for(int64_t panels, int64_t n_threads) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(panels, n_threads)));
+}
+
+// Store 16 results of panel `p` for one token: only the rows below n_out exist.
+inline void store_rows(float* out_row, const float* vals, int64_t p, int64_t n_out) {
+    const int64_t base = p * PANEL;
+    const int64_t count = std::min<int64_t>(PANEL, n_out - base);
+    std::memcpy(out_row + base, vals, static_cast<size_t>(count) * sizeof(float));
+}
+
+#if defined(__AVX512F__)
+
+inline __m512 load_i8x16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// TB tokens x one int8 panel; U independent accumulators per token hide the FMA latency when
+// TB is small (decode).
+template <int TB, int U>
+void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, const float* bias,
+                float* out, int64_t n_out, int64_t p) {
+    __m512 acc[U][TB];
+    for (int u = 0; u < U; ++u)
+        for (int i = 0; i < TB; ++i) acc[u][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + U <= K; k += U) {
+        for (int u = 0; u < U; ++u) {
+            const __m512 wv = load_i8x16(w + (k + u) * PANEL);
+            for (int i = 0; i < TB; ++i)
+                acc[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k + u]), wv, acc[u][i]);
+        }
+    }
+    for (; k < K; ++k) {
+        const __m512 wv = load_i8x16(w + k * PANEL);
+        for (int i = 0; i < TB; ++i)
+            acc[0][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), wv, acc[0][i]);
+    }
+    const __m512 s = _mm512_loadu_ps(scale + p * PANEL);
+    const __m512 b = bias ? _mm512_loadu_ps(bias + p * PANEL) : _mm512_setzero_ps();
+    alignas(64) float vals[PANEL];
+    for (int i = 0; i < TB; ++i) {
+        __m512 sum = acc[0][i];
+        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][i]);
+        _mm512_store_ps(vals, _mm512_fmadd_ps(sum, s, b));
+        store_rows(out + i * n_out, vals, p, n_out);
+    }
+}
+
+inline __m512 load_f16x16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// TB tokens x one int4 panel. Per group: codes times x summed (lo/hi nibbles in separate
+// accumulators), then acc += qsum * scale + xsum * min.
+template <int TB, int U>
+void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
+                const uint16_t* scale, const uint16_t* mins, const float* bias, float* out,
+                int64_t n_out, int64_t p) {
+    const int64_t groups = K / group;
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    __m512 acc[TB];
+    for (int i = 0; i < TB; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 q[U][2][TB];
+        for (int u = 0; u < U; ++u)
+            for (int i = 0; i < TB; ++i) q[u][0][i] = q[u][1][i] = _mm512_setzero_ps();
+        const uint8_t* wg = w + g * (group / 2) * PANEL;
+        const int64_t k0 = g * group;
+        for (int64_t j = 0; j < group / 2; j += U) {
+            for (int u = 0; u < U; ++u) {
+                const __m512i bytes = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (j + u) * PANEL)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+                const int64_t k = k0 + 2 * (j + u);
+                for (int i = 0; i < TB; ++i) {
+                    q[u][0][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), lo, q[u][0][i]);
+                    q[u][1][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k + 1]), hi, q[u][1][i]);
+                }
+            }
+        }
+        const __m512 s = load_f16x16(scale + (p * groups + g) * PANEL);
+        const __m512 m = load_f16x16(mins + (p * groups + g) * PANEL);
+        for (int i = 0; i < TB; ++i) {
+            __m512 sum = _mm512_add_ps(q[0][0][i], q[0][1][i]);
+            for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, _mm512_add_ps(q[u][0][i], q[u][1][i]));
+            acc[i] = _mm512_fmadd_ps(sum, s, acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * groups + g]), m, acc[i]);
+        }
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias + p * PANEL) : _mm512_setzero_ps();
+    alignas(64) float vals[PANEL];
+    for (int i = 0; i < TB; ++i) {
+        _mm512_store_ps(vals, _mm512_add_ps(acc[i], b));
+        store_rows(out + i * n_out, vals, p, n_out);
+    }
+}
+
+#else  // portable loops, same layout and order of operations per lane
+
+inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, subnormals included
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    float mag;
+    if (exp == 0) mag = std::ldexp(static_cast<float>(mant), -24);
+    else if (exp == 31) mag = mant ? NAN : INFINITY;
+    else mag = std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
+    uint32_t u;
+    std::memcpy(&u, &mag, 4);
+    u |= sign;
+    std::memcpy(&mag, &u, 4);
+    return mag;
+}
+
+template <int TB, int U>
+void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, const float* bias,
+                float* out, int64_t n_out, int64_t p) {
+    float acc[TB][PANEL] = {};
+    for (int64_t k = 0; k < K; ++k)
+        for (int i = 0; i < TB; ++i)
+            for (int l = 0; l < PANEL; ++l) acc[i][l] += x[i * K + k] * w[k * PANEL + l];
+    float vals[PANEL];
+    for (int i = 0; i < TB; ++i) {
+        for (int l = 0; l < PANEL; ++l)
+            vals[l] = acc[i][l] * scale[p * PANEL + l] + (bias ? bias[p * PANEL + l] : 0.0f);
+        store_rows(out + i * n_out, vals, p, n_out);
+    }
+}
+
+template <int TB, int U>
+void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
+                const uint16_t* scale, const uint16_t* mins, const float* bias, float* out,
+                int64_t n_out, int64_t p) {
+    const int64_t groups = K / group;
+    float acc[TB][PANEL] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+        float q[TB][PANEL] = {};
+        for (int64_t j = 0; j < group / 2; ++j) {
+            const int64_t k = g * group + 2 * j;
+            const uint8_t* b = w + (g * (group / 2) + j) * PANEL;
+            for (int i = 0; i < TB; ++i)
+                for (int l = 0; l < PANEL; ++l)
+                    q[i][l] += x[i * K + k] * (b[l] & 0xF) + x[i * K + k + 1] * (b[l] >> 4);
+        }
+        const uint16_t* s = scale + (p * groups + g) * PANEL;
+        const uint16_t* m = mins + (p * groups + g) * PANEL;
+        for (int i = 0; i < TB; ++i)
+            for (int l = 0; l < PANEL; ++l)
+                acc[i][l] += q[i][l] * f16_to_f32(s[l]) + xsum[i * groups + g] * f16_to_f32(m[l]);
+    }
+    float vals[PANEL];
+    for (int i = 0; i < TB; ++i) {
+        for (int l = 0; l < PANEL; ++l) vals[l] = acc[i][l] + (bias ? bias[p * PANEL + l] : 0.0f);
+        store_rows(out + i * n_out, vals, p, n_out);
+    }
+}
+
+#endif  // __AVX512F__
+
+// Run `body(t0, tb)` over the tokens in blocks of MAX_TB, dispatching the block size to a
+// template instance (a decode step is one block of 1).
+template <typename Int8OrInt4>
+void for_token_blocks(int64_t T, Int8OrInt4 body) {
+    for (int64_t t0 = 0; t0 < T; t0 += MAX_TB) body(t0, std::min<int64_t>(MAX_TB, T - t0));
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [T, K] float32, w [panels, K, 16] int8, scale [panels * 16], bias [N] or null, out [T, N].
+void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
+                            const float* scale, const float* bias, float* out, int64_t N,
+                            int64_t n_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int8_t* wp = w + p * K * PANEL;
+        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
+            const float* xt = x + t0 * K;
+            float* ot = out + t0 * N;
+            switch (tb) {
+                case 1: int8_panel<1, 4>(xt, K, wp, scale, bias, ot, N, p); break;
+                case 2: int8_panel<2, 4>(xt, K, wp, scale, bias, ot, N, p); break;
+                case 3: int8_panel<3, 2>(xt, K, wp, scale, bias, ot, N, p); break;
+                case 4: int8_panel<4, 2>(xt, K, wp, scale, bias, ot, N, p); break;
+                case 5: int8_panel<5, 1>(xt, K, wp, scale, bias, ot, N, p); break;
+                case 6: int8_panel<6, 1>(xt, K, wp, scale, bias, ot, N, p); break;
+                case 7: int8_panel<7, 1>(xt, K, wp, scale, bias, ot, N, p); break;
+                default: int8_panel<8, 1>(xt, K, wp, scale, bias, ot, N, p); break;
+            }
+        });
+    }
+}
+
+// x [T, K] float32 (K % group == 0, group even), w [panels, K / 2, 16] bytes, scale and mins
+// [panels, K / group, 16] float16, bias [N] or null, out [T, N]; xsum: scratch [T, K / group].
+void banyan_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                            const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
+                            const float* bias, float* out, int64_t N, float* xsum,
+                            int64_t n_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t groups = K / group;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < group; ++k) s += x[t * K + g * group + k];
+            xsum[t * groups + g] = s;
+        }
+#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const uint8_t* wp = w + p * (K / 2) * PANEL;
+        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
+            const float* xt = x + t0 * K;
+            const float* st = xsum + t0 * groups;
+            float* ot = out + t0 * N;
+            switch (tb) {
+                case 1: int4_panel<1, 4>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 2: int4_panel<2, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 3: int4_panel<3, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 4: int4_panel<4, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 5: int4_panel<5, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 6: int4_panel<6, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 7: int4_panel<7, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                default: int4_panel<8, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+            }
+        });
+    }
+}
+
+}  // extern "C"

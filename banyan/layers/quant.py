@@ -1,0 +1,221 @@
+"""Weight-only quantized linear methods for CPU, made at load time from a loaded dense layer:
+`Int8Method` (one scale per output row, symmetric) and `Int4Method` (a scale and a minimum per
+group of inputs, 16 levels between them). Activations stay float; the kernels
+(kernels/cpu_quant_linear.cpp) convert each weight to float32 as it streams from memory, so a
+decode step reads 1 or ~0.6 byte per weight instead of 2 (bf16) or 4 (float32).
+
+Packing (the kernel's layout): rows padded to a multiple of 16 and cut into panels of 16; in a
+panel the 16 rows' weights for one input sit side by side. `dequantized_weight` gives back the
+[out, in] float32 matrix a layer computes with, which is what the tests check the kernels
+against (in float64) and what a torch reference model uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from banyan.kernels import native
+from banyan.layers.linear import Linear, LinearMethod
+
+PANEL = 16
+INT4_GROUP_SIZES = (32, 64, 128)
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
+    rows = weight.shape[0]
+    padded = -(-rows // PANEL) * PANEL
+    if padded == rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(padded - rows, weight.shape[1])])
+
+
+def _to_panels(per_row: torch.Tensor) -> torch.Tensor:
+    """[rows (padded), ...cols] -> [panels, ...cols, 16]: a panel's rows side by side."""
+    panels = per_row.shape[0] // PANEL
+    shaped = per_row.reshape(panels, PANEL, *per_row.shape[1:])
+    return shaped.movedim(1, -1).contiguous()
+
+
+def _from_panels(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    return packed.movedim(-1, 1).reshape(-1, *packed.shape[1:-1])[:rows]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 codes [out, in], float32 scale [out]); row = codes * scale,
+    codes in [-127, 127] so the largest magnitude of each row is exact."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+    """[out, in] float -> (codes uint8 [out, in] in 0..15, float16 scale [out, in/group],
+    float16 min [out, in/group]); w = codes * scale + min."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    grouped = w.reshape(rows, cols // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    # Stored as float16 (2 of the 4.5 bits per weight at group 32 would otherwise be 4); the
+    # codes are chosen against the rounded values, so they are what the kernel computes with.
+    scale = ((high - low) / 15.0).clamp(min=2**-24).half()
+    low = low.half()
+    steps = (grouped - low.float()[..., None]) / scale.float()[..., None]
+    codes = torch.round(steps).clamp(0, 15)
+    return codes.reshape(rows, cols).to(torch.uint8), scale, low
+
+
+def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype,
+                       in_features: list[int]) -> None:
+    """ValueError, at startup, when this machine or this model cannot run the format (never
+    text from a silent fallback)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    if quantization == "none":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU only (its kernels are "
+                         f"CPU kernels); this engine is on {device.type}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--quantization {quantization} takes float32 or bfloat16 activations, "
+                         f"not {dtype}")
+    if native.load() is None:
+        raise ValueError(f"--quantization {quantization} needs the native CPU kernels, which "
+                         f"did not build here (a C++ compiler is required; "
+                         f"{native.ENV_SWITCH}=0 turns them off)")
+    if quantization == "int4":
+        group = INT4_GROUP_SIZES[0]
+        bad = sorted({k for k in in_features if k % group})
+        if bad:
+            raise ValueError(f"--quantization int4 groups {group} inputs; this model has "
+                             f"linear layers with {bad} inputs")
+
+
+class _QuantMethod(LinearMethod):
+    """Shared by the int8/int4 methods: no weights of their own at build (they adopt a loaded
+    dense layer), float32 activations into the kernel, the input's dtype out."""
+
+    def create_weights(self, layer: Linear) -> None:
+        raise NotImplementedError("quantized weights are made from a loaded dense layer (adopt)")
+
+    def _take_dense(self, layer: Linear) -> torch.Tensor:
+        weight = layer.weight.detach()
+        del layer.weight  # the packed codes replace it
+        bias = layer.bias
+        if bias is not None:
+            del layer.bias
+            layer.bias = bias.detach().float().contiguous()
+        return weight
+
+    def _io(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
+        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.float32)
+        return flat, out
+
+    def _finish(self, layer: Linear, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The result in the activations' dtype and leading shape."""
+        return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+    @staticmethod
+    def _bias_ptr(layer: Linear) -> int | None:
+        return layer.bias.data_ptr() if layer.bias is not None else None
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Method(_QuantMethod):
+    """int8 weights, one float32 scale per output row."""
+
+    def adopt(self, layer: Linear) -> None:
+        codes, scale = quantize_int8(self._take_dense(layer))
+        layer.codes = _to_panels(_pad_rows(codes))
+        layer.scale = _pad_rows(scale[:, None])[:, 0].contiguous()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        flat, out = self._io(layer, x)
+        lib = native.load()
+        assert lib is not None, "checked at startup (check_quantization)"
+        lib.banyan_int8_linear_f32(
+            flat.data_ptr(), flat.shape[0], layer.in_features, layer.codes.data_ptr(),
+            layer.scale.data_ptr(), self._bias_ptr(layer), out.data_ptr(), layer.out_features,
+            torch.get_num_threads())
+        return self._finish(layer, out, x)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return layer.out_features * (layer.in_features + 4)
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        codes = _from_panels(layer.codes, layer.out_features).float()
+        return codes * layer.scale[: layer.out_features, None]
+
+
+class Int4Method(_QuantMethod):
+    """4-bit codes with a float16 scale and minimum per group of `group` inputs."""
+
+    def __init__(self, group: int = INT4_GROUP_SIZES[0]) -> None:
+        if group not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group must be one of {INT4_GROUP_SIZES}, got {group}")
+        self.group = group
+
+    def adopt(self, layer: Linear) -> None:
+        if layer.in_features % self.group:
+            raise ValueError(f"int4 groups of {self.group} need in_features divisible by it, "
+                             f"got {layer.in_features}")
+        codes, scale, low = quantize_int4(self._take_dense(layer), self.group)
+        codes = _pad_rows(codes)
+        pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # input k even in the low nibble
+        layer.codes = _to_panels(pairs)
+        layer.scale = _to_panels(_pad_rows(scale))
+        layer.mins = _to_panels(_pad_rows(low))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        flat, out = self._io(layer, x)
+        group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
+        lib = native.load()
+        assert lib is not None, "checked at startup (check_quantization)"
+        lib.banyan_int4_linear_f32(
+            flat.data_ptr(), flat.shape[0], layer.in_features, self.group,
+            layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
+            self._bias_ptr(layer), out.data_ptr(), layer.out_features, group_sums.data_ptr(),
+            torch.get_num_threads())
+        return self._finish(layer, out, x)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        groups = layer.in_features // self.group
+        return layer.out_features * (layer.in_features // 2 + 4 * groups)
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        pairs = _from_panels(layer.codes, layer.out_features)
+        codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(layer.out_features, -1)
+        scale = _from_panels(layer.scale, layer.out_features)
+        low = _from_panels(layer.mins, layer.out_features)
+        scale_per_input = scale.float().repeat_interleave(self.group, dim=1)
+        low_per_input = low.float().repeat_interleave(self.group, dim=1)
+        return codes.float() * scale_per_input + low_per_input
+
+
+def quantized_method(quantization: str) -> type[LinearMethod] | None:
+    """The linear method class for a --quantization value (None for 'none')."""
+    return {"none": None, "int8": Int8Method, "int4": Int4Method}[quantization]
+
+
+def dequantize_in_place(model: nn.Module) -> int:
+    """Swap every quantized Linear back to a dense float32 weight holding exactly the values it
+    computes with (the torch reference of the tests) -> how many."""
+    from banyan.layers.linear import DenseMethod
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.method, _QuantMethod):
+            weight = module.method.dequantized_weight(module)
+            module.weight = nn.Parameter(weight, requires_grad=False)
+            if module.bias is not None:
+                module.bias = nn.Parameter(module.bias, requires_grad=False)
+            module.method = DenseMethod()
+            count += 1
+    return count

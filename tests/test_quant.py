@@ -1,0 +1,150 @@
+"""Weight-only int8/int4 linears: the kernels against a float64 product of the dequantized
+weights, the quantizers' error bounds, the engine's greedy output against transformers running
+the same dequantized weights, and the startup errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from banyan import Engine, SamplingParams
+from banyan.args import EngineArgs
+from banyan.kernels import native
+from banyan.layers.linear import Linear
+from banyan.layers.quant import Int4Method, Int8Method, check_quantization, dequantize_in_place
+from banyan.runner.model_runner import ModelRunner
+
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="native kernels did not build")
+
+# (out, in, tokens): rows not a multiple of the 16-row panel, every token-block size of the
+# kernel (1..8 and a remainder past 8), inputs not a multiple of the unroll (int8).
+INT8_SHAPES = [(1, 5, 1), (37, 67, 3), (200, 256, 13), (16, 96, 8), (45, 160, 64)]
+INT4_SHAPES = [(1, 32, 1), (37, 64, 2), (50, 128, 7), (33, 256, 13), (16, 384, 5)]
+
+
+def _check_against_float64(layer: Linear, tokens: int, dtype: torch.dtype) -> None:
+    x = torch.randn(tokens, layer.in_features).to(dtype)
+    want = x.double() @ layer.method.dequantized_weight(layer).double().T
+    if layer.bias is not None:
+        want += layer.bias.double()
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (tokens, layer.out_features)
+    # float32 sums over `in` terms; bf16 output adds its rounding (2^-8 relative)
+    rel = 1e-5 * layer.in_features ** 0.5 if dtype == torch.float32 else 2**-7
+    tol = rel * want.abs().max().item() + 1e-5
+    assert (got.double() - want).abs().max().item() <= tol
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_f,in_f,tokens", INT8_SHAPES)
+def test_int8_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, tokens: int) -> None:
+    torch.manual_seed(out_f * 1000 + in_f)
+    weight, bias = torch.randn(out_f, in_f), torch.randn(out_f)
+    layer = Linear.from_weight(weight.clone(), bias.clone() if out_f % 2 else None)
+    layer.convert(Int8Method())
+    deq = layer.method.dequantized_weight(layer)
+    # symmetric per-row quantization: error at most half a step, the row's max exact
+    step = weight.abs().amax(1, keepdim=True) / 127
+    assert ((deq - weight).abs() <= step / 2 + 1e-6).all()
+    assert layer.weight_bytes() == out_f * (in_f + 4)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_against_float64(layer, tokens, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("out_f,in_f,tokens", INT4_SHAPES)
+def test_int4_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, tokens: int,
+                                                    group: int) -> None:
+    if in_f % group:
+        pytest.skip("int4 needs whole groups")
+    torch.manual_seed(out_f * 1000 + in_f + group)
+    weight = torch.randn(out_f, in_f)
+    layer = Linear.from_weight(weight.clone(), torch.randn(out_f))
+    layer.convert(Int4Method(group))
+    deq = layer.method.dequantized_weight(layer)
+    grouped = weight.view(out_f, -1, group)
+    step = (grouped.amax(-1) - grouped.amin(-1)) / 15
+    bound = step.repeat_interleave(group, 1) * 0.51 + 1e-3  # half a step (+ float16 scales)
+    assert ((deq - weight).abs() <= bound).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_against_float64(layer, tokens, dtype)
+
+
+def test_int4_group_and_shape_errors() -> None:
+    with pytest.raises(ValueError, match="int4 group must be one of"):
+        Int4Method(48)
+    layer = Linear.from_weight(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="divisible"):
+        layer.convert(Int4Method(32))
+
+
+def test_startup_errors_name_the_format() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="fp4")
+    with pytest.raises(ValueError, match="CPU only"):
+        check_quantization("int8", torch.device("cuda"), torch.float32, [64])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        check_quantization("int8", cpu, torch.float16, [64])
+    with pytest.raises(ValueError, match=r"linear layers with \[40\] inputs"):
+        check_quantization("int4", cpu, torch.float32, [64, 40])
+
+
+def test_startup_error_without_kernels(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "load", lambda: None)
+    with pytest.raises(ValueError, match="needs the native CPU kernels"):
+        ModelRunner(llama_dir, dtype="float32", num_slots=64, max_rows=2, max_context=64,
+                    show_progress=False, quantization="int8")
+
+
+def _hf_with_weights_of(runner: ModelRunner, path: Path) -> torch.nn.Module:
+    """transformers' model of `path` with every linear replaced by the runner's dequantized
+    weights (split back into q/k/v and gate/up; the tied head untied)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = runner.model
+    dequantize_in_place(model)
+    ours = dict(model.named_parameters())
+    hf_params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for hf_name, slot in model.checkpoint_layout().items():
+            if hf_name in hf_params and slot.param in ours:
+                source = ours[slot.param]
+                if slot.rows is not None:
+                    source = source.narrow(0, slot.start, slot.rows)
+                hf_params[hf_name].copy_(source)
+        head = model.lm_head if model.lm_head is not None else model.tied_head
+        hf.lm_head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    return hf
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_greedy_equals_torch_with_the_dequantized_weights(
+        model_dirs: dict[str, Path], quantization: str) -> None:
+    path = model_dirs["qwen2"]  # tied head and q/k/v biases: the quantized head is a copy
+    prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(3)]
+    steps = 12
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    with Engine(str(path), dtype="float32", device="cpu", disable_tqdm=True,
+                quantization=quantization) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+        runner = engine.core.scheduler.runner.model_runner
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert linears and all(type(m.method).__name__.lower().startswith(quantization)
+                               for m in linears)
+        hf = _hf_with_weights_of(runner, path)
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == _hf_greedy(hf, prompt, steps)
