@@ -119,6 +119,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # 1 + tokens more likely than this one (0: not computed; prompt logprobs only)
 
 
 @dataclass(slots=True)

@@ -48,7 +48,10 @@ def check(model_dir: Path, prompt: list[int], update: RequestUpdate, top_k: int)
     assert len(got) == len(prompt) - 1
     for i, entry in enumerate(got):
         assert entry.token_id == prompt[i + 1]
-        assert abs(entry.logprob - ref[i, prompt[i + 1]].item()) < TOLERANCE, i
+        value = ref[i, prompt[i + 1]].item()
+        assert abs(entry.logprob - value) < TOLERANCE, i
+        assert 1 + int((ref[i] > value + TOLERANCE).sum()) <= entry.rank \
+            <= 1 + int((ref[i] > value - TOLERANCE).sum())
         values, ids = ref[i].topk(top_k)
         assert len(entry.top_ids) == top_k
         assert torch.allclose(torch.tensor(entry.top_logprobs), values, atol=TOLERANCE)

@@ -62,7 +62,9 @@ def compute_prompt_logprobs(hidden: torch.Tensor,
         b = min(a + LOGIT_ROWS_PER_SLICE, total)
         logprobs = torch.log_softmax(logits_of(hidden.index_select(0, inputs.flat[a:b])).float(),
                                      dim=-1)
-        chosen = logprobs.gather(1, inputs.targets[a:b].unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = logprobs.gather(1, inputs.targets[a:b].unsqueeze(1))
+        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
         ids = inputs.targets[a:b].tolist()
         ks = inputs.top_ks[a:b]
         max_k = min(max(ks), logprobs.shape[1])
@@ -72,7 +74,7 @@ def compute_prompt_logprobs(hidden: torch.Tensor,
             values, indices = logprobs.topk(max_k, dim=-1, sorted=True)
             top_values, top_ids = values.tolist(), indices.tolist()
         for j, k in enumerate(ks):
-            entry = TokenLogprobs(ids[j], chosen[j])
+            entry = TokenLogprobs(ids[j], chosen[j], rank=ranks[j])
             if k > 0:
                 entry.top_ids, entry.top_logprobs = top_ids[j][:k], top_values[j][:k]
             entries.append(entry)

@@ -277,7 +277,8 @@ class EngineLoop:
     def _update(u: RequestUpdate) -> Update:
         return Update(u.rid, u.new_token_ids, u.text,
                       None if u.finish_reason is None else u.finish_reason.value,
-                      u.logprobs, u.prompt_tokens, u.cached_tokens, u.error)
+                      u.logprobs, u.prompt_tokens, u.cached_tokens, u.error,
+                      prompt_logprobs=u.prompt_logprobs)
 
     def _send(self, msg: UpdateBatch | ControlReply) -> None:
         try:
