@@ -182,3 +182,36 @@ def test_head_on_get_endpoints(server: ServerProcess) -> None:
         assert head.status_code == get.status_code == 200, path
         assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
     assert httpx.head(f"{server.url}/nope", timeout=30).status_code == 404
+
+
+def test_vllm_named_metrics(server: ServerProcess, client: OpenAI) -> None:
+    before = metric_values(server.url)
+    client.completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = metric_values(server.url)
+
+    def moved(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert moved("vllm:generation_tokens_total") >= 4
+    assert moved("vllm:prompt_tokens_total") >= 2
+    assert moved("vllm:request_success_total", (("finished_reason", "length"),)) == 1
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens",
+                 "request_time_per_output_token_seconds"):
+        assert moved(f"vllm:{hist}_count") == 1, hist
+    assert moved("vllm:inter_token_latency_seconds_count") == 3
+    assert moved("vllm:time_per_output_token_seconds_count") == 3
+    assert moved("vllm:request_generation_tokens_sum") == 4
+    assert moved("vllm:iteration_tokens_total_count") >= 4  # one prefill + 3 decode steps
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                  "gpu_cache_usage_perc"):
+        assert ("vllm:" + gauge, ()) in after, gauge
+    assert ("vllm:prefix_cache_queries_total", ()) in after
+    assert ("vllm:prefix_cache_hits_total", ()) in after
+    assert ("vllm:num_preemptions_total", ()) in after
+    info = [k for k in after if k[0] == "vllm:cache_config_info"]
+    assert len(info) == 1 and dict(info[0][1])["block_size"] == "1"
+    assert int(dict(info[0][1])["num_gpu_blocks"]) > 0
