@@ -57,13 +57,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_banyan(port: int, model: str | None, log: Path) -> subprocess.Popen[bytes]:
+def start_banyan(port: int, model: str | None, log: Path,
+                 repo: Path = REPO) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port),
            "--served-model-name", "banyan", "--log-level", "warning"]
     if model:
         cmd += ["--model", model]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=repo,
+                                env={**os.environ, "PYTHONPATH": str(repo)},
                                 start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -86,14 +88,14 @@ def tokenizer_dir(model: str | None) -> str:
 
 
 def run_bench(args: argparse.Namespace, port: int, backend: str, out_dir: Path,
-              run: int) -> dict[str, Any]:
+              run: int, num_prompts: int | None = None) -> dict[str, Any]:
     name = f"{backend}-{run}.json"
     cmd = [args.vllm_python, str(HERE / "vllm_cli.py"), "bench", "serve",
            "--backend", backend, "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", BACKENDS[backend], "--model", "banyan",
            "--tokenizer", args.tokenizer, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len",
-           str(args.output_len), "--num-prompts", str(args.num_prompts),
+           str(args.output_len), "--num-prompts", str(num_prompts or args.num_prompts),
            "--max-concurrency", "1", "--ignore-eos", "--temperature", "0", "--seed", "0",
            "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", name]
@@ -109,10 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="banyan serve --model (default: its own)")
     parser.add_argument("--vllm-python", default=str(VLLM_PYTHON))
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--server-repo", default=str(REPO),
+                        help="checkout whose banyan serves (another one: a before/after)")
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=6)
+    # Long enough that the chat template's extra tokens (~30 for SmolLM2's system prompt) are
+    # a small share of the prefill: the comparison is about when the clock starts.
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" /
                                              "chat-vs-completions-ttft.json"))
     args = parser.parse_args()
@@ -120,11 +126,16 @@ def main() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dir = Path(tmp)
-        server = start_banyan(port, args.model, tmp_dir / "server.log")
+        server = start_banyan(port, args.model, tmp_dir / "server.log", Path(args.server_repo))
         runs: dict[str, list[dict[str, Any]]] = {b: [] for b in BACKENDS}
         try:
+            # Warm-up (not kept): first requests pay one-time costs (kernel builds, allocator).
+            run_bench(args, port, "openai", tmp_dir, -1, num_prompts=2)
             for rep in range(args.reps):
                 for backend in BACKENDS:  # alternating: drifts of a shared machine hit both
+                    # Every run sends the same seeded prompts: without a flush, later runs
+                    # would read them from the prefix cache.
+                    httpx.post(f"http://127.0.0.1:{port}/flush_cache", timeout=60)
                     result = run_bench(args, port, backend, tmp_dir, rep)
                     keep = {k: result[k] for k in (
                         "completed", "total_input_tokens", "total_output_tokens",
@@ -143,15 +154,19 @@ def main() -> None:
     tpot = {b: statistics.median(r["median_tpot_ms"] for r in runs[b]) for b in BACKENDS}
     summary = {
         "what": "vllm bench serve TTFT, --backend openai-chat vs --backend openai, same prompts, "
-                "one banyan serve, alternating runs, concurrency 1",
+                "one banyan serve, alternating runs, prefix cache flushed before each, concurrency 1",
         "command": " ".join([Path(sys.executable).name, "benchmarks/peers/chat_vs_completions_ttft.py",
                              *sys.argv[1:]]),
         "cpu": cpu_name(), "cores": os.cpu_count(),
         "note": "shared machine: other engineers' jobs ran on the same 2 cores",
+        "server_commit": subprocess.run(["git", "-C", args.server_repo, "rev-parse", "--short",
+                                         "HEAD"], capture_output=True, text=True).stdout.strip(),
         "model": args.model or "banyan serve default (SmolLM2-135M-Instruct GGUF)",
         "input_len": args.input_len, "output_len": args.output_len,
         "num_prompts": args.num_prompts, "reps": args.reps,
         "median_ttft_ms": median, "median_tpot_ms": tpot,
+        "mean_input_tokens": {b: runs[b][0]["total_input_tokens"] / args.num_prompts
+                              for b in BACKENDS},
         "chat_over_completions_ttft": median["openai-chat"] / median["openai"],
         "runs": runs,
     }
