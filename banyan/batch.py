@@ -58,6 +58,22 @@ class RowPrefix:
 
 
 @dataclass(slots=True)
+class PromptLogprobSpan:
+    """Prompt logprobs a request asks for in this step: the logits at the first `count` new
+    tokens of batch entry `index` (sequence positions `position`...), each scored against the
+    prompt token that follows it (`targets`)."""
+
+    index: int  # into the batch (0..B-1)
+    position: int  # of its first new token: the span scores prompt tokens position+1...
+    targets: list[int]  # [count] the next prompt token after each position
+    top_k: int  # alternatives per position
+
+    @property
+    def count(self) -> int:
+        return len(self.targets)
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """One step of work: per request (in batch order) its table row and token counts, plus the
     flat new tokens and the KV slots they are written to."""
@@ -78,6 +94,9 @@ class ForwardBatch:
     # Flat indices of input_ids whose token is the one the previous step samples for the same
     # table row (overlap scheduling); input_ids holds 0 there until the runner fills it in.
     deferred_inputs: list[int] = field(default_factory=list)
+    # Requests that want the logits at prompt positions too (prompt logprobs); others only get
+    # them at their sampling positions.
+    prompt_logprobs: list[PromptLogprobSpan] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +119,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # 1 + tokens more likely than this one (0: not computed; prompt logprobs only)
 
 
 @dataclass(slots=True)
@@ -110,5 +130,7 @@ class StepOutput:
 
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    # Per entry of ForwardBatch.prompt_logprobs, one TokenLogprobs per position of the span.
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     # Seconds spent in each phase of the step (prepare, forward, sample), for telemetry.
     timings: dict[str, float] = field(default_factory=dict)

@@ -248,3 +248,29 @@ def test_stop_strings_count_only_from_min_new_tokens(bytelevel: Any) -> None:
             break
     # The first "ab" came before min_new_tokens and streamed; the second one stopped.
     assert delta.stopped and "".join(texts) == acc.text == "ab "
+
+
+# --- invalid bytes --------------------------------------------------------------------------------
+
+def byte_token(tokenizer: Any, byte: int) -> int:
+    """The byte-level token of one raw byte (GPT-2's byte-to-unicode map: printable Latin-1
+    bytes stand for themselves, the others for chr(256 + their rank))."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    char = chr(byte) if byte in printable else chr(256 + others.index(byte))
+    token = tokenizer.convert_tokens_to_ids(char)
+    return token
+
+
+def test_invalid_bytes_are_held_back_at_most_three_tokens(bytelevel: Any) -> None:
+    """32 continuation bytes with no lead byte never form a character: they stream as U+FFFD
+    every 4 tokens rather than all at the end (the issue-15 request streamed nothing)."""
+    invalid = byte_token(bytelevel, 0x80)
+    deltas = stream(bytelevel, [], [invalid] * 32)
+    pushed = deltas[:-1]  # the last entry is finish()
+    assert pushed[:3] == ["", "", ""] and pushed[3:] == ["\ufffd"] * 29  # 3 tokens behind
+    assert "".join(deltas) == "\ufffd" * 32
+    # A character split over 4 single-byte tokens is still held back until complete.
+    snake = [byte_token(bytelevel, b) for b in "🐍".encode()]
+    deltas = stream(bytelevel, [], [invalid] + snake + [invalid])
+    assert "".join(deltas) == "\ufffd🐍\ufffd"

@@ -247,15 +247,15 @@ def test_logprobs_shapes(client: OpenAI) -> None:
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 4
         assert chosen <= 0 and abs(chosen - max(top.values())) < 1e-4  # greedy: the best one
-    # echo: the prompt comes first, with null logprobs (prompt logprobs are not computed).
+    # echo: the prompt comes first, with its logprobs (null for the first token only).
     echo = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1,
                                      echo=True, **GREEDY)
     prompt_len = echo.usage.prompt_tokens
     elp = echo.choices[0].logprobs
     assert echo.choices[0].text.startswith(PROMPT)
     assert len(elp.tokens) == prompt_len + 2
-    assert elp.token_logprobs[:prompt_len] == [None] * prompt_len
-    assert all(v is not None for v in elp.token_logprobs[prompt_len:])
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=5,
         logprobs=True, top_logprobs=2, **GREEDY)

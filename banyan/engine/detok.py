@@ -44,7 +44,8 @@ class IncrementalDetokenizer:
     the new text is the whole past the context. Decoding a window rather than the single token
     keeps the spaces SentencePiece decoders strip from the start of a decode and merges the bytes
     of a character split across tokens. While the window's text ends in U+FFFD (an incomplete
-    UTF-8 sequence) nothing is emitted.
+    UTF-8 sequence) nothing is emitted, for at most 3 tokens that complete nothing: a 4th means
+    the sequence is invalid, and the text goes out with its U+FFFD.
 
     Concatenated deltas (plus `finish()`) equal decode(prompt + output) past decode(prompt) for
     any text that is valid UTF-8. (For invalid byte sequences from byte-fallback tokenizers the
@@ -57,7 +58,7 @@ class IncrementalDetokenizer:
     inside a byte-fallback run.
     """
 
-    __slots__ = ("_decoder", "_skip", "_ids", "_read")
+    __slots__ = ("_decoder", "_skip", "_ids", "_read", "_complete", "_stuck")
 
     def __init__(
         self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True
@@ -66,6 +67,10 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         self._ids: list[int] = self._prompt_window(prompt_ids)
         self._read = len(self._ids)
+        # While the window's text ends in U+FFFD: the length of its text before those, and how
+        # many pushes in a row left that unchanged (no new complete character).
+        self._complete = -1
+        self._stuck = 0
 
     def _prompt_window(self, prompt_ids: Sequence[int]) -> list[int]:
         """The last PROMPT_CONTEXT prompt tokens, moved back (by at most 3 tokens, a UTF-8
@@ -89,6 +94,7 @@ class IncrementalDetokenizer:
         """Emit the window's text past its context; the next context starts at this boundary."""
         del self._ids[: self._read]
         self._read = len(self._ids)
+        self._complete, self._stuck = -1, 0
         return whole[len(context) :]
 
     def push(self, token_id: int) -> str:
@@ -96,9 +102,32 @@ class IncrementalDetokenizer:
         decodes to nothing (a skipped special token)."""
         self._ids.append(token_id)
         context, whole = self._texts()
-        if len(whole) <= len(context) or whole.endswith(REPLACEMENT):
+        if len(whole) <= len(context):
             return ""
+        if whole.endswith(REPLACEMENT):
+            # Hold back an unfinished character, but not forever: a UTF-8 character has at
+            # most 4 bytes, so a sequence still unfinished after MAX_UTF8_BYTES pushes that
+            # completed nothing (each token is at least one byte) never completes, and goes out
+            # as U+FFFD. A model that emits invalid bytes then streams every few tokens instead
+            # of only at the end.
+            complete = len(whole.rstrip(REPLACEMENT))
+            self._stuck = self._stuck + 1 if complete <= max(self._complete, len(context)) else 0
+            self._complete = complete
+            if self._stuck < MAX_UTF8_BYTES:
+                return ""
+            return self._commit_invalid(context)
         return self._commit(context, whole)
+
+    def _commit_invalid(self, context: str) -> str:
+        """Emit all but the last 3 pending tokens: they may still begin a valid character
+        (an invalid byte followed by an emoji's first 3 bytes), the tokens before cannot."""
+        keep = MAX_UTF8_BYTES - 1
+        cut = len(self._ids) - keep
+        text = self._decode(self._ids[:cut])
+        del self._ids[: self._read]
+        self._read = len(self._ids) - keep
+        self._complete, self._stuck = -1, keep
+        return text[len(context) :]
 
     def finish(self) -> str:
         """Text held back at the end of the stream (an incomplete character, as U+FFFD)."""

@@ -20,13 +20,18 @@ import torch
 
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
-from banyan.batch import ForwardBatch
+from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.layers.linear import Linear, PackedBf16Method, convert_linears
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
+from banyan.runner.prompt_logprobs import (
+    PromptLogprobInputs,
+    compute_prompt_logprobs,
+    prompt_logprob_inputs,
+)
 
 if TYPE_CHECKING:
     from banyan.args import EngineArgs
@@ -52,6 +57,7 @@ class StepInputs:
     logit_tokens: torch.Tensor | None  # [L] int64 flat index of each token whose logits are needed
     attn_meta: AttentionMetadata
     deferred: DeferredInputs | None = None
+    prompt: PromptLogprobInputs | None = None  # prompt-logprob positions, when some request asks
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -219,11 +225,18 @@ class ModelRunner:
     def compute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The model over a prepared step -> logits at `inputs.logit_tokens`, float32.
         Host-side time: on CUDA this is launch time unless the caller synchronizes."""
+        return self.compute(inputs)[0]
+
+    def compute(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
+        """The model over a prepared step -> (logits at `inputs.logit_tokens`, float32; the
+        prompt logprobs of each ForwardBatch.prompt_logprobs span, empty when none)."""
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+            prompt = ([] if inputs.prompt is None else
+                      compute_prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt))
             if inputs.logit_tokens is None:
-                return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-            return self.model.compute_logits(hidden.index_select(0, inputs.logit_tokens))
+                return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), prompt
+            return self.model.compute_logits(hidden.index_select(0, inputs.logit_tokens)), prompt
 
     def prepare(self, batch: ForwardBatch) -> StepInputs:
         """Validate the batch, build its tensors, write the table, plan attention.
@@ -262,7 +275,8 @@ class ModelRunner:
         positions = positions.to(dev)
         self.table.write_batch(batch, token_rows.to(dev), positions, out_slots)
         meta = self.backend.plan(batch, out_slots)
-        return StepInputs(input_ids, positions, logit_tokens, meta, deferred)
+        prompt = prompt_logprob_inputs(batch, starts.tolist(), dev)
+        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt)
 
     def validate(self, batch: ForwardBatch) -> None:
         """ValueError on a batch that would index out of the pool, table or vocabulary."""

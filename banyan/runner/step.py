@@ -91,7 +91,7 @@ class ModelStepRunner:
         if inputs.deferred is not None:
             d = inputs.deferred
             inputs.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))
-        logits = self.model_runner.compute_logits(inputs)
+        logits, prompt_logprobs = self.model_runner.compute(inputs)
         t1 = time.perf_counter()
         rows = self._logit_rows(batch)
         result = self.sampler.sample(logits, rows)
@@ -105,7 +105,7 @@ class ModelStepRunner:
                 for r, t in zip(rows_now, last, strict=True):
                     self._row_last[r] = t
         t2 = time.perf_counter()
-        return StepOutput(tokens, logprobs,
+        return StepOutput(tokens, logprobs, prompt_logprobs,
                           {"prepare": prepare, "forward": t1 - t0, "sample": t2 - t1})
 
     def _logit_rows(self, batch: ForwardBatch) -> list[SamplingRow]:

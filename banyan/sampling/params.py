@@ -30,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
+    # Logprobs of the prompt's own tokens (each from the logits at the position before it), with
+    # k alternatives; None: not computed. Such a request recomputes its prompt (prefix cache not
+    # read) and may have max_new_tokens=0 (the prompt's logprobs, no token generated).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     @property
@@ -90,6 +94,10 @@ class SamplingParams:
             raise bad("n", "must be >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
+
+from banyan.batch import ForwardBatch, PromptLogprobSpan, RowPrefix, SamplingRow
 from banyan.scheduler.memory import KVManager
 from banyan.scheduler.policy import SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
@@ -174,6 +175,11 @@ class BatchBuilder:
             input_ids.append(0)
         if proposed:
             input_ids.extend(proposed)
+        if start < len(prompt) - 1 and req.wants_prompt_logprobs:
+            end = min(start + n, len(prompt) - 1)  # positions scoring prompt tokens start+1..end
+            batch.prompt_logprobs.append(PromptLogprobSpan(
+                len(step.reqs), start, prompt[start + 1 : end + 1],
+                req.params.prompt_logprobs or 0))
         batch.out_slots.extend(slots)
         req.slots.extend(slots)
         req.row_synced = start + n + len(proposed)

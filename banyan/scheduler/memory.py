@@ -96,10 +96,12 @@ class KVManager:
 
     def match(self, req: Request) -> None:
         """Point a request that holds no KV at the longest cached prefix of its tokens, locked.
-        The last token is never matched: its logits must be computed."""
+        The last token is never matched: its logits must be computed. Nor is anything for a
+        request that wants its prompt's logprobs: the cache keeps K/V, not logits, so its prompt
+        is recomputed (it still offers its KV to the cache for others)."""
         assert not req.slots and req.cache_handle is None
-        result = self.cache.match_prefix(req.token_ids(0, req.num_tokens - 1), req.namespace,
-                                         count_stats=False)
+        tokens = [] if req.wants_prompt_logprobs else req.token_ids(0, req.num_tokens - 1)
+        result = self.cache.match_prefix(tokens, req.namespace, count_stats=False)
         self.cache.lock(result.handle)
         req.cache_handle = result.handle
         req.slots = list(result.slots)

@@ -62,3 +62,20 @@ def _push(req: Request, token: int, max_model_len: int) -> tuple[str, FinishReas
         text += req.text.finish()
     req.finish_reason = reason
     return text, reason
+
+
+def add_prompt_logprobs(req: Request, position: int, entries: list[TokenLogprobs]) -> None:
+    """Keep a step's prompt logprobs (scoring prompt tokens position+1...); positions already
+    held (a retracted request recomputing its prompt) are not added twice."""
+    have = len(req.prompt_logprobs)
+    if position <= have:
+        req.prompt_logprobs.extend(entries[have - position :])
+
+
+def prompt_only_update(req: Request) -> RequestUpdate:
+    """A max_new_tokens=0 request whose prompt was computed for its logprobs: the token sampled
+    after the prompt is not kept; it ends with finish reason length."""
+    req.finish_reason = FinishReason.LENGTH
+    text = req.text.finish() if req.text is not None else ""
+    return RequestUpdate(req.rid, [], text, FinishReason.LENGTH, [], len(req.prompt_ids),
+                         req.cached_tokens, prompt_logprobs=req.prompt_logprobs)

@@ -49,6 +49,8 @@ class Request:
 
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # prompt_logprobs[i] scores prompt token i + 1 (the first token has no context to score it)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -99,6 +101,13 @@ class Request:
         return self.pending > 0 and self.generated >= self.max_new_tokens
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed yet: its prompt positions
+        must go through the model (a cached prefix has K/V but no logits)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
@@ -127,3 +136,6 @@ class RequestUpdate:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # The prompt's logprobs (Request.prompt_logprobs), all at once, in the update that carries
+    # the request's first token (or ends a max_new_tokens=0 request).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

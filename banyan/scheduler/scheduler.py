@@ -26,7 +26,7 @@ from banyan.cache.base import PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.builder import BatchBuilder, BudgetConfig, ScheduledStep
 from banyan.scheduler.memory import KVManager
-from banyan.scheduler.output import apply_tokens
+from banyan.scheduler.output import add_prompt_logprobs, apply_tokens, prompt_only_update
 from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Status
@@ -127,7 +127,7 @@ class Scheduler:
                                  self.config.max_model_len - len(req.prompt_ids))
         req.arrival_seq = next(self._seq)
         self.requests[req.rid] = req
-        if req.max_new_tokens == 0:
+        if req.max_new_tokens == 0 and not req.wants_prompt_logprobs:
             self._nothing_to_do.append(req)  # done without computing, at the next step
         else:
             self.waiting.push(req)
@@ -218,12 +218,20 @@ class Scheduler:
         outputs, logprobs = out.sampled_token_ids, out.logprobs
         max_len = self.config.max_model_len
         running, finished = Status.RUNNING, Status.FINISHED
+        for span, entries in zip(batch.prompt_logprobs, out.prompt_logprobs, strict=True):
+            add_prompt_logprobs(step.reqs[span.index], span.position, entries)
         for j, req in enumerate(step.sampled):
             req.pending -= 1
             if req.status is finished:
                 continue  # ended while this step ran: what it computed for it is void
+            if req.max_new_tokens == 0:  # computed for its prompt logprobs only
+                updates.append(prompt_only_update(req))
+                continue
             proposed = batch.proposed[j] if batch.proposed else None
             update = apply_tokens(req, outputs[j], logprobs[j] if logprobs else [], max_len)
+            if req.params.prompt_logprobs is not None and \
+                    len(req.output_ids) == len(update.new_token_ids):  # its first tokens
+                update.prompt_logprobs = req.prompt_logprobs
             if proposed:
                 assert self.speculation is not None
                 self.speculation.record(req, len(proposed), len(outputs[j]) - 1)

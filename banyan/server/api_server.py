@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import banyan
 from banyan.server.engine_client import EngineDeadError
 from banyan.server.errors import ApiError, engine_dead, error_body
+from banyan.server.head import HeadAsGet
 from banyan.server.metrics import step_times_dict
 from banyan.server.native import NativeServing
 from banyan.server.openai_serving import OpenAIServing
@@ -37,6 +38,7 @@ from banyan.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from banyan.server.responses import ResponsesRequest, ResponsesServing
 from banyan.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ def build_app(state: ServerState) -> FastAPI:
                   openapi_url="/openapi.json")
     openai = OpenAIServing(state)
     native = NativeServing(state)
+    responses = ResponsesServing(state)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> Response:
@@ -141,6 +144,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         require_engine()
         return await openai.chat(request)
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request) -> Response:
+        require_engine()
+        return await responses.create(request)
 
     def model_card() -> dict[str, object]:
         return {"id": state.model_name, "object": "model", "created": int(state.started),
@@ -207,9 +215,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     publish_bodies(app, {("post", "/v1/completions"): CompletionRequest,
                          ("post", "/v1/chat/completions"): ChatCompletionRequest,
+                         ("post", "/v1/responses"): ResponsesRequest,
                          ("post", "/generate"): GenerateRequest,
                          ("post", "/tokenize"): TokenizeRequest,
                          ("post", "/detokenize"): DetokenizeRequest})
     if state.args.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.args.api_key)
+    app.add_middleware(HeadAsGet)
     return app

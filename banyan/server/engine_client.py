@@ -34,6 +34,7 @@ from banyan.server.ipc import (
     UpdateBatch,
 )
 from banyan.server.metrics import ServerMetrics
+from banyan.server.vllm_metrics import RequestTimes
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Stream:
         self.arrival = time.perf_counter()
         self._first: list[float | None] = [None] * num_choices
         self._last: list[float] = [self.arrival] * num_choices
+        self._tokens = [0] * num_choices
+        self._queued = [-1.0] * num_choices  # the engine's queue time, once it tells
         self.closed = False
 
     async def events(self) -> AsyncIterator[tuple[int, Update]]:
@@ -101,19 +104,30 @@ class Stream:
     def on_update(self, index: int, update: Update, now: float) -> None:
         """Latency metrics, from the time the update reached the API server."""
         metrics = self._client.metrics
+        if update.queue_time >= 0:
+            self._queued[index] = update.queue_time
         if update.token_ids:
+            self._tokens[index] += len(update.token_ids)
             first = self._first[index]
             if first is None:
                 self._first[index] = now
                 metrics.ttft.observe(now - self.arrival)
+                metrics.vllm.ttft.observe(now - self.arrival)
             else:
                 gap = (now - self._last[index]) / len(update.token_ids)
                 for _ in update.token_ids:
                     metrics.itl.observe(gap)
+                    metrics.vllm.token_gap(gap)
             self._last[index] = now
         if update.finish_reason is not None:
             metrics.e2e.observe(now - self.arrival)
-            metrics.count_finished("error" if update.error else update.finish_reason)
+            reason = "error" if update.error else update.finish_reason
+            metrics.count_finished(reason)
+            first = self._first[index]
+            metrics.vllm.finish(RequestTimes(
+                update.prompt_tokens, self._tokens[index],
+                None if first is None else first - self.arrival,
+                self._last[index] - self.arrival, now - self.arrival, self._queued[index]))
 
     def close(self) -> None:
         """Abort whatever is unfinished (client gone, error, cancellation) and stop routing.
@@ -323,6 +337,7 @@ class EngineClient:
     def _dispatch(self, batch: UpdateBatch) -> None:
         now = time.perf_counter()
         self.metrics.engine = batch.stats
+        self.metrics.vllm.engine_step(batch.stats)
         for wait in batch.queue_times:
             self.metrics.queue_time.observe(wait)
         for update in batch.updates:

@@ -69,6 +69,9 @@ class EngineLoop:
         self.groups: dict[str, list[str]] = {}  # user rid -> child rids still in the scheduler
         self.parent_of: dict[str, str] = {}  # child rid -> user rid
         self.arrivals: dict[str, float] = {}  # child rid -> arrival, until first admitted
+        # child rid -> seconds it waited before first admitted, until its next update says so
+        self.queue_waits: dict[str, float] = {}
+        self.finished: list[str] = []  # child rids that ended in the step being sent
         self._last_parent_check = time.monotonic()
 
     # ---- the loop ------------------------------------------------------------------------
@@ -87,10 +90,10 @@ class EngineLoop:
                 continue
             t_work = time.perf_counter() if idle else t_iter
             updates = self._step()
+            waits = self._admitted(t_work)  # before the updates: a first one carries its wait
             self._account(t_work, time.perf_counter())  # before the snapshot: it counts this step
             t_send = time.perf_counter()
-            self._send(UpdateBatch([self._update(u) for u in updates], self.stats(),
-                                   self._admitted(t_work)))
+            self._send(UpdateBatch([self._update(u) for u in updates], self.stats(), waits))
             sending = time.perf_counter() - t_send  # shows in the next snapshot
             self.counters.times.other += sending
             self.counters.times.wall += sending
@@ -151,6 +154,7 @@ class EngineLoop:
             update = self.core.abort(child)
             if update is not None:
                 updates.append(self._update(update))
+            self.queue_waits.pop(child, None)
         if updates:
             self._send(UpdateBatch(updates, self.stats()))
 
@@ -166,11 +170,12 @@ class EngineLoop:
         for update in updates:
             self.counters.generation_tokens += len(update.new_token_ids)
             if update.finish_reason is not None:
-                self._forget(update.rid)
+                self.finished.append(update.rid)
         return updates
 
     def _forget(self, child: str) -> None:
         self.arrivals.pop(child, None)
+        self.queue_waits.pop(child, None)
         parent = self.parent_of.pop(child, None)
         children = self.groups.get(parent) if parent is not None else None
         if children is not None and child in children:
@@ -185,7 +190,11 @@ class EngineLoop:
         for child, arrival in list(self.arrivals.items()):
             if not self.core.is_waiting(child):
                 waits.append(max(step_start - arrival, 0.0))
+                self.queue_waits[child] = waits[-1]
                 del self.arrivals[child]
+        for child in self.finished:  # ended this step: admitted (above) or aborted
+            self._forget(child)
+        self.finished.clear()
         return waits
 
     def _account(self, start: float, end: float) -> None:
@@ -278,11 +287,12 @@ class EngineLoop:
             "speculative": spec.as_dict() if stats.spec_accepted_per_pos else None,
         }
 
-    @staticmethod
-    def _update(u: RequestUpdate) -> Update:
+    def _update(self, u: RequestUpdate) -> Update:
         return Update(u.rid, u.new_token_ids, u.text,
                       None if u.finish_reason is None else u.finish_reason.value,
-                      u.logprobs, u.prompt_tokens, u.cached_tokens, u.error)
+                      u.logprobs, u.prompt_tokens, u.cached_tokens, u.error,
+                      prompt_logprobs=u.prompt_logprobs,
+                      queue_time=self.queue_waits.pop(u.rid, -1.0))
 
     def _send(self, msg: UpdateBatch | ControlReply) -> None:
         try:

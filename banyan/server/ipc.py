@@ -78,6 +78,11 @@ class Update(msgspec.Struct, array_like=True):
     # The engine refused the request when adding it: the HTTP status to answer with (400 for
     # bad input, 500 for an internal error); 0 otherwise. `rid` is then the user request id.
     refused: int = 0
+    # The prompt's logprobs (entry i scores prompt token i + 1), once, with the first token.
+    prompt_logprobs: list[TokenLogprobs] = []
+    # Seconds the request waited in the engine's queue before first scheduled, on the first
+    # update after its admission (-1: not this update), for per-request prefill/decode times.
+    queue_time: float = -1.0
 
 
 class StepTimes(msgspec.Struct):

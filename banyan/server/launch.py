@@ -59,8 +59,11 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: s
     from banyan.server.supervisor import EngineSupervisor, make_ipc_dir
     from banyan.server.tokens import TokenizerSide
 
-    supervisor = EngineSupervisor(engine_args, server_args, level, ServerMetrics(model_name),
-                                  make_ipc_dir())
+    cache_info = {"block_size": str(engine_args.page_size),
+                  "enable_prefix_caching": str(not engine_args.no_prefix_cache),
+                  "cache_dtype": engine_args.dtype}
+    supervisor = EngineSupervisor(engine_args, server_args, level,
+                                  ServerMetrics(model_name, cache_info), make_ipc_dir())
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None

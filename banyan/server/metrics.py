@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server, named in vLLM's style with a `banyan:` prefix.
+"""Prometheus metrics of the server, named in vLLM's style with a `banyan:` prefix (and, beside
+them, vLLM's own `vllm:` names: banyan/server/vllm_metrics.py).
 
 Two sources:
 - request latencies (time to first token, inter-token latency, end to end) and finished requests
@@ -20,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from banyan.server.ipc import EngineStats, StepTimes
+from banyan.server.vllm_metrics import VllmMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read ours.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -33,7 +35,9 @@ PHASES = ("schedule", "prepare", "forward", "sample", "output", "other")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None) -> None:
+        """cache_info: labels of vllm:cache_config_info (block_size, enable_prefix_caching,
+        cache_dtype)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -56,9 +60,11 @@ class ServerMetrics:
         self.finished = {r: success.labels(model_name, r) for r in FINISH_REASONS}
         self.engine = EngineStats()
         self.registry.register(_EngineCollector(self))
+        self.vllm = VllmMetrics(self.registry, model_name, lambda: self.engine, cache_info or {})
 
     def count_finished(self, reason: str) -> None:
         self.finished.get(reason, self.finished["error"]).inc()
+        self.vllm.count_finished(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

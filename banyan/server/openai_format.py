@@ -54,8 +54,11 @@ class ChoiceState:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, update: Update) -> None:
+        if update.prompt_logprobs:
+            self.prompt_logprobs = update.prompt_logprobs
         self.text.append(update.text)
         self.token_ids.extend(update.token_ids)
         self.logprobs.extend(update.logprobs)
@@ -92,18 +95,19 @@ class CompletionLogprobs:
         self.tok = tok
         self.offset = offset
 
-    def prompt(self, ids: Sequence[int]) -> dict[str, Any]:
-        """Echoed prompt tokens: the engine does not compute prompt logprobs (yet), so their
-        values are null, never made up."""
+    def prompt(self, ids: Sequence[int], entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """Echoed prompt tokens with their logprobs (entries[i] scores token i + 1, computed by
+        the engine): the first token has nothing before it, so its values are null (as in
+        OpenAI's answers)."""
         out = self._empty()
-        for t in ids:
-            text = self.tok.token_text(t)
+        if ids:
+            text = self.tok.token_text(ids[0])
             out["tokens"].append(text)
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
-        return out
+        return self.merge(out, self.output(entries))
 
     def output(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         out = self._empty()

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from banyan.batch import TokenLogprobs
 from banyan.server.engine_client import EngineDeadError, EngineRequest, RequestRejected, Stream
 from banyan.server.errors import ApiError, bad_request, engine_dead, from_value_error, read_body
 from banyan.server.ipc import Update
@@ -29,6 +30,7 @@ from banyan.server.openai_format import (
     usage,
     usage_chunk,
 )
+from banyan.server.prompt_logprobs import vllm_prompt_logprobs, wanted_prompt_logprobs
 from banyan.server.protocol import ChatCompletionRequest, CompletionRequest
 from banyan.server.state import (
     ServerState,
@@ -98,7 +100,9 @@ class OpenAIServing:
         job_id = new_id("cmpl")
         for i, ids in enumerate(prompts):
             max_new = st.max_new_tokens(len(ids), body.max_tokens, explicit)
-            params = st.validate(body.sampling_params(max_new, body.logprobs, st.sampling_defaults))
+            params = body.sampling_params(max_new, body.logprobs, st.sampling_defaults)
+            params.prompt_logprobs = wanted_prompt_logprobs(body)
+            st.validate(params)
             requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt))
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
                    body.n, self._submit(requests), body.include_usage, body.logprobs)
@@ -111,13 +115,17 @@ class OpenAIServing:
             logprobs = None
             if job.logprobs is not None:
                 log = CompletionLogprobs(st.tok)
-                head = log.prompt(prompts[p]) if body.echo else None
+                head = log.prompt(prompts[p], s.prompt_logprobs) if body.echo else None
                 logprobs = log.output(s.logprobs)
                 if head is not None:
                     logprobs = CompletionLogprobs.merge(head, logprobs)
             text = (job.echo_texts[p] if body.echo else "") + s.full_text
-            choices.append({"index": i, "text": text, "logprobs": logprobs,
-                            "finish_reason": s.finish_reason})
+            choice = {"index": i, "text": text, "logprobs": logprobs,
+                      "finish_reason": s.finish_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(st.tok, prompts[p],
+                                                                 s.prompt_logprobs)
+            choices.append(choice)
         return JSONResponse(completion_response(job.id, job.created, job.model, choices,
                                                 usage([len(p) for p in prompts], states, job.n)))
 
@@ -131,15 +139,25 @@ class OpenAIServing:
                 {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                 job.include_usage))
 
+        def echo(i: int, prompt_logprobs: list[TokenLogprobs]) -> str:
+            p = i // job.n
+            return event(i, job.echo_texts[p],
+                         logs[i].prompt(job.prompts[p], prompt_logprobs) if logs else None, None)
+
         async def body(states: list[ChoiceState]) -> AsyncIterator[str]:
-            if job.echo_texts:
+            # With logprobs the echo waits for the prompt's logprobs (they come with the first
+            # token); without, it goes out at once.
+            echo_waits = bool(job.echo_texts) and logs is not None
+            if job.echo_texts and not echo_waits:
                 for i in range(job.num_choices):
-                    p = i // job.n
-                    yield event(i, job.echo_texts[p],
-                                logs[i].prompt(job.prompts[p]) if logs else None, None)
+                    yield echo(i, [])
+            echoed = [not echo_waits] * job.num_choices
             async for index, update in job.stream.events():
                 states[index].add(update)
                 _raise_update_error(update)
+                if not echoed[index]:
+                    echoed[index] = True
+                    yield echo(index, update.prompt_logprobs)
                 if update.text or update.logprobs or update.finish_reason is not None:
                     yield event(index, update.text,
                                 logs[index].output(update.logprobs) if logs else None,
@@ -197,11 +215,16 @@ class OpenAIServing:
                 job.include_usage))
 
         async def body(states: list[ChoiceState]) -> AsyncIterator[str]:
-            for i in range(job.num_choices):
-                yield event(i, {"role": "assistant", "content": ""}, None, None)
+            # The role chunk goes out right before a choice's first token, as vLLM's does, not
+            # at submit time: clients (vllm bench serve) start their TTFT clock at the first
+            # chunk, so an early one reports the queueing and prefill as "after first token".
+            role_sent = [False] * job.num_choices
             async for index, update in job.stream.events():
                 states[index].add(update)
                 _raise_update_error(update)
+                if not role_sent[index]:
+                    role_sent[index] = True
+                    yield event(index, {"role": "assistant", "content": ""}, None, None)
                 if update.text or update.logprobs or update.finish_reason is not None:
                     logprobs = ({"content": chat_logprobs(tok, update.logprobs)}
                                 if job.logprobs is not None else None)

@@ -99,6 +99,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extra
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list: of strings, or of token id lists."""
