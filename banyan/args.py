@@ -63,6 +63,9 @@ class EngineArgs:
         "Attention implementation: auto (cpu-native where its kernel builds, else sdpa), sdpa "
         "(portable PyTorch), cpu-native (the C++ CPU kernel, falling back to sdpa for long "
         "prefill chunks).", choices=["auto", "sdpa", "cpu-native"]))
+    grammar_compile_timeout: float = field(default=30.0, metadata=_doc(
+        "Seconds a structured-output request waits for its grammar to compile (off the step "
+        "loop; other requests keep running) before it fails."))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))
@@ -81,6 +84,9 @@ class EngineArgs:
             parse_bytes(self.kv_cache_memory)
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got "
+                             f"{self.grammar_compile_timeout}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from banyan.structured.spec import KINDS, StructuredSpec
+
 # Logprobs of more alternatives than this are refused: they cost a top-k over the vocabulary.
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy: logits / 1e-6 overflows float32 into inf and the softmax
@@ -31,6 +33,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None  # constrain the output to a grammar
 
     @property
     def greedy(self) -> bool:
@@ -113,3 +116,5 @@ class SamplingParams:
                 where = "negative" if vocab_size is None else f"outside [0, {vocab_size})"
                 raise ValueError(f"invalid sampling parameter: token id {token_id} is {where}")
         self.logit_bias = bias
+        if self.structured is not None and self.structured.kind not in KINDS:
+            raise ValueError(f"invalid structured output kind {self.structured.kind!r}")
