@@ -11,6 +11,7 @@ included, cannot wander in whitespace forever, so generation terminates.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from banyan.structured.spec import StructuredSpec
 # Proposed tokens a matcher can take back (speculative decoding checks up to this many).
 MAX_ROLLBACK = 16
 _CACHE_ENTRIES = 256
+_LIBRARY_PREFIX = re.compile(r"^\[[0-9:]+\] \S+: ")
 
 
 def _xgr() -> Any:
@@ -67,8 +69,10 @@ def check_compiles(spec: StructuredSpec, field: str) -> None:
         elif spec.kind != "json_object":
             raise ValueError(f"unknown structured output kind {spec.kind!r}")
     except (RuntimeError, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{field}: {first}") from None
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        # drop the library's "[hh:mm:ss] /path/file.cc:NN: " prefix
+        raise ValueError(f"{field}: {_LIBRARY_PREFIX.sub('', first)}") from None
 
 
 class GrammarState:
