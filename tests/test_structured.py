@@ -38,6 +38,8 @@ SCHEMA = {"type": "object", "properties": {
         "type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}}},
      "response_format.json_schema.schema: JSON schema keyword 'multipleOf' (at /properties/n/multipleOf)"),
     ({"guided_json": {"type": "string", "format": "credit-card"}}, "format 'credit-card'"),
+    ({"guided_json": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
+     "'maxLength' together with 'pattern'"),
     ({"guided_regex": "("}, "guided_regex: Regex parsing error"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar:"),
     ({"guided_choice": []}, "guided_choice: a non-empty list"),
@@ -120,9 +122,10 @@ def test_constrained_generation_is_valid(llama_dir: Path, setting: str) -> None:
                 **SETTINGS[setting]) as engine:
         engine.core.scheduler.config.check_integrity = True
         spec = json_schema_spec(SCHEMA, "x")
-        prompts = ["a longer prompt than one chunk of seven tokens, to be split"] * 4
+        count = 6 if setting == "retraction" else 3  # enough to run out of KV there
+        prompts = ["a longer prompt than one chunk of seven tokens, to be split"] * count
         params = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=10 * i, n=2,
-                                 structured=spec) for i in range(4)]
+                                 structured=spec) for i in range(count)]
         outs = engine.generate(prompts, params)
         _check_outputs(outs, SCHEMA)
         if setting == "retraction":
@@ -165,3 +168,14 @@ def test_abort_frees_the_matcher_and_forced_tool_call(llama_dir: Path) -> None:
         content, calls = parse_tool_calls(out.text)
         assert content.strip() == "" and [c.name for c in calls] == ["get"]
         assert len(json.loads(calls[0].arguments)["city"]) <= 5
+
+
+def test_validity_workload_all_valid(llama_dir: Path) -> None:
+    """The benchmark's 20 schemas (benchmarks/structured_validity.py runs 1,000), once each."""
+    from banyan.structured.validity import SCHEMAS, run
+
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                overlap="on") as engine:
+        report = run(engine, per_schema=1, seed=123)
+    assert report.generations == len(SCHEMAS) == 20
+    assert report.valid == report.generations, report.failures

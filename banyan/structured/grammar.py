@@ -40,17 +40,22 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-# xgrammar 0.2.8 writes a string with minLength/maxLength as characters of this class, which
-# lets raw control characters through (invalid JSON); the class its other strings use does not.
-_LOOSE_CHAR = '[^\\"\\\\\\r\\n]'
-_JSON_CHAR = '[^\\"\\\\\\0-\\x1f]'
+# xgrammar 0.2.8 writes a string with minLength/maxLength as characters of the first class,
+# which lets raw control characters through (invalid JSON); and both its string classes let
+# UTF-16 surrogates through, encoded in UTF-8 (invalid UTF-8, decoded as U+FFFD). Each is
+# replaced by the class of characters JSON allows unescaped.
+_JSON_CHAR = r'[^\"\\\0-\x1f\uD800-\uDFFF]'
+_LOOSE_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
 
 
 def json_schema_ebnf(schema: str) -> str:
     """The EBNF grammar of a JSON schema: no free whitespace (so generation terminates), and
     no raw control characters inside length-limited strings."""
     grammar = _xgr().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-    return str(grammar).replace(_LOOSE_CHAR, _JSON_CHAR)
+    text = str(grammar)
+    for loose in _LOOSE_CHARS:
+        text = text.replace(loose, _JSON_CHAR)
+    return text
 
 
 def check_compiles(spec: StructuredSpec, field: str) -> None:

@@ -28,9 +28,11 @@ _ANNOTATIONS = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment",
     "deprecated", "readOnly", "writeOnly", "discriminator", "strict",
 }
-# String formats xgrammar has rules for; any other format would be plain text.
+# String formats xgrammar has rules for; any other format would be plain text. Left out,
+# because their rules are looser than validators: ipv4 (octets with leading zeros, "010") and
+# date / date-time (any day 01-31 in any month, "09-31").
 _FORMATS = {
-    "date", "time", "date-time", "duration", "email", "uuid", "ipv4", "ipv6", "hostname",
+    "time", "duration", "email", "uuid", "ipv6", "hostname",
     "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
 }
 
@@ -80,6 +82,13 @@ def check_json_schema(schema: Any, field: str, path: str = "") -> None:
         return
     if not isinstance(schema, dict):
         raise ValueError(f"{field}: schema at {path or '/'} must be an object or a boolean")
+    # xgrammar writes a string's format or pattern as its whole grammar: a length limit
+    # beside either would be dropped.
+    shaped = [k for k in ("format", "pattern") if k in schema]
+    limits = [k for k in ("minLength", "maxLength") if k in schema]
+    if shaped and limits:
+        raise ValueError(f"{field}: JSON schema keyword {limits[0]!r} together with "
+                         f"{shaped[0]!r} (at {path or '/'}) cannot be enforced")
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in _ANNOTATIONS:
