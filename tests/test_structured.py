@@ -179,3 +179,14 @@ def test_validity_workload_all_valid(llama_dir: Path) -> None:
         report = run(engine, per_schema=1, seed=123)
     assert report.generations == len(SCHEMAS) == 20
     assert report.valid == report.generations, report.failures
+
+
+def test_mask_kernel_and_torch_fallback_agree_on_a_subset_of_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 16), dtype=torch.int32, generator=gen)
+    logits = torch.randn(5, 500, generator=gen)
+    kernel, fallback = logits.clone(), logits.clone()
+    TokenMasks(bitmask, [0, 2, 4]).apply(kernel)
+    TokenMasks(bitmask, [0, 2, 4])._apply_torch(fallback)
+    assert torch.equal(kernel, fallback)
+    assert torch.equal(kernel[1], logits[1]) and torch.isinf(kernel[0]).any()

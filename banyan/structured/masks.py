@@ -29,7 +29,26 @@ class TokenMasks:
     rows: list[int]
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set disallowed tokens of the masked rows of `logits` [B, V] to -inf, in place."""
+        """Set disallowed tokens of the masked rows of `logits` [B, V] to -inf, in place.
+
+        xgrammar's kernel where it applies (float32, contiguous): on CPU it is one tight
+        single-threaded loop, 0.2 ms for a 49k vocabulary, where the torch ops below (unpack
+        bits, masked_fill) are small parallel ops costing tens of ms on a busy 2-core host."""
+        vocab = logits.shape[1]
+        if logits.dtype == torch.float32 and logits.is_contiguous():
+            from xgrammar import apply_token_bitmask_inplace
+
+            bitmask, indices = self.bitmask, None
+            if len(self.rows) != logits.shape[0]:  # its indices address rows of both tensors
+                bitmask = self.bitmask.new_full((logits.shape[0], self.bitmask.shape[1]), -1)
+                bitmask[self.rows] = self.bitmask
+                indices = self.rows
+            apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
+                                        indices=indices)
+            return
+        self._apply_torch(logits)
+
+    def _apply_torch(self, logits: torch.Tensor) -> None:
         vocab = logits.shape[1]
         allowed = ((self.bitmask.unsqueeze(-1) >> _BITS) & 1).bool()
         allowed = allowed.view(len(self.rows), -1)[:, :vocab].to(logits.device)
