@@ -40,6 +40,15 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy. On CPU through numpy, on one thread: torch's clone of one row of a
+    49k vocabulary goes parallel and costs ~4 ms of OpenMP hand-offs on a busy 2-core host,
+    a 6% slower batch-1 step with a grammar."""
+    if t.device.type != "cpu":
+        return t.clone()
+    return torch.from_numpy(t.numpy().copy())
+
+
 def row_seed(row: SamplingRow) -> int | None:
     """The row's own seed wins over the request's: the scheduler gives the n samples of one seeded
     request (n > 1) distinct row seeds so they do not all draw the same tokens."""
@@ -135,7 +144,7 @@ class Sampler:
         bans = min_tokens_bans(rows, eos)
         if not penalty_rows and not has_bias and not bans and token_masks is None:
             return raw
-        out = raw.clone()
+        out = _host_copy(raw) if token_masks is not None else raw.clone()
         if token_masks is not None:
             token_masks.apply(out)
         if penalty_rows:
