@@ -32,7 +32,7 @@ class TokenMasks:
         """Set disallowed tokens of the masked rows of `logits` [B, V] to -inf, in place.
 
         xgrammar's kernel where it applies (float32, contiguous): on CPU it is one tight
-        single-threaded loop, 0.2 ms for a 49k vocabulary, where the torch ops below (unpack
+        single-threaded loop, 0.07-0.2 ms for a 49k vocabulary, where the torch ops below (unpack
         bits, masked_fill) are small parallel ops costing tens of ms on a busy 2-core host."""
         vocab = logits.shape[1]
         if logits.dtype == torch.float32 and logits.is_contiguous():
