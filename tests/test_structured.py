@@ -190,3 +190,45 @@ def test_mask_kernel_and_torch_fallback_agree_on_a_subset_of_rows() -> None:
     TokenMasks(bitmask, [0, 2, 4])._apply_torch(fallback)
     assert torch.equal(kernel, fallback)
     assert torch.equal(kernel[1], logits[1]) and torch.isinf(kernel[0]).any()
+
+
+class _NeverCompiles:
+    """A backend whose compile never finishes (a pathological grammar)."""
+
+    def submit(self, spec: StructuredSpec):
+        from concurrent.futures import Future
+
+        return Future()
+
+
+def test_grammar_wait_times_out_or_is_aborted_without_blocking() -> None:
+    from banyan.scheduler.request import Request
+    from banyan.structured.waiting import GrammarWaitlist
+
+    waitlist = GrammarWaitlist(_NeverCompiles(), timeout_s=0.05)  # type: ignore[arg-type]
+    spec = StructuredSpec("regex", "a+")
+    waitlist.add(spec, [Request("slow", [1], SamplingParams(), 4)])
+    waitlist.add(spec, [Request("gone#0", [1], SamplingParams(), 4),
+                        Request("gone#1", [1], SamplingParams(), 4)])
+    assert waitlist.remove("gone#0").rid == "gone#0" and waitlist.rids() == ["slow", "gone#1"]
+    assert waitlist.collect() == ([], [])  # not ready, not late: nothing yet, at once
+    ready, failed = waitlist.collect(block_s=0.1)
+    assert ready == [] and sorted(r.rid for r, _ in failed) == ["gone#1", "slow"]
+    assert "--grammar-compile-timeout" in failed[0][1] and len(waitlist) == 0
+
+
+def test_tools_reach_the_template_or_a_system_prompt() -> None:
+    from banyan.server.structured_api import ChatTools
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = ChatTools.from_body(tools, "auto", "hermes")
+    assert chat is not None and chat.forced is None
+    messages = [{"role": "user", "content": "hi"}]
+    same, kwargs = chat.render(messages, "{% for t in tools %}{{ t }}{% endfor %}", None)
+    assert same == messages and kwargs["tools"] == tools
+    added, kwargs = chat.render(messages, "{{ messages }}", {"x": 1})
+    assert kwargs == {"x": 1} and added[0]["role"] == "system" and '"name": "f"' in added[0]["content"]
+    assert ChatTools.from_body(tools, "none", "hermes") is None
+    message, finish = ChatTools.message('<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
