@@ -5,8 +5,10 @@ Fields are bounded (maxLength, ranges) so a random model finishes them within ma
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,8 +39,23 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": GetWeather.model_json_schema()}}
 
 
+def _import_clients() -> None:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    for name in ("langchain_openai", "litellm"):  # seconds each: overlapped with server start
+        importlib.import_module(name)
+
+
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def client_imports() -> Iterator[threading.Thread]:
+    thread = threading.Thread(target=_import_clients, daemon=True)
+    thread.start()
+    yield thread
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           client_imports: threading.Thread) -> Iterator[ServerProcess]:
     with running_server(llama_dir, tmp_path_factory.mktemp("structured"),
                         "--overlap", "on", "--shutdown-timeout", "1") as srv:
         yield srv
@@ -121,7 +138,9 @@ def test_unenforceable_schema_is_a_400_naming_it(server: ServerProcess) -> None:
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
 
 
-def test_langchain_structured_output_and_bind_tools(server: ServerProcess) -> None:
+def test_langchain_structured_output_and_bind_tools(server: ServerProcess,
+                                                    client_imports: threading.Thread) -> None:
+    client_imports.join()
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model="tiny",
@@ -135,8 +154,9 @@ def test_langchain_structured_output_and_bind_tools(server: ServerProcess) -> No
     GetWeather.model_validate(message.tool_calls[0]["args"])
 
 
-def test_litellm_openai_compatible_provider(server: ServerProcess) -> None:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+def test_litellm_openai_compatible_provider(server: ServerProcess,
+                                            client_imports: threading.Thread) -> None:
+    client_imports.join()
     import litellm
 
     common = dict(model="openai/tiny", api_base=f"{server.url}/v1", api_key="unused",
