@@ -15,8 +15,7 @@ from banyan.args import EngineArgs
 from banyan.engine.detok import TextAccumulator
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, RequestUpdate, Scheduler
-from banyan.scheduler.request import Status
-from banyan.scheduler.request import FinishReason
+from banyan.scheduler.request import FinishReason, Status
 from banyan.scheduler.scheduler import StepStats
 from banyan.structured.grammar import GrammarBackend, check_compiles
 from banyan.structured.spec import check_json_schema

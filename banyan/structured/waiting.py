@@ -70,8 +70,9 @@ class GrammarWaitlist:
                     req.grammar = self.backend.new_state(compiled)
                 ready += item.children
             elif now > item.deadline:
-                failed += [(r, f"grammar compilation took longer than {self.timeout_s:g} s "
-                               "(--grammar-compile-timeout)") for r in item.children]
+                late = (f"grammar compilation took longer than {self.timeout_s:g} s "
+                        "(--grammar-compile-timeout)")
+                failed += [(r, late) for r in item.children]
             else:
                 keep.append(item)
         self._items = keep
