@@ -49,7 +49,8 @@ def main() -> None:
             seconds = time.perf_counter() - t0
     result = {
         "benchmark": "structured-output validity",
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + " ".join(  # no machine paths in results: folder names
+            Path(a).name if a.startswith("/") else a for a in sys.argv),
         "model": model.name if ns.model else "tiny random llama (tests' config, 512-token BPE)",
         "machine": machine_info(), "note": "machine shared with other engineers' jobs",
         "schemas": len(SCHEMAS), "generations": report.generations, "valid": report.valid,
