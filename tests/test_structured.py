@@ -43,6 +43,7 @@ SCHEMA = {"type": "object", "properties": {
     ({"guided_regex": "("}, "guided_regex: Regex parsing error"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar:"),
     ({"guided_choice": []}, "guided_choice: a non-empty list"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structural tags are not supported"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "only one structured output"),
     ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "give one of"),
@@ -108,8 +109,7 @@ def _check_outputs(outs, schema) -> None:
             jsonschema.validate(json.loads(sample.text), schema)
 
 
-SETTINGS = {
-    "overlap": dict(overlap="on"),
+SETTINGS = {  # plain overlap: test_same_seed_same_output_with_and_without_overlap
     "retraction": dict(overlap="on", kv_cache_memory=str(160 * TINY_KV_BYTES_PER_TOKEN),
                        max_prefill_tokens=64, chunked_prefill_size=16),
     "chunked": dict(overlap="off", max_prefill_tokens=16, chunked_prefill_size=7),
@@ -142,7 +142,9 @@ def test_same_seed_same_output_with_and_without_overlap(llama_dir: Path) -> None
                     overlap=overlap) as engine:
             params = SamplingParams(max_new_tokens=80, temperature=1.0, seed=7,
                                     structured=json_schema_spec(SCHEMA, "x"))
-            texts.append([o.text for o in engine.generate(["q"] * 3, params)])
+            outs = engine.generate(["q"] * 3, params)
+            _check_outputs(outs, SCHEMA)
+            texts.append([o.text for o in outs])
     assert texts[0] == texts[1]
 
 

@@ -189,6 +189,7 @@ class NativeSamplingParams(_Body):
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None
+    structural_tag: Any = None  # refused (400), so it is never silently ignored
     structured_outputs: Any = None
 
     def to_params(self, logprobs: int | None) -> SamplingParams:

@@ -24,7 +24,7 @@ from banyan.structured.tools import (
 
 # Request fields (OpenAI, vLLM and SGLang names) that ask for structured output.
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
-          "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
+          "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf", "structural_tag")
 
 
 def structured_spec(body: BaseModel) -> StructuredSpec | None:

@@ -49,6 +49,8 @@ def structured_outputs_spec(value: Any) -> StructuredSpec | None:
         return None
     if not isinstance(value, dict):
         raise ValueError("structured_outputs: an object is needed")
+    if value.get("structural_tag") is not None:
+        raise ValueError("structured_outputs.structural_tag: structural tags are not supported")
     given = [k for k in _STRUCTURED_OUTPUT_KEYS if value.get(k) not in (None, False)]
     if len(given) > 1:
         raise ValueError(f"structured_outputs: give one of {', '.join(given)}, not several")
@@ -77,6 +79,8 @@ def spec_from_fields(fields: dict[str, Any]) -> StructuredSpec | None:
         if spec is not None:
             candidates.append((field, spec))
 
+    if fields.get("structural_tag") is not None:  # SGLang's; refused, not ignored
+        raise ValueError("structural_tag: structural tags are not supported")
     add("response_format", response_format_spec(fields.get("response_format")))
     add("structured_outputs", structured_outputs_spec(fields.get("structured_outputs")))
     for field, kind in (("guided_json", "json"), ("json_schema", "json"),
