@@ -3,6 +3,7 @@ token-bitmask fill at batch 1 and 64, for a small test tokenizer and SmolLM2's 4
 
     python benchmarks/grammar_libraries.py --tokenizer DIR [--tokenizer DIR2] --out results.json
 
+Needs llguidance (pip install llguidance==1.9.1), which Banyan does not depend on.
 The two libraries run interleaved (each measurement alternates between them), so a shared,
 noisy machine affects both alike. The decision it informed is recorded in docs/structured_output.md.
 """
