@@ -85,6 +85,9 @@ class EngineArgs:
         "4-bit with a float16 scale and minimum per 32 inputs). CPU only; activations stay in "
         "--dtype (float32 is the fast one on CPUs without AVX512_BF16).",
         choices=["none", "int8", "int4"]))
+    grammar_compile_timeout: float = field(default=30.0, metadata=_doc(
+        "Seconds a structured-output request waits for its grammar to compile (off the step "
+        "loop; other requests keep running) before it fails."))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for torch (default: all cores)."))
@@ -112,6 +115,9 @@ class EngineArgs:
         if (self.speculative_algorithm == "draft") != (self.spec_draft_model is not None):
             raise ValueError("spec_draft_model is needed with, and only with, "
                              "speculative_algorithm=draft")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got "
+                             f"{self.grammar_compile_timeout}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -20,8 +20,12 @@ for this row", named in `deferred_inputs` and filled by the runner from its per-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from banyan.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from banyan.structured.grammar import GrammarState
 
 
 @dataclass(slots=True)
@@ -42,6 +46,9 @@ class SamplingRow:
     # Tokens sampled by a step still running when this one was built (overlap: 0 or 1), not in
     # output_ids; the runner appends them from its buffer when a penalty needs them.
     pending: int = 0
+    # The request's grammar matcher (structured output), shared, not a snapshot: the runner
+    # fills its masks and advances it in step order (banyan/structured/masks.py).
+    grammar: GrammarState | None = None
 
     @property
     def generated(self) -> int:

@@ -15,9 +15,12 @@ from banyan.args import EngineArgs
 from banyan.engine.detok import TextAccumulator
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, RequestUpdate, Scheduler
-from banyan.scheduler.request import Status
+from banyan.scheduler.request import FinishReason, Status
 from banyan.scheduler.scheduler import StepStats
 from banyan.scheduler.speculation import SpecStats
+from banyan.structured.grammar import GrammarBackend, check_compiles
+from banyan.structured.spec import check_json_schema
+from banyan.structured.waiting import GrammarWaitlist
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.weight_bytes = 0  # bytes of weights read per forward (for the bandwidth bound)
+        self._grammars: GrammarWaitlist | None = None  # made at the first structured request
 
     def add(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
             namespace: str | None = None) -> SampleGroup:
@@ -89,6 +93,10 @@ class EngineCore:
                 child_rid, prompt, child_params, max_new, eos_ids=self.eos_ids,
                 namespace=namespace, text=self._text_stream(prompt, child_params),
             ))
+        if params.structured is not None:
+            self._check_structured(params)
+            self._waitlist().add(params.structured, children)
+            return SampleGroup(rid, [r.rid for r in children], prompt)
         added: list[str] = []
         try:
             for req in children:
@@ -103,17 +111,56 @@ class EngineCore:
     def _text_stream(self, prompt: list[int], params: SamplingParams) -> Any:
         return TextAccumulator.from_params(self.tokenizer, prompt, params)
 
+    @staticmethod
+    def _check_structured(params: SamplingParams) -> None:
+        """The API server checks first (400); this guards the offline Engine."""
+        spec = params.structured
+        assert spec is not None
+        if spec.kind == "json":
+            import json
+
+            check_json_schema(json.loads(spec.value), "structured output")
+        check_compiles(spec, "structured output")
+
+    def _waitlist(self) -> GrammarWaitlist:
+        if self._grammars is None:
+            backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_ids)
+            self._grammars = GrammarWaitlist(backend, self.args.grammar_compile_timeout)
+        return self._grammars
+
     def step(self) -> list[RequestUpdate]:
-        """One turn of the engine loop (overlapped with --overlap on)."""
-        return self.scheduler.step()
+        """One turn of the engine loop (overlapped with --overlap on), after moving requests
+        whose grammar is compiled into the scheduler."""
+        updates: list[RequestUpdate] = []
+        if self._grammars is not None and len(self._grammars):
+            idle = not self.scheduler.has_work
+            ready, failed = self._grammars.collect(block_s=0.005 if idle else 0.0)
+            for req in ready:
+                try:
+                    self.scheduler.add_request(req)
+                except ValueError as exc:
+                    failed.append((req, str(exc)))
+            for req, error in failed:
+                updates.append(RequestUpdate(req.rid, [], "", FinishReason.ABORT,
+                                             prompt_tokens=len(req.prompt_ids), error=error))
+            if not self.scheduler.has_work:
+                return updates
+        return updates + self.scheduler.step()
 
     def abort(self, rid: str) -> RequestUpdate | None:
+        if self._grammars is not None:
+            req = self._grammars.remove(rid)
+            if req is not None:
+                return RequestUpdate(rid, [], "", FinishReason.ABORT,
+                                     prompt_tokens=len(req.prompt_ids))
         return self.scheduler.abort(rid)
 
     def close(self) -> None:
         """Abort everything and stop the runner's worker (the engine cannot step after)."""
         self.abort_all()
         self.scheduler.runner.close()
+        if self._grammars is not None:
+            self._grammars.backend.close()
 
     @property
     def last_step(self) -> StepStats:
@@ -121,17 +168,22 @@ class EngineCore:
         return self.scheduler.last_step
 
     def abort_all(self) -> list[RequestUpdate]:
-        updates = [self.scheduler.abort(rid) for rid in list(self.scheduler.requests)]
+        waiting = self._grammars.rids() if self._grammars is not None else []
+        updates = [self.abort(rid) for rid in waiting + list(self.scheduler.requests)]
         return [u for u in updates if u is not None]
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not yet finished (n > 1 samples as "rid#i")."""
-        return list(self.scheduler.requests)
+        waiting = self._grammars.rids() if self._grammars is not None else []
+        return waiting + list(self.scheduler.requests)
 
     def is_waiting(self, rid: str) -> bool:
-        """Whether the request is queued and was never admitted (or was retracted)."""
+        """Whether the request is queued (or waits for its grammar) and was never admitted
+        (or was retracted)."""
         req = self.scheduler.requests.get(rid)
-        return req is not None and req.status is Status.WAITING
+        if req is None:
+            return self._grammars is not None and rid in self._grammars.rids()
+        return req.status is Status.WAITING
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (e.g. after a weight reload); False while requests run."""
@@ -159,4 +211,4 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._grammars is not None and len(self._grammars))

@@ -25,6 +25,7 @@ import torch
 from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
 from banyan.runner.model_runner import ModelRunner, StepInputs
 from banyan.sampling.sampler import Sampler
+from banyan.structured.masks import advance_grammars, fill_token_masks
 
 
 class DoneStep:
@@ -94,8 +95,11 @@ class ModelStepRunner:
         logits, prompt_logprobs = self.model_runner.compute(inputs)
         t1 = time.perf_counter()
         rows = self._logit_rows(batch)
-        result = self.sampler.sample(logits, rows)
+        masks = fill_token_masks(batch.sampling, batch.proposed, self.sampler.vocab_size)
+        result = self.sampler.sample(logits, rows, token_masks=masks)
         tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
+        if masks is not None:  # here, on the worker, so matchers see tokens in step order
+            advance_grammars(batch.sampling, tokens)
         if tokens and self._worker is not None:  # only overlap reads the buffer back
             last = [t[-1] for t in tokens]
             rows_now = [r.row for r in batch.sampling]

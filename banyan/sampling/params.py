@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from banyan.structured.spec import KINDS, StructuredSpec
+
 # Logprobs of more alternatives than this are refused: they cost a top-k over the vocabulary.
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy: logits / 1e-6 overflows float32 into inf and the softmax
@@ -35,6 +37,7 @@ class SamplingParams:
     # read) and may have max_new_tokens=0 (the prompt's logprobs, no token generated).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None  # constrain the output to a grammar
 
     @property
     def greedy(self) -> bool:
@@ -121,3 +124,5 @@ class SamplingParams:
                 where = "negative" if vocab_size is None else f"outside [0, {vocab_size})"
                 raise ValueError(f"invalid sampling parameter: token id {token_id} is {where}")
         self.logit_bias = bias
+        if self.structured is not None and self.structured.kind not in KINDS:
+            raise ValueError(f"invalid structured output kind {self.structured.kind!r}")

@@ -189,7 +189,8 @@ class BatchBuilder:
             params = req.params
             history = list(output) if params.uses_penalties else []
             batch.sampling.append(SamplingRow(params, prompt, history, params.seed,
-                                              len(output) + req.pending, row, req.pending))
+                                              len(output) + req.pending, row, req.pending,
+                                              req.grammar))
             if self.speculation is not None:
                 batch.proposed.append(list(proposed))
             step.sampled.append(req)

@@ -7,7 +7,11 @@ from banyan.scheduler.request import FinishReason, Request, RequestUpdate
 
 
 def is_stop_token(req: Request, token: int) -> bool:
-    return token in req.params.stop_token_ids or (not req.params.ignore_eos and token in req.eos_ids)
+    """Called after the token is appended. A grammar that ended with this token (its stop
+    token, taken even under ignore_eos) stops the request too."""
+    return (token in req.params.stop_token_ids
+            or (not req.params.ignore_eos and token in req.eos_ids)
+            or (req.grammar is not None and req.grammar.ends_with(len(req.output_ids))))
 
 
 def finish_reason_after(req: Request, stop_token: bool, stopped_by_text: bool,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from banyan.batch import TokenLogprobs
 from banyan.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from banyan.structured.grammar import GrammarState
 
 
 class FinishReason(str, enum.Enum):
@@ -46,6 +49,7 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     namespace: str | None = None  # cache_salt: requests of different namespaces share no KV
     text: TextStream | None = None
+    grammar: GrammarState | None = None  # structured output: advanced by the runner only
 
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)

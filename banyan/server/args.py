@@ -41,6 +41,10 @@ class ServerArgs:
         "server exits with a non-zero code, for a supervisor (systemd, Kubernetes) to act."))
     engine_restart_backoff: float = field(default=1.0, metadata=_doc(
         "Seconds before the first engine restart; doubled for each further one."))
+    tool_call_parser: str = field(default="hermes", metadata=_doc(
+        "How tool calls are read out of chat output: hermes (Hermes/Qwen "
+        "<tool_call>{json}</tool_call>), or none (tools are refused).",
+        choices=["hermes", "none"]))
     max_n: int = field(default=16, metadata=_doc(
         "Largest `n` (samples per prompt) accepted."))
     max_prompts: int = field(default=256, metadata=_doc(

@@ -13,6 +13,7 @@ from banyan.server.engine_client import EngineDeadError, EngineRequest, RequestR
 from banyan.server.errors import ApiError, bad_request, engine_dead, from_value_error, read_body
 from banyan.server.openai_format import DONE, ChoiceState, lp, sse, sse_error
 from banyan.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from banyan.server.structured_api import structured_spec
 from banyan.server.state import (
     ServerState,
     SSEResponse,
@@ -52,12 +53,14 @@ class NativeServing:
         st.check_n(n)
         base = body.rid or uuid.uuid4().hex
         requests = []
+        structured = structured_spec(body.sampling_params)
         for i, ids in enumerate(prompts):
             params = body.sampling_params.to_params(
                 body.top_logprobs_num if body.return_logprob else None)
             explicit = "max_new_tokens" in body.sampling_params.model_fields_set
             params.max_new_tokens = st.max_new_tokens(len(ids), params.max_new_tokens, explicit,
                                                       "input_ids", "max_new_tokens")
+            params.structured = structured
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             requests.append(EngineRequest(rid, ids, st.validate(params), body.cache_salt))
         try:

@@ -32,6 +32,7 @@ from banyan.server.openai_format import (
 )
 from banyan.server.prompt_logprobs import vllm_prompt_logprobs, wanted_prompt_logprobs
 from banyan.server.protocol import ChatCompletionRequest, CompletionRequest
+from banyan.server.structured_api import ChatTools, ToolDeltas, structured_spec
 from banyan.server.state import (
     ServerState,
     SSEResponse,
@@ -57,6 +58,7 @@ class _Job:
     stream: Stream
     include_usage: bool
     logprobs: int | None  # completions: k; chat: top_logprobs when logprobs=true
+    tools: bool = False  # chat with tools: output parsed for tool calls
 
     @property
     def num_choices(self) -> int:
@@ -98,11 +100,13 @@ class OpenAIServing:
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         requests = []
         job_id = new_id("cmpl")
+        structured = structured_spec(body)
         for i, ids in enumerate(prompts):
             max_new = st.max_new_tokens(len(ids), body.max_tokens, explicit)
             params = body.sampling_params(max_new, body.logprobs, st.sampling_defaults)
             params.prompt_logprobs = wanted_prompt_logprobs(body)
-            st.validate(params)
+            params.structured = structured
+            params = st.validate(params)
             requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt))
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
                    body.n, self._submit(requests), body.include_usage, body.logprobs)
@@ -182,26 +186,44 @@ class OpenAIServing:
             messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+        tools = ChatTools.from_body(body.tools, body.tool_choice, st.args.tool_call_parser)
+        template_kwargs = body.chat_template_kwargs
+        if tools is not None:
+            messages, template_kwargs = tools.render(
+                messages, getattr(st.tok.tokenizer, "chat_template", None), template_kwargs)
         ids = check_ids(st, await encode_chat(st, messages, body.add_generation_prompt,
                                               body.continue_final_message,
-                                              body.chat_template_kwargs), "messages")
+                                              template_kwargs), "messages")
         requested = body.requested_max_tokens
         max_new = st.max_new_tokens(
             len(ids), requested, requested is not None, "messages",
             "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = st.validate(body.sampling_params(max_new, k, st.sampling_defaults))
+        params = body.sampling_params(max_new, k, st.sampling_defaults)
+        params.structured = structured_spec(body)
+        if tools is not None and tools.forced is not None:
+            if params.structured is not None:
+                raise bad_request("response_format cannot be combined with a forced tool_choice",
+                                  "tool_choice")
+            params.structured = tools.forced
+        params = st.validate(params)
         job_id = new_id("chatcmpl")
         job = _Job(job_id, now_s(), st.model_name, [ids], [], body.n,
                    self._submit([EngineRequest(job_id, ids, params, body.cache_salt)]),
-                   body.include_usage, k)
+                   body.include_usage, k, tools is not None)
         if body.stream:
             return SSEResponse(self._stream_chat(job), job.stream.close)
         states = await self._collect(request, job)
-        choices = [{"index": i, "message": {"role": "assistant", "content": s.full_text},
-                    "logprobs": ({"content": chat_logprobs(st.tok, s.logprobs)}
-                                 if k is not None else None),
-                    "finish_reason": s.finish_reason} for i, s in enumerate(states)]
+        choices = []
+        for i, s in enumerate(states):
+            message: dict[str, Any] = {"role": "assistant", "content": s.full_text}
+            finish = s.finish_reason
+            if tools is not None:
+                message, finish = ChatTools.message(s.full_text, finish)
+            choices.append({"index": i, "message": message,
+                            "logprobs": ({"content": chat_logprobs(st.tok, s.logprobs)}
+                                         if k is not None else None),
+                            "finish_reason": finish})
         return JSONResponse(chat_response(job.id, job.created, job.model, choices,
                                           usage([len(ids)], states, job.n)))
 
@@ -213,6 +235,8 @@ class OpenAIServing:
             return sse(chunk(job.id, obj, job.created, job.model, [
                 {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                 job.include_usage))
+
+        tool_deltas = ToolDeltas(job.num_choices) if job.tools else None
 
         async def body(states: list[ChoiceState]) -> AsyncIterator[str]:
             # The role chunk goes out right before a choice's first token, as vLLM's does, not
@@ -229,7 +253,13 @@ class OpenAIServing:
                     logprobs = ({"content": chat_logprobs(tok, update.logprobs)}
                                 if job.logprobs is not None else None)
                     delta = {"content": update.text} if update.text else {}
-                    yield event(index, delta, logprobs, update.finish_reason)
+                    finish = update.finish_reason
+                    if tool_deltas is not None:  # content and tool calls, then the finish
+                        deltas, finish = tool_deltas.deltas(index, update.text, finish)
+                        for d in deltas[:-1]:
+                            yield event(index, d, None, None)
+                        delta = deltas[-1] if deltas else {}
+                    yield event(index, delta, logprobs, finish)
 
         async for text in self._sse(job, obj, body):
             yield text

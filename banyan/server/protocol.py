@@ -59,6 +59,13 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Structured output (OpenAI, vLLM), read by banyan/server/structured_api.py.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -149,6 +156,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None  # checked by banyan/server/structured_api.py
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -176,6 +186,12 @@ class NativeSamplingParams(_Body):
     n: int = Field(default=1, ge=1, le=INT64_MAX)
     seed: Int64 | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output (SGLang's names, and vLLM's), read by banyan/server/structured_api.py.
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None  # refused (400), so it is never silently ignored
+    structured_outputs: Any = None
 
     def to_params(self, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
