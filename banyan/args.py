@@ -79,6 +79,10 @@ class EngineArgs:
         "ngram: longest suffix looked up (the longest match wins)."))
     spec_draft_model: str | None = field(default=None, metadata=_doc(
         "draft: the draft model (HF folder or GGUF file) sharing the target's tokenizer."))
+    spec_draft_quantization: str = field(default="none", metadata=_doc(
+        "draft: weight format of the draft's linears (as --quantization). The target's own "
+        "checkpoint quantized to int4 is a draft that shares its tokenizer by construction.",
+        choices=["none", "int8", "int4"]))
     quantization: str = field(default="none", metadata=_doc(
         "Weight format of the linear layers, quantized once at load from the checkpoint: none "
         "(the dtype's), int8 (weight-only, one scale per output channel), int4 (weight-only, "
@@ -104,9 +108,10 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be one of none, int8, int4, "
-                             f"got {self.quantization!r}")
+        for name in ("quantization", "spec_draft_quantization"):
+            if getattr(self, name) not in ("none", "int8", "int4"):
+                raise ValueError(f"{name} must be one of none, int8, int4, "
+                                 f"got {getattr(self, name)!r}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.speculative_algorithm not in ("none", "ngram", "draft"):

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Speculative decoding side by side in one run, on the real SmolLM2-135M-Instruct (the default
-# model) and a layer-truncated draft of it (benchmarks/make_draft.py):
-#   benchmarks/run_spec_benchmarks.sh            # then: python benchmarks/spec_report.py
+# model):  benchmarks/run_spec_benchmarks.sh   # then: python benchmarks/spec_report.py
 # - batch 1 (one request at a time): grounded and chat workloads, none / ngram / draft, per dtype;
+#   the draft is the target's own checkpoint quantized to int4 at load (--spec-draft-quantization),
+#   the best same-tokenizer draft this machine has (a layer-truncated one, benchmarks/make_draft.py,
+#   accepted nothing); DRAFT=DIR DRAFT_QUANT=none runs another.
 # - under load: random 64 x 128/128, none / ngram (adaptive turn-off).
 # JSON in benchmarks/results/spec-*.json.
 set -euo pipefail
@@ -10,10 +12,9 @@ cd "$(dirname "$0")/.."
 N=${N:-3}
 OUT=${OUT:-128}
 DTYPES=${DTYPES:-"float32 bfloat16"}
-KEEP=${KEEP:-0-6,29}
 TARGET=$(.venv/bin/python -c "from banyan.model_files import resolve_model_dir; print(resolve_model_dir(None))")
-DRAFT=.bench-models/draft-$KEEP
-[ -f "$DRAFT/model.safetensors" ] || .venv/bin/python benchmarks/make_draft.py "$TARGET" "$DRAFT" --keep "$KEEP"
+DRAFT=${DRAFT:-$TARGET}
+DRAFT_QUANT=${DRAFT_QUANT:-int4}
 
 run() {
   local name=$1; shift
@@ -26,7 +27,7 @@ for dtype in $DTYPES; do
   for workload in grounded chat; do
     for algo in none ngram draft; do
       extra=()
-      [ "$algo" = draft ] && extra=(--spec-draft-model "$DRAFT")
+      [ "$algo" = draft ] && extra=(--spec-draft-model "$DRAFT" --spec-draft-quantization "$DRAFT_QUANT")
       run "$workload-$algo-$dtype" --dtype "$dtype" --workload "$workload" --num-requests "$N" \
         --output-len "$OUT" --max-running-requests 1 --speculative-algorithm "$algo" "${extra[@]}"
     done

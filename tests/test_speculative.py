@@ -86,6 +86,21 @@ def test_seeded_sampling_draws_the_same_tokens(model_dirs: dict[str, Path]) -> N
     assert got == want
 
 
+def test_int4_copy_of_the_target_as_its_draft(model_dirs: dict[str, Path]) -> None:
+    """--spec-draft-quantization int4 on the target's own checkpoint: the draft runs quantized
+    linears, its guesses differ where int4 moves an argmax, and the output is still the target's."""
+    target = model_dirs["llama"]
+    prompts = prompts_1_to_300(4, seed=8)
+    max_new = [16, 9, 21, 12]
+    expected = [hf_greedy(target, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    with spec_engine(target, "draft", target, spec_draft_quantization="int4") as engine:
+        draft = engine.core.scheduler.speculation.proposer
+        assert draft.runner.quantization == "int4"
+        assert run_greedy(engine, prompts, max_new) == expected
+        assert engine.core.scheduler.speculation.stats.num_accepted_tokens > 0
+        check_pool_empty(engine)
+
+
 def test_stops_logprobs_n_and_abort_inside_accepted_runs(llama_dir: Path) -> None:
     prompt = [[20, 21, 22, 20, 21, 22, 20, 21]]
     with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,

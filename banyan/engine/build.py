@@ -56,7 +56,8 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
         draft = ModelRunner(draft_dir, dtype=args.dtype, device=target.device,
                             num_slots=target.num_slots, max_rows=target.max_rows,
                             max_context=target.max_context, show_progress=not args.disable_tqdm,
-                            attention_backend=args.attention_backend)
+                            attention_backend=args.attention_backend,
+                            quantization=args.spec_draft_quantization)
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)
