@@ -296,8 +296,8 @@ def test_killing_a_replica_under_load(router: ServerProcess,
 
     Chat requests sharing a system prompt, so they all follow the first to one worker (the
     victim: cache hits, load spread < 64), where they queue (two run at a time). The stream goes
-    last: queued behind the others it cannot finish before the kill, and chat streams send the
-    assistant's role chunk at once, so its output has started."""
+    first and is read up to its first chunk (the role, sent with the first token), so its
+    output has started; it is long enough to be still running when the queue has filled."""
     by_url = {r.url: r for r in replicas}
     system = {"role": "system", "content": "you answer questions about prefixes. " * 4}
 
@@ -309,11 +309,8 @@ def test_killing_a_replica_under_load(router: ServerProcess,
     events: list[str] = []
     with httpx.Client(limits=httpx.Limits(max_connections=32)) as client, \
             ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(complete, router.url, chat(f"question {i}"), 500,
-                               "/v1/chat/completions", client) for i in range(12)]
-        wait_for(lambda: worker_states(router.url)[victim]["in_flight"] >= 8,
-                 what="requests on the victim")
-        body = {"messages": chat("stream"), "max_tokens": 100, "stream": True}
+        body = {"messages": chat("stream"), "max_tokens": 850, "ignore_eos": True,
+                "stream": True}
         with client.stream("POST", f"{router.url}/v1/chat/completions", json=body,
                            timeout=60) as stream:
             assert stream.headers[WORKER] == victim
@@ -321,6 +318,10 @@ def test_killing_a_replica_under_load(router: ServerProcess,
             first = json.loads(next(lines)[len("data: "):])
             assert first["choices"][0]["delta"]["role"] == "assistant"
             assert next(lines) == ""
+            futures = [pool.submit(complete, router.url, chat(f"question {i}"), 500,
+                                   "/v1/chat/completions", client) for i in range(12)]
+            wait_for(lambda: worker_states(router.url)[victim]["in_flight"] >= 9,
+                     what="requests on the victim")
             os.killpg(by_url[victim].proc.pid, signal.SIGKILL)
             events = sse_events(lines)
         results = [f.result() for f in futures]
