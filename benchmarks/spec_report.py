@@ -11,7 +11,8 @@ from pathlib import Path
 def main() -> None:
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
     runs = {p.stem.removeprefix("spec-"): json.loads(p.read_text())
-            for p in sorted(folder.glob("spec-*.json"))}
+            for p in sorted(folder.glob("spec-*.json"))
+            if p.stem.count("-") == 3}  # spec-<workload>-<algo>-<dtype>; not spec-step-cost
     print("| run | output tok/s | vs none | acceptance length | accepted / guessed | per position |")
     print("|---|---|---|---|---|---|")
     for name, data in runs.items():

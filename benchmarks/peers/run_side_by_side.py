@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from side_by_side_report import write_report
 from workers import (
+    LLAMACPP_PYTHON,
     REPO,
     VLLM_PYTHON,
     Worker,
@@ -66,12 +67,14 @@ def suites(vocab: int, quick: bool, seed: int, hf_reps: int) -> list[Suite]:
     return [
         # transformers is the slowest by far (continuous batching ~1 min a run here, and it
         # recomputes every shared prefix): fewer runs (--hf-reps) keep the whole under ~15 min
-        Suite("random", titles[0], rnd, ["banyan", "vllm", "hf-generate", "hf-cb"],
-              {"hf-cb": hf_reps}),
+        # llama-cpp-python decodes one sequence at a time: minutes per batched run, so as few
+        # runs there as transformers'
+        Suite("random", titles[0], rnd, ["banyan", "vllm", "llamacpp", "hf-generate", "hf-cb"],
+              {"hf-cb": hf_reps, "llamacpp": hf_reps}),
         Suite("shared-prefix", titles[1], sp,
-              ["banyan", "banyan-nocache", "vllm", "hf-generate", "hf-cb"],
-              {"hf-generate": hf_reps, "hf-cb": hf_reps}),
-        Suite("batch1", titles[2], b1, ["banyan", "vllm", "hf-generate"], {}),
+              ["banyan", "banyan-nocache", "vllm", "llamacpp", "hf-generate", "hf-cb"],
+              {"hf-generate": hf_reps, "hf-cb": hf_reps, "llamacpp": hf_reps}),
+        Suite("batch1", titles[2], b1, ["banyan", "vllm", "llamacpp", "hf-generate"], {}),
     ]
 
 
@@ -95,6 +98,10 @@ def main() -> int:
                         help="KV cache of every engine in GiB (default 4; --quick: 1)")
     parser.add_argument("--vllm-python", default=str(VLLM_PYTHON),
                         help="python of vLLM's venv (benchmarks/peers/install_vllm_cpu.sh)")
+    parser.add_argument("--gguf", default=None,
+                        help="GGUF file of the same weights: adds llama.cpp (engine llamacpp)")
+    parser.add_argument("--llamacpp-python", default=str(LLAMACPP_PYTHON),
+                        help="python of a venv with llama-cpp-python (llamacpp_worker.py)")
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--name", default=None, help="file stem (default side-by-side[-quick])")
     parser.add_argument("--start-timeout", type=float, default=600.0)
@@ -113,6 +120,12 @@ def main() -> int:
               "install_vllm_cpu.sh, or leave vllm out of --engines; going on without it",
               file=sys.stderr)
         wanted = [e for e in wanted if not e.startswith("vllm")]
+    if ns.gguf is not None and "llamacpp" not in wanted:
+        wanted.append("llamacpp")
+    if "llamacpp" in wanted and (ns.gguf is None or not Path(ns.llamacpp_python).exists()):
+        print("llama.cpp needs --gguf and --llamacpp-python (a venv with llama-cpp-python); "
+              "going on without it", file=sys.stderr)
+        wanted.remove("llamacpp")
     model = ensure_model(ns.model)
     from transformers import AutoConfig
 
@@ -127,7 +140,8 @@ def main() -> int:
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     t_start = time.monotonic()
-    workers = {e: Worker(e, engine_command(e, model, ns.vllm_python, ns.kv_gib),
+    workers = {e: Worker(e, engine_command(e, model, ns.vllm_python, ns.kv_gib,
+                                           (ns.llamacpp_python, ns.gguf or "")),
                          out_dir / "logs" / f"{stem}-{e}.log") for e in needed}
     runs: list[dict[str, Any]] = []
     try:

