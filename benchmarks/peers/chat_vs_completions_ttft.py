@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--server-repo", default=str(REPO),
                         help="checkout whose banyan serves (another one: a before/after)")
     parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--note", default="", help="how busy the machine was, for the record")
     parser.add_argument("--num-prompts", type=int, default=6)
     # Long enough that the chat template's extra tokens (~30 for SmolLM2's system prompt) are
     # a small share of the prefill: the comparison is about when the clock starts.
@@ -158,7 +159,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, "benchmarks/peers/chat_vs_completions_ttft.py",
                              *sys.argv[1:]]),
         "cpu": cpu_name(), "cores": os.cpu_count(),
-        "note": "shared machine: other engineers' jobs ran on the same 2 cores",
+        "note": args.note,
         "server_commit": subprocess.run(["git", "-C", args.server_repo, "rev-parse", "--short",
                                          "HEAD"], capture_output=True, text=True).stdout.strip(),
         "model": args.model or "banyan serve default (SmolLM2-135M-Instruct GGUF)",
