@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--note", default="", help="how busy the machine was, for the record")
     ns = ap.parse_args()
     results = {}
     with Engine(ns.model, dtype="float32", disable_tqdm=True, kv_cache_memory="1GiB") as engine:
@@ -70,7 +71,7 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv[:1] + [
                   a if not a.startswith("/") else Path(a).name for a in sys.argv[1:]]),
               "model": Path(ns.model).name, "schema": SCHEMA, "dtype": "float32",
-              "machine": machine_info(), "note": "machine shared with other engineers' jobs",
+              "machine": machine_info(), "note": ns.note,
               "results": results}
     text = json.dumps(report, indent=2)
     print(text)
