@@ -12,7 +12,8 @@ def main() -> None:
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
     runs = {p.stem.removeprefix("spec-"): json.loads(p.read_text())
             for p in sorted(folder.glob("spec-*.json"))
-            if p.stem.count("-") == 3}  # spec-<workload>-<algo>-<dtype>; not spec-step-cost
+            if p.stem.count("-") == 3 and not p.stem.startswith("spec-step-cost")}
+    # spec-<workload>-<algo>-<dtype>; the step-cost files are another benchmark's
     print("| run | output tok/s | vs none | acceptance length | accepted / guessed | per position |")
     print("|---|---|---|---|---|---|")
     for name, data in runs.items():
