@@ -141,7 +141,7 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     t_start = time.monotonic()
     workers = {e: Worker(e, engine_command(e, model, ns.vllm_python, ns.kv_gib,
-                                           (ns.llamacpp_python, ns.gguf or "")),
+                                           (ns.llamacpp_python, ns.gguf) if ns.gguf else None),
                          out_dir / "logs" / f"{stem}-{e}.log") for e in needed}
     runs: list[dict[str, Any]] = []
     try:
