@@ -45,6 +45,17 @@ class EngineArgs:
         "Disable RadixAttention prefix reuse: every prompt is computed in full (the baseline)."))
     page_size: int = field(default=1, metadata=_doc(
         "Tokens per KV page: the prefix cache shares whole pages only."))
+    hicache_backend: str = field(default="none", metadata=_doc(
+        "A KV tier under the prefix cache (HiCache): file (block files in --hicache-dir, kept "
+        "across restarts and shared by replicas on one machine) or none. Finished requests' KV "
+        "is written there in the background; a prompt whose prefix is there loads it instead "
+        "of recomputing it.", choices=["none", "file"]))
+    hicache_dir: str | None = field(default=None, metadata=_doc(
+        "Directory of the file tier. Default: kv-tier in the user cache directory."))
+    hicache_size: str = field(default="8GiB", metadata=_doc(
+        "Disk budget of the file tier (least recently used blocks are deleted beyond it)."))
+    hicache_block_tokens: int = field(default=64, metadata=_doc(
+        "Tokens per tier block (a multiple of --page-size): the unit saved, found and loaded."))
     schedule_policy: str = field(default="lpm", metadata=_doc(
         "Order of the waiting queue: lpm (longest cached prefix first), dfs-weight (walk the "
         "prefix tree, heavier subtrees first), fcfs.", choices=["lpm", "dfs-weight", "fcfs"]))
@@ -108,6 +119,15 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.hicache_size, "hicache_size")
+        if self.hicache_backend not in ("none", "file"):
+            raise ValueError(f"hicache_backend must be none or file, got {self.hicache_backend!r}")
+        if self.hicache_backend != "none":
+            if self.no_prefix_cache:
+                raise ValueError("hicache_backend needs the prefix cache (drop no_prefix_cache)")
+            if self.hicache_block_tokens < 1 or self.hicache_block_tokens % self.page_size:
+                raise ValueError(f"hicache_block_tokens ({self.hicache_block_tokens}) must be a "
+                                 f"positive multiple of page_size ({self.page_size})")
         for name in ("quantization", "spec_draft_quantization"):
             if getattr(self, name) not in ("none", "int8", "int4"):
                 raise ValueError(f"{name} must be one of none, int8, int4, "
@@ -133,16 +153,16 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 1
           "mib": 1024**2, "g": 10**9, "gb": 10**9, "gib": 1024**3}
 
 
-def parse_bytes(text: str | int) -> int:
-    """'4GiB' -> 4294967296; plain integers are bytes."""
+def parse_bytes(text: str | int, name: str = "kv_cache_memory") -> int:
+    """'4GiB' -> 4294967296; plain integers are bytes. `name`: the field, for the error."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size (say 512MiB or 4GiB)")
+        raise ValueError(f"{name}: cannot read {text!r} as a size (say 512MiB or 4GiB)")
     size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if size <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {text!r}")
+        raise ValueError(f"{name} must be positive, got {text!r}")
     return size
 
 

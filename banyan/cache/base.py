@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)
@@ -83,3 +83,29 @@ class PrefixCache(ABC):
     @abstractmethod
     def cached_slots(self) -> list[int]:
         """Every slot the cache owns (for the integrity check)."""
+
+
+class LowerTier(Protocol):
+    """A KV store under the prefix cache (banyan/cache/tier): what the scheduler asks of it.
+    Torch-free on this side; `load` and `save` copy K/V between the store and pool slots."""
+
+    def loadable(self, tokens: Sequence[int], namespace: str | None, start: int) -> int:
+        """Tokens past `start` the tier holds and would load (0: none, or recomputing wins)."""
+        ...
+
+    def load(self, tokens: Sequence[int], namespace: str | None, start: int,
+             slots: Sequence[int]) -> int:
+        """Load tokens[start:start+len(slots)] into `slots`; how many leading ones loaded."""
+        ...
+
+    def save(self, tokens: Sequence[int], namespace: str | None, slots: Sequence[int]) -> None:
+        """Keep the KV of `tokens` (now in `slots`): copied before this returns."""
+        ...
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` prompt tokens in `seconds` (the load/recompute estimate)."""
+        ...
+
+    def close(self) -> None:
+        """Finish the writes still queued."""
+        ...

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
-from banyan.args import EngineArgs
+from banyan.args import EngineArgs, parse_bytes
 from banyan.cache.no_cache import NoPrefixCache
 from banyan.cache.radix import RadixCache
+from banyan.cache.tier import FileStore, KVTier
+from banyan.cache.tier.kv_tier import model_identity
 from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
@@ -65,6 +67,21 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
     return None
 
 
+def make_tier(args: EngineArgs, runner: ModelRunner) -> KVTier | None:
+    """The KV tier under the prefix cache EngineArgs name (None: none)."""
+    if args.hicache_backend == "none":
+        return None
+    from platformdirs import user_cache_dir
+
+    directory = Path(args.hicache_dir or Path(user_cache_dir("banyan")) / "kv-tier")
+    store = FileStore(directory, parse_bytes(args.hicache_size, "hicache_size"))
+    identity = model_identity(runner.model, runner.pool.dtype, runner.quantization)
+    logger.info("KV tier: %s (%d blocks, %.1f MiB of %s), blocks of %d tokens", directory,
+                store.stats.files, store.stats.bytes_used / 2**20, args.hicache_size,
+                args.hicache_block_tokens)
+    return KVTier(runner.pool, store, args.hicache_block_tokens, identity)
+
+
 def build_engine_core(args: EngineArgs) -> EngineCore:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
@@ -84,6 +101,7 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
                           args.in_batch_prefix_threshold)
     allocator = SlotAllocator(runner.num_slots)
     cache = NoPrefixCache() if args.no_prefix_cache else RadixCache(allocator, args.page_size)
+    tier = make_tier(args, runner)
     overlap = args.overlap == "on" or (args.overlap == "auto" and runner.device.type == "cuda")
     if overlap and args.speculative_algorithm != "none":
         logger.warning("speculative decoding guesses only from known tokens: with overlap, a "
@@ -97,6 +115,7 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
         allocator,
         cache,
         make_proposer(args, runner),
+        tier,
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
     # With a tied head in its own layout (packed or quantized), the logits read that copy and a

@@ -159,6 +159,8 @@ class EngineCore:
         """Abort everything and stop the runner's worker (the engine cannot step after)."""
         self.abort_all()
         self.scheduler.runner.close()
+        if self.scheduler.kv.tier is not None:
+            self.scheduler.kv.tier.close()  # blocks still queued are written first
         if self._grammars is not None:
             self._grammars.backend.close()
 

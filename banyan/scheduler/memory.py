@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from banyan.cache.base import PrefixCache
+from banyan.cache.base import LowerTier, MatchResult, PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.request import Request
 
@@ -25,15 +25,18 @@ DECODE_RUN = 16  # decode slots a request takes at a time
 
 
 class KVManager:
-    def __init__(self, allocator: SlotAllocator, cache: PrefixCache, num_rows: int) -> None:
+    def __init__(self, allocator: SlotAllocator, cache: PrefixCache, num_rows: int,
+                 tier: LowerTier | None = None) -> None:
         self.allocator = allocator
         self.cache = cache
+        self.tier = tier  # a KV store under the prefix cache (HiCache), or None
         self.num_rows = num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._with_runs: set[Request] = set()  # requests holding a decode run
         # Prompt tokens looked up in / served from the prefix cache at first admission.
         self.prefix_queried = 0
         self.prefix_hit = 0
+        self.tier_loaded = 0  # tokens loaded from the tier into the pool
 
     @property
     def available(self) -> int:
@@ -102,10 +105,39 @@ class KVManager:
         assert not req.slots and req.cache_handle is None
         tokens = [] if req.wants_prompt_logprobs else req.token_ids(0, req.num_tokens - 1)
         result = self.cache.match_prefix(tokens, req.namespace, count_stats=False)
+        if self.tier is not None and len(result.slots) < self.cache.aligned_len(len(tokens)):
+            result = self._load_from_tier(tokens, req.namespace, result)
         self.cache.lock(result.handle)
         req.cache_handle = result.handle
         req.slots = list(result.slots)
         req.locked_len = req.written = len(result.slots)
+
+    def _load_from_tier(self, tokens: list[int], namespace: str | None,
+                        device: MatchResult) -> MatchResult:
+        """Extend a device match with the blocks the tier holds: load them into free slots and
+        insert them into the prefix cache, as if this request had computed them. Only free
+        slots and evictable cache are used, and only when loading beats recomputing."""
+        assert self.tier is not None
+        start = len(device.slots)
+        n = self.tier.loadable(tokens, namespace, start)
+        n = self.cache.aligned_len(start + n) - start
+        if n <= 0:
+            return device
+        self.cache.lock(device.handle)  # the matched path must survive the eviction below
+        slots = self.alloc_slots(n) if self.available >= n else None
+        self.cache.unlock(device.handle)
+        if slots is None:
+            return device
+        loaded = self.cache.aligned_len(start + self.tier.load(tokens, namespace, start, slots))
+        loaded -= start
+        self.allocator.free(slots[max(loaded, 0):])
+        if loaded <= 0:
+            return device
+        result = self.cache.insert(tokens[: start + loaded], device.slots + slots[:loaded],
+                                   namespace)
+        self.allocator.free(slots[: max(result.cached_len - start, 0)])  # (none: nothing raced)
+        self.tier_loaded += loaded
+        return self.cache.match_prefix(tokens, namespace, count_stats=False)
 
     def count_admission(self, req: Request) -> None:
         self.prefix_queried += len(req.prompt_ids)
@@ -166,6 +198,8 @@ class KVManager:
             # Only K/V that collected steps wrote is cached; a step in flight (a request
             # retracted under overlap) may still be writing the rest.
             n = max(min(req.num_computed, req.written), req.locked_len)
+            if self.tier is not None:  # write-through, while the slots still hold this K/V
+                self.tier.save(req.token_ids(0, n), req.namespace, req.slots[:n])
             result = self.cache.insert(req.token_ids(0, n), req.slots[:n], req.namespace)
             self.allocator.free(req.slots[req.locked_len : max(result.cached_len, req.locked_len)])
             # A partial last page is never cached: it stays ours to free.

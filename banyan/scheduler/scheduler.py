@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from banyan.batch import ForwardBatch, StepOutput
-from banyan.cache.base import PrefixCache
+from banyan.cache.base import LowerTier, PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.builder import BatchBuilder, BudgetConfig, ScheduledStep
 from banyan.scheduler.memory import KVManager
@@ -81,10 +81,11 @@ class StepStats:
 
 class Scheduler:
     def __init__(self, runner: Runner, config: SchedulerConfig, allocator: SlotAllocator,
-                 cache: PrefixCache, proposer: Proposer | None = None) -> None:
+                 cache: PrefixCache, proposer: Proposer | None = None,
+                 tier: LowerTier | None = None) -> None:
         self.runner = runner
         self.config = config
-        self.kv = KVManager(allocator, cache, config.budget.max_running_requests)
+        self.kv = KVManager(allocator, cache, config.budget.max_running_requests, tier)
         self.speculation = (Speculation(proposer, config.speculation)
                             if proposer is not None else None)
         self.builder = BatchBuilder(config.budget, self.kv, SchedulePolicy(config.policy, cache),
@@ -201,6 +202,10 @@ class Scheduler:
             logger.exception("step failed; aborting its %d request(s)", len(step.reqs))
             return self._fail(step, exc)
         t1 = time.perf_counter()
+        if self.kv.tier is not None:  # prompt compute speed, for the tier's load-or-recompute
+            prompt_tokens = step.batch.num_tokens - step.batch.batch_size
+            if prompt_tokens >= 32 and "forward" in out.timings:
+                self.kv.tier.observe_compute(step.batch.num_tokens, out.timings["forward"])
         updates = self.update(step, out)
         stats.wait, stats.output = t1 - t0, time.perf_counter() - t1
         stats.timings = out.timings
