@@ -245,3 +245,56 @@ def test_tier_flags_are_checked() -> None:
         EngineArgs(hicache_backend="file", no_prefix_cache=True)
     with pytest.raises(ValueError, match="hicache_size"):
         EngineArgs(hicache_backend="file", hicache_size="lots")
+
+
+def test_server_reports_the_tier_and_finds_it_after_a_restart(llama_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """`banyan serve --hicache-backend file`: a prompt evicted from the pool is loaded back
+    (same text), the counters reach /metrics and /server_info, and a restarted server on the
+    same directory loads it on its first request."""
+    import httpx
+
+    from tests.test_server import metric_values, running_server, wait_idle_and_free
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(240)]
+    other = [rng.randrange(3, 500) for _ in range(240)]
+    flags = ("--hicache-backend", "file", "--hicache-dir", str(tmp_path / "tier"),
+             "--hicache-block-tokens", "16", "--kv-cache-memory", "160KiB")
+
+    def complete(url: str, ids: list[int]) -> str:
+        reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True})
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["text"]
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    with running_server(llama_dir, tmp_path / "one", *flags) as srv:
+        first = complete(srv.url, prompt)
+        complete(srv.url, other)  # evicts `prompt` from the pool
+        assert complete(srv.url, prompt) == first
+        loaded = metric_values(srv.url)[("banyan:hicache_loaded_tokens_total", ())]
+        assert loaded >= 224
+        info = wait_idle_and_free(srv.url)
+        assert info["hicache"]["loaded_tokens"] == loaded and info["hicache"]["files"] >= 28
+    with running_server(llama_dir, tmp_path / "two", *flags) as srv:
+        assert complete(srv.url, prompt) == first
+        assert metric_values(srv.url)[("banyan:hicache_loaded_tokens_total", ())] >= 224
+
+
+def test_explain_prefix_names_the_tier(llama_dir: Path, tmp_path: Path) -> None:
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, 500) for _ in range(240)]
+    other = [rng.randrange(3, 500) for _ in range(240)]
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                kv_cache_memory="160KiB", hicache_backend="file",
+                hicache_dir=str(tmp_path / "tier"), hicache_block_tokens=16) as engine:
+        for ids in (prompt, other):
+            engine.generate(input_ids=[ids], sampling_params=params, use_tqdm=False)
+        engine.core.scheduler.kv.tier.flush()
+        why = engine.explain_prefix(input_ids=prompt)
+        assert why["miss_cause"] == "in_tier" and why["matched"] + why["tier_tokens"] == 240
+        assert engine.explain_prefix(input_ids=prompt, cache_salt="t")["tier_tokens"] == 0

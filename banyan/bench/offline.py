@@ -35,6 +35,10 @@ def memory_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
     return 2 * n * 4 / best / 1e9
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                "amx_bf16", "amx_int8", "amx_tile")
+
+
 def machine_info() -> dict[str, Any]:
     import os
 
@@ -42,18 +46,28 @@ def machine_info() -> dict[str, Any]:
 
     cpu = platform.processor()
     memory = None
+    isa: list[str] = []
+    family = model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and cpu == platform.processor():
+                cpu = value
+            elif key == "cpu family" and family is None:
+                family = value
+            elif key == "model" and model is None:
+                model = value
+            elif key == "flags" and not isa:
+                # what decides which kernels run: AVX-512 (BF16, VNNI) and AMX, or only AVX2
+                isa = [f for f in value.split() if f in CPU_FEATURES]
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):
                 memory = f"{int(line.split()[1]) / 1024**2:.1f} GiB"
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory": memory,
+    return {"cpu": cpu, "cpu_family_model": f"{family}/{model}", "isa": isa,
+            "cores": os.cpu_count(), "memory": memory,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}

@@ -89,6 +89,10 @@ class LowerTier(Protocol):
     """A KV store under the prefix cache (banyan/cache/tier): what the scheduler asks of it.
     Torch-free on this side; `load` and `save` copy K/V between the store and pool slots."""
 
+    def held(self, tokens: Sequence[int], namespace: str | None, start: int) -> int:
+        """Tokens past `start` the tier holds (whole blocks chained from the first)."""
+        ...
+
     def loadable(self, tokens: Sequence[int], namespace: str | None, start: int) -> int:
         """Tokens past `start` the tier holds and would load (0: none, or recomputing wins)."""
         ...
@@ -108,4 +112,8 @@ class LowerTier(Protocol):
 
     def close(self) -> None:
         """Finish the writes still queued."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters and sizes, by name (metrics, /server_info)."""
         ...

@@ -42,6 +42,7 @@ class CoreStats:
     retractions: int
     last_step: StepStats
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
+    tier: dict[str, float] | None = None  # the KV tier's counters (KVTier.counters), when on
 
 
 @dataclass(slots=True)
@@ -209,6 +210,7 @@ class EngineCore:
             prefix_hit=kv.prefix_hit,
             retractions=sched.total_retractions, last_step=sched.last_step,
             spec=sched.speculation.stats if sched.speculation is not None else None,
+            tier=kv.tier.counters() if kv.tier is not None else None,
         )
 
     @property

@@ -73,7 +73,8 @@ class Engine:
     def explain_prefix(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None,
                        cache_salt: str | None = None) -> dict[str, object]:
         """How much of a prompt the prefix cache holds now, and why the rest would miss:
-        {"matched", "query", "miss_cause": "none" | "evicted" | "unseen"}."""
+        {"matched", "query", "miss_cause": "none" | "evicted" | "unseen" | "in_tier"}, and
+        with a KV tier "tier_tokens": how many more tokens a request would load from it."""
         ids = self.encode(prompt) if prompt is not None else list(input_ids or [])
         return self.core.explain_prefix(ids, cache_salt)
 

@@ -147,9 +147,15 @@ class KVManager:
         """How much of `tokens` the cache holds now, and (radix cache) why the rest missed:
         "evicted" (it was cached and has been evicted) or "unseen"."""
         result = self.cache.match_prefix(tokens, namespace, count_stats=False)
-        return {"matched": len(result.slots), "query": len(tokens),
-                "miss_cause": getattr(result, "miss_cause", "unseen" if len(result.slots) <
-                                      len(tokens) else "none")}
+        out: dict[str, object] = {
+            "matched": len(result.slots), "query": len(tokens),
+            "miss_cause": getattr(result, "miss_cause", "unseen" if len(result.slots) <
+                                  len(tokens) else "none")}
+        if self.tier is not None:  # what a request would load from the tier past the match
+            out["tier_tokens"] = held = self.tier.held(tokens, namespace, len(result.slots))
+            if held:
+                out["miss_cause"] = "in_tier"
+        return out
 
     def unmatch(self, req: Request) -> None:
         """Undo `match` for a request that was not admitted after all."""

@@ -233,6 +233,7 @@ class EngineLoop:
             prefix_cache_queries=core.prefix_queried, prefix_cache_hits=core.prefix_hit,
             retractions=core.retractions, steps=c.steps,
             **_spec_fields(core.spec),
+            hicache=core.tier or {},
             times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
             busy_fraction=(min(sum(b for _, b in c.recent) / recent_wall, 1.0)
                            if recent_wall else 0.0),
@@ -285,6 +286,7 @@ class EngineLoop:
             "step_times": {f: getattr(stats.times, f) for f in StepTimes.__struct_fields__},
             "last_step": stats.last_step,
             "speculative": spec.as_dict() if stats.spec_accepted_per_pos else None,
+            "hicache": stats.hicache or None,
         }
 
     def _update(self, u: RequestUpdate) -> Update:

@@ -124,6 +124,7 @@ class EngineStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    hicache: dict[str, float] = {}  # the KV tier's counters (KVTier.counters); empty when off
 
     @property
     def kv_usage(self) -> float:

@@ -34,6 +34,20 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 PHASES = ("schedule", "prepare", "forward", "sample", "output", "other")
 
 
+HICACHE_COUNTERS = {
+    "saved_blocks": "KV blocks written to the tier (write-through at request release).",
+    "saved_bytes": "Bytes written to the tier.",
+    "dropped_blocks": "Blocks not written: the write queue was full.",
+    "loaded_blocks": "Blocks loaded from the tier into the KV pool.",
+    "loaded_tokens": "Prompt tokens loaded from the tier instead of computed.",
+    "loaded_bytes": "Bytes read from the tier.",
+    "load_seconds": "Time spent loading blocks from the tier.",
+    "recompute_preferred": "Tier hits left unused: recomputing was estimated faster.",
+    "evicted_files": "Block files deleted to keep the tier within its budget.",
+    "corrupt_files": "Block files that failed their check on load (deleted, recomputed).",
+}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, cache_info: dict[str, str] | None = None) -> None:
         """cache_info: labels of vllm:cache_config_info (block_size, enable_prefix_caching,
@@ -128,6 +142,11 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(s.spec_accepted_per_pos):
                 per_pos.add_metric([name, str(pos)], n)
             yield per_pos
+        if s.hicache:  # the KV tier under the prefix cache
+            for key, doc in HICACHE_COUNTERS.items():
+                yield counter(f"banyan:hicache_{key}", doc, s.hicache.get(key, 0))
+            yield gauge("banyan:hicache_bytes_used", "Bytes of block files in the KV tier.",
+                        s.hicache.get("bytes_used", 0))
         phase = CounterMetricFamily(
             "banyan:step_phase_seconds",
             "Engine loop time by phase: schedule, prepare (inputs), forward, sample, output "

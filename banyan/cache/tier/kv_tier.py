@@ -115,22 +115,24 @@ class KVTier:
 
     # ---- scheduler side ----------------------------------------------------------------------
 
-    def loadable(self, tokens: Sequence[int], namespace: str | None, start: int) -> int:
-        """How many tokens past `start` the tier holds, in whole blocks, and only if loading
-        them is estimated faster than computing them (else 0)."""
+    def held(self, tokens: Sequence[int], namespace: str | None, start: int) -> int:
+        """How many tokens past `start` the tier holds, in whole blocks."""
         B = self.block_tokens
         first = start // B
-        keys = block_keys(chain_seed(self.identity, namespace), tokens, B, first)
         n = 0
-        for key in keys:
+        for key in block_keys(chain_seed(self.identity, namespace), tokens, B, first):
             if not self.store.contains(key):
                 break
             n += 1
-        count = (first + n) * B - start if n else 0
+        return max((first + n) * B - start, 0) if n else 0
+
+    def loadable(self, tokens: Sequence[int], namespace: str | None, start: int) -> int:
+        """`held`, when loading those tokens is estimated faster than computing them (else 0)."""
+        count = self.held(tokens, namespace, start)
         if count > 0 and not self.costs.worth_loading(count):
             self.stats.recompute_preferred += 1
             return 0
-        return max(count, 0)
+        return count
 
     def load(self, tokens: Sequence[int], namespace: str | None, start: int,
              slots: Sequence[int]) -> int:
@@ -143,32 +145,42 @@ class KVTier:
         first, end = start // B, start + len(slots)
         keys = block_keys(chain_seed(self.identity, namespace), tokens, B, first,
                           (end - 1) // B + 1 - first)
-        payloads: list[torch.Tensor] = []
+        loaded = read = 0
         for j, key in enumerate(keys, start=first):
             data = self.store.get(key, tokens[j * B:(j + 1) * B], self.block_bytes)
             if data is None:
                 break
-            payloads.append(torch.frombuffer(data, dtype=torch.uint8))
-        if not payloads:
+            block = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.dtype)
+            block = block.view(self.block_shape).to(self.pool.device)  # [L, 2, B, H, D]
+            lo, hi = max(start, j * B) - j * B, min(end, (j + 1) * B) - j * B
+            self._copy_in(block[:, :, lo:hi], slots[loaded:loaded + hi - lo])
+            loaded += hi - lo
+            read += 1
+        if not loaded:
             return 0
-        blocks = torch.cat(payloads).view(self.pool.dtype)
-        blocks = blocks.view(len(payloads), *self.block_shape)  # [n, L, 2, B, H, D]
-        loaded = min(end, (first + len(payloads)) * B) - start
-        offset = start - first * B
-        index = torch.tensor(list(slots[:loaded]), dtype=torch.int64, device=self.pool.device)
-        for layer in range(self.pool.layers):
-            for which, dest in enumerate((self.pool.k[layer], self.pool.v[layer])):
-                rows = blocks[:, layer, which].reshape(-1, *self.block_shape[3:])
-                dest.index_copy_(0, index, rows[offset:offset + loaded].to(dest.device))
+        nbytes = read * self.block_bytes
         seconds = time.perf_counter() - t0
-        nbytes = len(payloads) * self.block_bytes
         self.costs.observe_load(nbytes, seconds)
         s = self.stats
-        s.loaded_blocks += len(payloads)
+        s.loaded_blocks += read
         s.loaded_tokens += loaded
         s.loaded_bytes += nbytes
         s.load_seconds += seconds
         return loaded
+
+    def _copy_in(self, kv: torch.Tensor, slots: Sequence[int]) -> None:
+        """kv [L, 2, n, H, D] into pool slots: a plain copy when the slots are one ascending run
+        (the allocator hands out lowest-first, so they usually are), else an index copy."""
+        first, n = slots[0], len(slots)
+        run = slots[-1] - first == n - 1 and list(slots) == list(range(first, first + n))
+        index = None if run else torch.tensor(list(slots), dtype=torch.int64,
+                                             device=self.pool.device)
+        for layer in range(self.pool.layers):
+            for which, dest in enumerate((self.pool.k[layer], self.pool.v[layer])):
+                if index is None:
+                    dest[first:first + n].copy_(kv[layer, which])
+                else:
+                    dest.index_copy_(0, index, kv[layer, which])
 
     def save(self, tokens: Sequence[int], namespace: str | None, slots: Sequence[int]) -> None:
         """Write-through: queue the full blocks of `tokens` (whose KV is in `slots`) that the
@@ -198,6 +210,15 @@ class KVTier:
         for i, j in enumerate(new):
             self._queue.put((keys[j], list(tokens[j * B:(j + 1) * B]),
                              out[:, :, i * B:(i + 1) * B]))
+
+    def counters(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {f: getattr(self.stats, f) for f in TierStats.__slots__}
+        store = self.store.stats
+        out.update(files=store.files, bytes_used=store.bytes_used,
+                   evicted_files=store.evicted_files, corrupt_files=store.corrupt_files,
+                   budget_bytes=self.store.budget, block_tokens=self.block_tokens)
+        return out
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         self.costs.observe_compute(tokens, seconds)
