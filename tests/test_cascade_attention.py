@@ -15,6 +15,7 @@ import torch
 from banyan import Engine, SamplingParams
 from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
 from banyan.attention.cpu_native import CpuNativeBackend
+from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata
 from banyan.batch import ForwardBatch
 from banyan.mem.kv_pool import KVPool
@@ -349,6 +350,8 @@ def greedy_plans_match_transformers(
     plans: list[TorchAttentionMetadata] = []
 
     native = bool(backend.pop("native", False))
+    if native:  # the kernel's extends too, on CPUs where the engine would give them to SDPA
+        backend.setdefault("max_extend", MAX_NATIVE_EXTEND)
 
     class Recording(CpuNativeBackend if native else SdpaBackend):  # type: ignore[misc]
         def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> TorchAttentionMetadata:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
+from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.kernels import native
 from tests.test_cascade_attention import Req, Scene, fresh, greedy_plans_match_transformers
 
@@ -25,7 +26,8 @@ HEADS = [(4, 4), (6, 2), (6, 1)]  # MHA, GQA, MQA
 
 def native_backend(scene: Scene) -> CpuNativeBackend:
     assert CpuNativeBackend.supports(scene.pool)
-    return CpuNativeBackend(scene.pool, scene.table)
+    # every extend the kernel can take, on any CPU: its portable loops are checked too
+    return CpuNativeBackend(scene.pool, scene.table, max_extend=MAX_NATIVE_EXTEND)
 
 
 def groups_of(meta: NativeMetadata) -> list[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """The "cpu-native" attention backend: decodes and prefill chunks of up to MAX_NATIVE_EXTEND
-tokens through the C++ CPU kernel (native_plan.py), everything else (longer fresh chunks) on the
-SDPA paths it inherits.
+tokens through the C++ CPU kernel (native_plan.py; decodes only where it has no AVX-512 paths),
+everything else (longer chunks) on the SDPA paths it inherits.
 """
 
 from __future__ import annotations
@@ -10,12 +10,19 @@ from dataclasses import dataclass
 import torch
 
 from banyan.attention.base import AttentionMetadata
-from banyan.attention.native_plan import NativePlan, native_attention, plan_native, takes_extend
+from banyan.attention.prefix_groups import CascadePolicy
+from banyan.attention.native_plan import (
+    NativePlan,
+    default_max_extend,
+    native_attention,
+    plan_native,
+)
 from banyan.attention.registry import register_backend
 from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata, token_starts
 from banyan.batch import ForwardBatch
 from banyan.kernels import native as native_kernels
 from banyan.mem.kv_pool import KVPool
+from banyan.mem.req_table import ReqToTokenTable
 
 
 @dataclass(slots=True)
@@ -25,6 +32,13 @@ class NativeMetadata(TorchAttentionMetadata):
 
 @register_backend("cpu-native")
 class CpuNativeBackend(SdpaBackend):
+    def __init__(self, pool: KVPool, table: ReqToTokenTable, scale: float | None = None, *,
+                 cascade: CascadePolicy | None = CascadePolicy(),
+                 max_extend: int | None = None) -> None:
+        super().__init__(pool, table, scale, cascade=cascade)
+        # Extends of up to this many tokens go to the kernel (decodes always do).
+        self.max_extend = default_max_extend() if max_extend is None else max_extend
+
     @classmethod
     def supports(cls, pool: KVPool) -> bool:
         return native_kernels.supports(pool.device, pool.dtype)
@@ -32,7 +46,7 @@ class CpuNativeBackend(SdpaBackend):
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> NativeMetadata:
         meta = NativeMetadata(backend=self, num_tokens=batch.num_tokens, out_slots=out_slots)
         starts = token_starts(batch)
-        taken = [i for i, n in enumerate(batch.extend_lens) if n == 1 or takes_extend(n)]
+        taken = [i for i, n in enumerate(batch.extend_lens) if n <= self.max_extend]
         if taken:
             meta.native = plan_native(
                 self.table.table,

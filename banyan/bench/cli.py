@@ -111,6 +111,11 @@ def run_offline(ns: argparse.Namespace) -> int:
                                f"{s['mean_acceptance_length']:.2f}, {s['num_accepted_tokens']}/"
                                f"{s['num_draft_tokens']} guesses accepted, per position "
                                + " ".join(f"{r:.2f}" for r in s["per_position_rate"]))
+    if result.get("hicache"):
+        h = result["hicache"]
+        info["KV tier"] = (f"{h['loaded_tokens']:.0f} tokens loaded ({h['loaded_bytes'] / 1e6:.0f}"
+                           f" MB in {h['load_seconds']:.2f} s), {h['saved_blocks']:.0f} blocks "
+                           f"saved, {h['recompute_preferred']:.0f} hits recomputed instead")
     if "batch1" in out:
         b = out["batch1"]
         info["Batch-1 decode (tok/s)"] = (f"{b['decode_tok_s']:.1f} of bound "

@@ -137,6 +137,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
     last_token: dict[int, float] = {}
     retractions0 = engine.core.stats().retractions
     spec0 = _spec_counts(engine)
+    tier0 = engine.core.stats().tier
     split = StepSplit()
     prefix = f"bench{next(_run_ids)}-"
     bar = tqdm(total=len(reqs), desc="bench offline", unit="req",
@@ -215,6 +216,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
         "summary": summary,
         "step_split": split.to_dict(elapsed),
         "speculative": _spec_delta(spec0, _spec_counts(engine)),
+        "hicache": _counter_delta(tier0, engine.core.stats().tier),
         "records": records,
     }
 
@@ -227,6 +229,15 @@ def _spec_counts(engine: Any) -> SpecStats | None:
 def _spec_delta(before: SpecStats | None, after: SpecStats | None) -> dict[str, Any] | None:
     """Speculation's counters over one run: drafts, guesses, accepted, acceptance length."""
     return None if before is None or after is None else after.since(before).as_dict()
+
+
+def _counter_delta(before: dict[str, float] | None,
+                   after: dict[str, float] | None) -> dict[str, float] | None:
+    """The KV tier's counters over one run (sizes as they are at the end)."""
+    if before is None or after is None:
+        return None
+    sizes = ("files", "bytes_used", "budget_bytes", "block_tokens")
+    return {k: v if k in sizes else v - before.get(k, 0) for k, v in after.items()}
 
 
 def run_multi_turn(engine: Any, workload: Workload) -> dict[str, Any]:

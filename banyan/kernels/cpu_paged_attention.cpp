@@ -406,4 +406,13 @@ extern "C" {
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32, F32)
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16, BF16)
 
+// 512 when this build has the AVX-512 paths, else 0 (the portable loops: AVX2 CPUs).
+int64_t banyan_vector_bits() {
+#if defined(__AVX512F__)
+    return 512;
+#else
+    return 0;
+#endif
+}
+
 }  // extern "C"

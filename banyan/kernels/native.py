@@ -122,7 +122,16 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                            ptr, i64]
     lib.banyan_int4_linear_f32.restype = None
+    lib.banyan_vector_bits.argtypes = []
+    lib.banyan_vector_bits.restype = i64
     return lib
+
+
+@cache
+def has_avx512() -> bool:
+    """Whether the kernels were built with their AVX-512 paths (else the portable loops)."""
+    lib = load()
+    return lib is not None and lib.banyan_vector_bits() == 512
 
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
