@@ -49,11 +49,20 @@ class EngineArgs:
         "A KV tier under the prefix cache (HiCache): file (block files in --hicache-dir, kept "
         "across restarts and shared by replicas on one machine) or none. Finished requests' KV "
         "is written there in the background; a prompt whose prefix is there loads it instead "
-        "of recomputing it.", choices=["none", "file"]))
+        "of recomputing it. mooncake: Mooncake's distributed store (--hicache-mooncake-master), "
+        "shared by every replica joined to it; each donates --hicache-size of its memory.",
+        choices=["none", "file", "mooncake"]))
     hicache_dir: str | None = field(default=None, metadata=_doc(
         "Directory of the file tier. Default: kv-tier in the user cache directory."))
     hicache_size: str = field(default="8GiB", metadata=_doc(
         "Disk budget of the file tier (least recently used blocks are deleted beyond it)."))
+    hicache_mooncake_master: str = field(default="127.0.0.1:50051", metadata=_doc(
+        "mooncake tier: the mooncake_master's RPC address (start one with `mooncake_master "
+        "--rpc_port=50051`, installed by mooncake-transfer-engine-non-cuda)."))
+    hicache_mooncake_metadata: str = field(default="P2PHANDSHAKE", metadata=_doc(
+        "mooncake tier: the transfer metadata service: P2PHANDSHAKE (none needed) or the "
+        "master's HTTP one (http://host:port/metadata, mooncake_master "
+        "--enable_http_metadata_server=true)."))
     hicache_block_tokens: int = field(default=64, metadata=_doc(
         "Tokens per tier block (a multiple of --page-size): the unit saved, found and loaded."))
     schedule_policy: str = field(default="lpm", metadata=_doc(
@@ -120,8 +129,9 @@ class EngineArgs:
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
         parse_bytes(self.hicache_size, "hicache_size")
-        if self.hicache_backend not in ("none", "file"):
-            raise ValueError(f"hicache_backend must be none or file, got {self.hicache_backend!r}")
+        if self.hicache_backend not in ("none", "file", "mooncake"):
+            raise ValueError("hicache_backend must be none, file or mooncake, got "
+                             f"{self.hicache_backend!r}")
         if self.hicache_backend != "none":
             if self.no_prefix_cache:
                 raise ValueError("hicache_backend needs the prefix cache (drop no_prefix_cache)")

@@ -12,7 +12,8 @@ from banyan.args import EngineArgs, parse_bytes
 from banyan.cache.no_cache import NoPrefixCache
 from banyan.cache.radix import RadixCache
 from banyan.cache.tier import FileStore, KVTier
-from banyan.cache.tier.kv_tier import model_identity
+from banyan.cache.tier.kv_tier import BlockStore, model_identity
+from banyan.cache.tier.mooncake_store import MooncakeStore
 from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
@@ -73,11 +74,19 @@ def make_tier(args: EngineArgs, runner: ModelRunner) -> KVTier | None:
         return None
     from platformdirs import user_cache_dir
 
-    directory = Path(args.hicache_dir or Path(user_cache_dir("banyan")) / "kv-tier")
-    store = FileStore(directory, parse_bytes(args.hicache_size, "hicache_size"))
+    budget = parse_bytes(args.hicache_size, "hicache_size")
+    store: BlockStore
+    if args.hicache_backend == "mooncake":
+        block_bytes = runner.pool.bytes_per_slot * args.hicache_block_tokens
+        store = MooncakeStore(args.hicache_mooncake_master, args.hicache_mooncake_metadata,
+                              budget, block_bytes + 64 * args.hicache_block_tokens + 4096)
+        where = f"Mooncake store at {args.hicache_mooncake_master}"
+    else:
+        directory = Path(args.hicache_dir or Path(user_cache_dir("banyan")) / "kv-tier")
+        store = FileStore(directory, budget)
+        where = f"{directory} ({store.stats.files} blocks, {store.stats.bytes_used / 2**20:.1f} MiB)"
     identity = model_identity(runner.model, runner.pool.dtype, runner.quantization)
-    logger.info("KV tier: %s (%d blocks, %.1f MiB of %s), blocks of %d tokens", directory,
-                store.stats.files, store.stats.bytes_used / 2**20, args.hicache_size,
+    logger.info("KV tier: %s, %s budget, blocks of %d tokens", where, args.hicache_size,
                 args.hicache_block_tokens)
     return KVTier(runner.pool, store, args.hicache_block_tokens, identity)
 

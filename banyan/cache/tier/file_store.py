@@ -1,6 +1,7 @@
 """The `file` backend of the KV tier: one file per block in one directory, bounded by LRU.
 
-A block file is `MAGIC | u32 header length | JSON header | payload`. The header names the block's
+A stored block (a file here, a value in the Mooncake store) is `MAGIC | u32 header length |
+JSON header | payload`. The header names the block's
 key, its tokens, the payload's size and its xxh3-64 checksum; a load checks all four, so a torn,
 truncated, foreign or corrupted file is never used: it is deleted and counted, and the caller
 recomputes those tokens. Files are written to a temporary name and renamed into place, so a
@@ -28,6 +29,34 @@ logger = logging.getLogger(__name__)
 MAGIC = b"BANYANKV\x01"
 _LEN = struct.Struct("<I")
 SUFFIX = ".kv"
+
+
+def block_header(key: str, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
+    """What precedes a block's payload in every store: MAGIC, the header's length, the header."""
+    header = json.dumps({"key": key, "tokens": list(tokens), "payload_bytes": len(payload),
+                         "checksum": xxhash.xxh3_64_hexdigest(payload)}).encode()
+    return MAGIC + _LEN.pack(len(header)) + header
+
+
+def verified_payload(data: bytearray, key: str, tokens: Sequence[int],
+                     payload_bytes: int) -> memoryview | None:
+    """The payload of a stored block (header + payload), or None unless its magic, key,
+    tokens, size and checksum are all as expected."""
+    head = len(MAGIC) + _LEN.size
+    if len(data) < head or not data.startswith(MAGIC):
+        return None
+    (header_len,) = _LEN.unpack_from(data, len(MAGIC))
+    try:
+        header = json.loads(data[head : head + header_len])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    payload = memoryview(data)[head + header_len :]
+    if (not isinstance(header, dict) or header.get("key") != key
+            or header.get("tokens") != list(tokens)
+            or header.get("payload_bytes") != payload_bytes or len(payload) != payload_bytes
+            or header.get("checksum") != xxhash.xxh3_64_hexdigest(payload)):
+        return None
+    return payload
 
 
 @dataclass(slots=True)
@@ -90,21 +119,20 @@ class FileStore:
         return True
 
     def put(self, key: str, tokens: Sequence[int], payload: bytes | memoryview) -> None:
-        header = json.dumps({"key": key, "tokens": list(tokens), "payload_bytes": len(payload),
-                             "checksum": xxhash.xxh3_64_hexdigest(payload)}).encode()
+        head = block_header(key, tokens, payload)
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + _LEN.pack(len(header)) + header)
+                f.write(head)
                 f.write(payload)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        size = len(MAGIC) + _LEN.size + len(header) + len(payload)
+        size = len(head) + len(payload)
         with self._lock:
             old = self._index.pop(key, None)
             self.stats.bytes_used += size - (old or 0)
@@ -122,7 +150,7 @@ class FileStore:
         except OSError:
             self._forget(key)
             return None
-        payload = self._verified(data, key, tokens, payload_bytes)
+        payload = verified_payload(data, key, tokens, payload_bytes)
         if payload is None:
             logger.warning("KV tier: block file %s failed its check; deleted, recomputing", path)
             with self._lock:
@@ -134,24 +162,8 @@ class FileStore:
                 self._index.move_to_end(key)
         return payload
 
-    @staticmethod
-    def _verified(data: bytearray, key: str, tokens: Sequence[int],
-                  payload_bytes: int) -> memoryview | None:
-        head = len(MAGIC) + _LEN.size
-        if len(data) < head or not data.startswith(MAGIC):
-            return None
-        (header_len,) = _LEN.unpack_from(data, len(MAGIC))
-        try:
-            header = json.loads(data[head : head + header_len])
-        except (ValueError, UnicodeDecodeError):
-            return None
-        payload = memoryview(data)[head + header_len :]
-        if (not isinstance(header, dict) or header.get("key") != key
-                or header.get("tokens") != list(tokens)
-                or header.get("payload_bytes") != payload_bytes or len(payload) != payload_bytes
-                or header.get("checksum") != xxhash.xxh3_64_hexdigest(payload)):
-            return None
-        return payload
+    def close(self) -> None:
+        """Nothing to release: every block is a file already."""
 
     def _forget(self, key: str, unlink: bool = False) -> None:
         with self._lock:

@@ -22,12 +22,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xxhash
 
 from banyan.cache.tier.blocks import block_keys, chain_seed
-from banyan.cache.tier.file_store import FileStore
+from banyan.cache.tier.file_store import StoreStats
 from banyan.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,24 @@ class LoadCostModel:
         return self.load_seconds(tokens) < tokens / self.compute_rate
 
 
+class BlockStore(Protocol):
+    """Where blocks are kept (file_store.FileStore, mooncake_store.MooncakeStore): a block is
+    stored whole with its header, and `get` returns its payload only if every check passes."""
+
+    budget: int
+    stats: StoreStats
+
+    def contains(self, key: str) -> bool: ...
+
+    def put(self, key: str, tokens: Sequence[int], payload: bytes | memoryview) -> None: ...
+
+    def get(self, key: str, tokens: Sequence[int], payload_bytes: int) -> memoryview | None: ...
+
+    def close(self) -> None: ...
+
+
 class KVTier:
-    def __init__(self, pool: KVPool, store: FileStore, block_tokens: int, identity: str) -> None:
+    def __init__(self, pool: KVPool, store: BlockStore, block_tokens: int, identity: str) -> None:
         if block_tokens < 1:
             raise ValueError(f"hicache_block_tokens must be >= 1, got {block_tokens}")
         self.pool = pool
@@ -231,6 +248,7 @@ class KVTier:
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=10)
+        self.store.close()
 
     # ---- the writer thread -------------------------------------------------------------------
 
@@ -249,6 +267,8 @@ class KVTier:
                         self.stats.saved_bytes += payload.nbytes
                 except OSError as exc:
                     logger.warning("KV tier: could not write block %s: %s", key, exc)
+                    with self._lock:
+                        self.stats.dropped_blocks += 1
                 finally:
                     with self._lock:
                         self._pending.discard(key)
