@@ -9,13 +9,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from banyan import Engine, SamplingParams
-from tests.test_server import free_port, running_server, wait_idle_and_free
+from tests.test_server import free_port, start_server, wait_idle_and_free
 
 mooncake_store = pytest.importorskip(
     "mooncake.store", reason="mooncake-transfer-engine-non-cuda (and libibverbs1) not installed")
@@ -90,8 +91,13 @@ def test_two_replicas_share_the_store(llama_dir: Path, master: str, tmp_path: Pa
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with running_server(llama_dir, tmp_path / "a", *flags) as a, \
-            running_server(llama_dir, tmp_path / "b", *flags) as b:
+    with ThreadPoolExecutor(2) as pool:  # both start at once
+        starts = [pool.submit(start_server, llama_dir, tmp_path / d, "--served-model-name",
+                              "tiny", *flags) for d in ("a", "b")]
+    servers = [f.result() for f in starts if f.exception() is None]
+    try:
+        assert len(servers) == 2, f"a replica did not start: {[f.exception() for f in starts]}"
+        a, b = servers
         text = complete(a.url)
         deadline = time.monotonic() + 30  # the write-through runs in the background
         while wait_idle_and_free(a.url)["hicache"]["saved_blocks"] < 15:
@@ -100,3 +106,6 @@ def test_two_replicas_share_the_store(llama_dir: Path, master: str, tmp_path: Pa
         assert complete(b.url) == text
         info = wait_idle_and_free(b.url)["hicache"]
         assert info["loaded_tokens"] >= 224 and info["saved_blocks"] == 0
+    finally:
+        codes = [srv.stop() for srv in servers]
+    assert codes == [0, 0]

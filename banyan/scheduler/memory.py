@@ -171,6 +171,8 @@ class KVManager:
         if not self.cache.keeps_prefixes:
             return
         tokens = req.token_ids(0, n)
+        if self.tier is not None:  # at once: requests on other replicas may want it now
+            self.tier.save(tokens, req.namespace, req.slots[:n])
         result = self.cache.insert(tokens, req.slots[:n], req.namespace)
         self.allocator.free(req.slots[req.locked_len : result.cached_len])
         self.cache.lock(result.handle)

@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from banyan.cache.tier.file_store import StoreStats, block_header, verified_payload
 
 logger = logging.getLogger(__name__)
+
+SEEN_KEYS = 1 << 16  # stored keys remembered locally
 
 INSTALL_HINT = ("the mooncake KV tier needs `pip install mooncake-transfer-engine-non-cuda` "
                 "and Debian's libibverbs1 (apt-get install libibverbs1), even for TCP")
@@ -47,6 +50,7 @@ class MooncakeStore:
         self.budget = budget_bytes
         self.stats = StoreStats()
         self._lock = threading.Lock()
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._store = _client()
         buffer = max(64 * 2**20, 4 * max_value_bytes)
         rc = self._store.setup(local_hostname, metadata, budget_bytes, buffer, "tcp", "", master)
@@ -56,7 +60,23 @@ class MooncakeStore:
                                "running there?")
 
     def contains(self, key: str) -> bool:
-        return self._store.is_exist(key) == 1
+        with self._lock:
+            if key in self._seen:
+                return True
+        if self._store.is_exist(key) != 1:  # a round trip to the master (~0.1-0.3 ms)
+            return False
+        self._remember(key)
+        return True
+
+    def _remember(self, key: str) -> None:
+        """Keys known to be stored, so the write-through of every chunk and release does not
+        ask the master again. The master may evict one since (silently): a load then finds
+        it gone, forgets it, and recomputes."""
+        with self._lock:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+            if len(self._seen) > SEEN_KEYS:
+                self._seen.popitem(last=False)
 
     def put(self, key: str, tokens: Sequence[int], payload: bytes | memoryview) -> None:
         value = block_header(key, tokens, payload) + bytes(payload)
@@ -66,10 +86,13 @@ class MooncakeStore:
         with self._lock:
             self.stats.files += 1
             self.stats.bytes_used += len(value)
+        self._remember(key)
 
     def get(self, key: str, tokens: Sequence[int], payload_bytes: int) -> memoryview | None:
         data = self._store.get(key)  # b"" when missing (evicted, or its holder left)
         if not data:
+            with self._lock:
+                self._seen.pop(key, None)
             return None
         payload = verified_payload(bytearray(data), key, tokens, payload_bytes)
         if payload is None:
@@ -78,6 +101,8 @@ class MooncakeStore:
             with self._lock:
                 self.stats.corrupt_files += 1
             self._store.remove(key, True)
+            with self._lock:
+                self._seen.pop(key, None)
         return payload
 
     def close(self) -> None:
