@@ -179,11 +179,20 @@ def test_scheduler_with_a_tier_stays_exact_and_leaks_nothing(overlap: bool,
 # ---- the engine with the file tier ------------------------------------------------------------
 
 
+def _pool_bytes(model: Path, tokens: int = 320) -> int:
+    """A float32 KV pool of about `tokens` slots for this model."""
+    import json
+
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return tokens * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
+
+
 def _generate(model: Path, prompts: list[list[int]], **kw: object) -> tuple[list[list[int]], dict]:
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     outs = []
     with Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True,
-                kv_cache_memory="160KiB", **kw) as engine:
+                kv_cache_memory=str(_pool_bytes(model)), **kw) as engine:
         for prompt in prompts:  # one at a time: each evicts the ones before from the pool
             outs.append(engine.generate(input_ids=[prompt], sampling_params=params,
                                         use_tqdm=False)[0].outputs[0].output_ids)
@@ -195,21 +204,23 @@ def _generate(model: Path, prompts: list[list[int]], **kw: object) -> tuple[list
     return outs, info
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("arch,page_size", [("llama", 1), ("llama", 4), ("mistral", 1),
+                                            ("qwen2", 4), ("qwen3", 1)])
 def test_engine_outputs_equal_with_the_file_tier_after_eviction_and_restart(
-        llama_dir: Path, tmp_path: Path, page_size: int) -> None:
+        model_dirs: dict[str, Path], tmp_path: Path, arch: str, page_size: int) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(230)] for _ in range(4)]
     prompts = prompts + [p[:200] + [rng.randrange(3, 500) for _ in range(20)] for p in prompts]
     prompts = prompts + prompts  # the second round finds its prefixes only in the tier
     tier = {"hicache_backend": "file", "hicache_dir": str(tmp_path / "tier"),
             "hicache_block_tokens": 16, "page_size": page_size}
-    plain, info = _generate(llama_dir, prompts, page_size=page_size)
+    model = model_dirs[arch]
+    plain, info = _generate(model, prompts, page_size=page_size)
     assert info["capacity"] < 2 * 230  # the pool holds about one prompt: the rest is evicted
-    first, info = _generate(llama_dir, prompts, **tier)
+    first, info = _generate(model, prompts, **tier)
     assert first == plain
     assert info["loaded"] > 1500 and info["stats"].saved_blocks > 0
-    restarted, info = _generate(llama_dir, prompts, **tier)  # the blocks are found on disk
+    restarted, info = _generate(model, prompts, **tier)  # the blocks are found on disk
     assert restarted == plain
     assert info["stats"].saved_blocks == 0 and info["loaded"] >= 8 * 13 * 16
     files = sorted((tmp_path / "tier").rglob("*.kv"))
@@ -234,6 +245,32 @@ def test_engine_recomputes_a_corrupted_block(llama_dir: Path, tmp_path: Path) ->
     assert info["store"].corrupt_files == 1
     # deleted, then written again whole when the recomputed prompt finished
     assert victim.exists() and victim.read_bytes() != bytes(data)
+
+
+def test_recomputing_is_chosen_when_it_is_estimated_faster(tmp_path: Path) -> None:
+    """The load-or-recompute estimate: measured rates decide; a tier hit that would load
+    slower than the prompt computes is left unused (and counted)."""
+    import torch
+
+    from banyan.cache.tier.kv_tier import KVTier, LoadCostModel
+    from banyan.mem.kv_pool import KVPool
+
+    costs = LoadCostModel(bytes_per_token=1000, read_rate=1e9)
+    assert costs.worth_loading(64)  # nothing computed yet: loading is taken to win
+    costs.observe_compute(2000, 1.0)  # 2,000 tokens/s: 64 tokens take 32 ms
+    assert costs.worth_loading(64)  # 1 ms + 64 us to load
+    for _ in range(40):  # the tier turns out to read 1 MB/s: 64 tokens would take 65 ms
+        costs.observe_load(10**6, 1.0)
+    assert costs.read_rate < 1.1e6 and not costs.worth_loading(64)
+    pool = KVPool(1, 64, 1, 4, torch.float32, "cpu")
+    tier = KVTier(pool, FileStore(tmp_path, 1 << 20), 4, "model")
+    tokens = list(range(3, 20))
+    tier.save(tokens, None, list(range(1, 18)))
+    tier.flush()
+    assert tier.held(tokens, None, 0) == 16 and tier.loadable(tokens, None, 0) == 16
+    tier.costs.compute_rate = 1e12  # a device that computes faster than any disk reads
+    assert tier.loadable(tokens, None, 0) == 0 and tier.stats.recompute_preferred == 1
+    tier.close()
 
 
 def test_tier_flags_are_checked() -> None:

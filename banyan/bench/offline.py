@@ -236,7 +236,8 @@ def _counter_delta(before: dict[str, float] | None,
     """The KV tier's counters over one run (sizes as they are at the end)."""
     if before is None or after is None:
         return None
-    sizes = ("files", "bytes_used", "budget_bytes", "block_tokens")
+    sizes = ("files", "bytes_used", "budget_bytes", "block_tokens", "read_bytes_per_s",
+             "compute_tokens_per_s")
     return {k: v if k in sizes else v - before.get(k, 0) for k, v in after.items()}
 
 

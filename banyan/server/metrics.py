@@ -147,6 +147,11 @@ class _EngineCollector(Collector):
                 yield counter(f"banyan:hicache_{key}", doc, s.hicache.get(key, 0))
             yield gauge("banyan:hicache_bytes_used", "Bytes of block files in the KV tier.",
                         s.hicache.get("bytes_used", 0))
+            yield gauge("banyan:hicache_read_bytes_per_second", "Measured load rate of the tier "
+                        "(the load-or-recompute estimate).", s.hicache.get("read_bytes_per_s", 0))
+            yield gauge("banyan:hicache_compute_tokens_per_second", "Measured prompt compute "
+                        "rate (the load-or-recompute estimate; 0 until a prompt was computed).",
+                        s.hicache.get("compute_tokens_per_s", 0))
         phase = CounterMetricFamily(
             "banyan:step_phase_seconds",
             "Engine loop time by phase: schedule, prepare (inputs), forward, sample, output "

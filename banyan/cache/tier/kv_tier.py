@@ -235,7 +235,9 @@ class KVTier:
         store = self.store.stats
         out.update(files=store.files, bytes_used=store.bytes_used,
                    evicted_files=store.evicted_files, corrupt_files=store.corrupt_files,
-                   budget_bytes=self.store.budget, block_tokens=self.block_tokens)
+                   budget_bytes=self.store.budget, block_tokens=self.block_tokens,
+                   read_bytes_per_s=self.costs.read_rate,
+                   compute_tokens_per_s=self.costs.compute_rate or 0.0)
         return out
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
