@@ -99,6 +99,17 @@ def test_multibyte_text_streams_exactly(tokenizer: Any) -> None:
     assert held_back > 0  # characters really were split across tokens
 
 
+def test_long_outputs_stream_exactly(tokenizer: Any) -> None:
+    """Outputs of hundreds of tokens stream exactly (one-shot decode of the continuation)."""
+    text = " ".join(TEXTS) * 3
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > 100
+    for cut in (0, 3, 17):
+        prompt, output = ids[:cut], ids[cut:]
+        want = continuation(tokenizer, prompt, output)
+        assert want is not None and "".join(stream(tokenizer, prompt, output)) == want
+
+
 def test_leading_space_of_the_first_output_token_is_kept(tokenizer: Any) -> None:
     prompt = tokenizer.encode("Once upon a", add_special_tokens=False)
     output = tokenizer.encode("Once upon a time", add_special_tokens=False)[len(prompt):]
@@ -111,7 +122,7 @@ def test_random_ids_on_byte_level_match_one_shot_decode(bytelevel: Any) -> None:
     checked = 0
     for _ in range(300):
         prompt = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(6))]
-        output = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(1, 25))]
+        output = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(1, 80))]
         for skip in (True, False):
             deltas = stream(bytelevel, prompt, output, skip)
             want = continuation(bytelevel, prompt, output, skip)
