@@ -29,7 +29,8 @@ import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
+           "cpu_skinny_linear.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -122,6 +123,8 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                            ptr, i64]
     lib.banyan_int4_linear_f32.restype = None
+    lib.banyan_skinny_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+    lib.banyan_skinny_linear_f32.restype = None
     lib.banyan_vector_bits.argtypes = []
     lib.banyan_vector_bits.restype = i64
     return lib
@@ -132,6 +135,19 @@ def has_avx512() -> bool:
     """Whether the kernels were built with their AVX-512 paths (else the portable loops)."""
     lib = load()
     return lib is not None and lib.banyan_vector_bits() == 512
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T (+ bias), float32 on CPU, contiguous: every weight row read once
+    per 8 tokens (cpu_skinny_linear.cpp). For small T, where GEMM libraries are slow."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable"
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    lib.banyan_skinny_linear_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 weight.shape[0], torch.get_num_threads())
+    return out
 
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

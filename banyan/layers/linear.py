@@ -119,6 +119,66 @@ class PackedBf16Method(LinearMethod):
             return False
 
 
+class SkinnyF32Method(DenseMethod):
+    """float32 on CPU: steps of up to SKINNY_ROWS tokens go through the native skinny kernel,
+    which reads each weight row once for all of them (a decode checking speculative guesses, a
+    small batch); more tokens go to F.linear. The weight stays as it is (no copy). oneDNN and MKL
+    switch from a GEMV to a GEMM kernel from two rows on, which measured ~2x a GEMV on both 2-core
+    machines seen (Zen 3: the LM head 9.0 ms at one row, 20 ms at 2-8 rows; the kernel 5.1-5.8
+    ms), so checking guesses was not free. Sums are in another order than F.linear's (8-lane
+    partial sums): results differ in the last bits (~1e-6 relative). Up to 16 tokens the kernel
+    measured faster on every projection of SmolLM2 there (two passes over the weights beat the
+    GEMM); past that, F.linear. Whether it wins on a CPU is measured at load (`faster_here`).
+    """
+
+    SKINNY_ROWS = 16
+
+    def create_weights(self, layer: Linear) -> None:
+        raise NotImplementedError("made from a loaded dense layer (adopt)")
+
+    def adopt(self, layer: Linear) -> None:
+        layer.weight.data = layer.weight.data.contiguous()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:
+            from banyan.kernels import native
+
+            return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
+        return nn.functional.linear(x, layer.weight, layer.bias)
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        from banyan.kernels import native
+
+        return device.type == "cpu" and dtype == torch.float32 and native.load() is not None
+
+    @classmethod
+    def faster_here(cls, weight: torch.Tensor, rows: int = 4, reps: int = 3) -> bool:
+        """Whether the kernel beats F.linear on this CPU for `rows` tokens through `weight` (the
+        model's largest, where the time goes): medians of `reps` timed calls each. CPUs differ
+        (GEMM libraries pick other kernels per ISA), so this is measured, not assumed."""
+        import time
+
+        from banyan.kernels import native
+
+        x = torch.randn(rows, weight.shape[1])
+
+        def median(fn: object) -> float:
+            times = []
+            for _ in range(reps + 1):  # the first call warms caches and threads
+                t0 = time.perf_counter()
+                fn()  # type: ignore[operator]
+                times.append(time.perf_counter() - t0)
+            return sorted(times[1:])[reps // 2]
+
+        with torch.inference_mode():
+            library = median(lambda: nn.functional.linear(x, weight))
+            kernel = median(lambda: native.skinny_linear(x, weight, None))
+        logger.info("skinny float32 linear: %.2f ms vs F.linear %.2f ms at %d rows",
+                    kernel * 1e3, library * 1e3, rows)
+        return kernel < library
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  method: LinearMethod | None = None) -> None:

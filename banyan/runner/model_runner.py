@@ -21,7 +21,7 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
-from banyan.layers.linear import Linear, PackedBf16Method, convert_linears
+from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
@@ -162,13 +162,23 @@ class ModelRunner:
                            [m.in_features for m in self.model.modules() if isinstance(m, Linear)])
         method = quantized_method(quantization)
         if method is None:
-            if not PackedBf16Method.available(self.device, self.dtype):
+            if PackedBf16Method.available(self.device, self.dtype):
+                method = PackedBf16Method
+            elif SkinnyF32Method.available(self.device, self.dtype) and \
+                    SkinnyF32Method.faster_here(self._largest_linear_weight()):
+                method = SkinnyF32Method
+            else:
                 return
-            method = PackedBf16Method
         if self.model.lm_head is None:
             self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
         converted = convert_linears(self.model, method)
         logger.info("%d linear weights converted to %s", converted, method.__name__)
+
+    def _largest_linear_weight(self) -> torch.Tensor:
+        """The biggest projection weight (the LM head, tied or not, in small models)."""
+        weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+        weights.append(self.model.embed_tokens.weight)
+        return max(weights, key=lambda w: w.numel()).detach()
 
     @classmethod
     def from_engine_args(
