@@ -1,5 +1,8 @@
 """Print the speculative-decoding runs (benchmarks/run_spec_benchmarks.sh) as a Markdown table:
-output tokens/s, the ratio to the same workload and dtype without speculation, acceptance."""
+output tokens/s, the ratio to the same workload and dtype without speculation, acceptance.
+
+    python benchmarks/spec_report.py [FOLDER] [PREFIX]   (PREFIX default "spec-": files
+    PREFIX<workload>-<algo>-<dtype>.json; e.g. "spec-zen3-" for another machine's set)"""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ from pathlib import Path
 
 def main() -> None:
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
-    runs = {p.stem.removeprefix("spec-"): json.loads(p.read_text())
-            for p in sorted(folder.glob("spec-*.json"))
-            if p.stem.count("-") == 3 and not p.stem.startswith("spec-step-cost")}
+    prefix = sys.argv[2] if len(sys.argv) > 2 else "spec-"
+    runs = {p.stem.removeprefix(prefix): json.loads(p.read_text())
+            for p in sorted(folder.glob(f"{prefix}*.json"))
+            if p.stem.removeprefix(prefix).count("-") == 2 and "step-cost" not in p.stem}
     # spec-<workload>-<algo>-<dtype>; the step-cost files are another benchmark's
     print("| run | output tok/s | vs none | acceptance length | accepted / guessed | per position |")
     print("|---|---|---|---|---|---|")
