@@ -47,15 +47,16 @@ class EngineArgs:
         "Tokens per KV page: the prefix cache shares whole pages only."))
     hicache_backend: str = field(default="none", metadata=_doc(
         "A KV tier under the prefix cache (HiCache): file (block files in --hicache-dir, kept "
-        "across restarts and shared by replicas on one machine) or none. Finished requests' KV "
-        "is written there in the background; a prompt whose prefix is there loads it instead "
-        "of recomputing it. mooncake: Mooncake's distributed store (--hicache-mooncake-master), "
+        "across restarts and shared by replicas on one machine) or none. Computed prompts' and "
+        "finished requests' KV is written there in the background; a prompt whose prefix is "
+        "there loads it instead of recomputing it. mooncake: Mooncake's distributed store (--hicache-mooncake-master), "
         "shared by every replica joined to it; each donates --hicache-size of its memory.",
         choices=["none", "file", "mooncake"]))
     hicache_dir: str | None = field(default=None, metadata=_doc(
         "Directory of the file tier. Default: kv-tier in the user cache directory."))
     hicache_size: str = field(default="8GiB", metadata=_doc(
-        "Disk budget of the file tier (least recently used blocks are deleted beyond it)."))
+        "Budget of the tier: disk for file (least recently used blocks are deleted beyond it), "
+        "memory this engine donates to the store for mooncake."))
     hicache_mooncake_master: str = field(default="127.0.0.1:50051", metadata=_doc(
         "mooncake tier: the mooncake_master's RPC address (start one with `mooncake_master "
         "--rpc_port=50051`, installed by mooncake-transfer-engine-non-cuda)."))

@@ -181,11 +181,13 @@ def test_scheduler_with_a_tier_stays_exact_and_leaks_nothing(overlap: bool,
 
 def _pool_bytes(model: Path, tokens: int = 320) -> int:
     """A float32 KV pool of about `tokens` slots for this model."""
-    import json
+    import torch
 
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return tokens * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
+    from banyan.mem.kv_pool import kv_bytes_per_slot
+    from banyan.models.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model)
+    return tokens * kv_bytes_per_slot(cfg.layers, cfg.kv_heads, cfg.head_dim, torch.float32)
 
 
 def _generate(model: Path, prompts: list[list[int]], **kw: object) -> tuple[list[list[int]], dict]:

@@ -44,9 +44,10 @@ def machine_info() -> dict[str, Any]:
 
     import torch
 
+    from banyan.kernels import native
+
     cpu = platform.processor()
     memory = None
-    isa: list[str] = []
     family = model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,15 +58,14 @@ def machine_info() -> dict[str, Any]:
                 family = value
             elif key == "model" and model is None:
                 model = value
-            elif key == "flags" and not isa:
-                # what decides which kernels run: AVX-512 (BF16, VNNI) and AMX, or only AVX2
-                isa = [f for f in value.split() if f in CPU_FEATURES]
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):
                 memory = f"{int(line.split()[1]) / 1024**2:.1f} GiB"
                 break
     except OSError:
         pass
+    # what decides which kernels run: AVX-512 (BF16, VNNI) and AMX, or only AVX2
+    isa = [f for f in native.cpu_flags().split() if f in CPU_FEATURES]
     return {"cpu": cpu, "cpu_family_model": f"{family}/{model}", "isa": isa,
             "cores": os.cpu_count(), "memory": memory,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,

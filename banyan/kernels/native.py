@@ -47,7 +47,8 @@ FLAGS = (
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The `flags` line of /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -69,7 +70,7 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256()
     for path in sorted(here.glob("*.[ch]*")):  # the sources and the headers they include
         key.update(path.read_bytes())
-    key.update(" ".join((compiler, *FLAGS, _cpu_flags())).encode())
+    key.update(" ".join((compiler, *FLAGS, cpu_flags())).encode())
     out = _cache_dir() / f"banyan_cpu_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from banyan.kernels import native
+
 logger = logging.getLogger(__name__)
 
 
@@ -141,15 +143,11 @@ class SkinnyF32Method(DenseMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:
-            from banyan.kernels import native
-
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
         return nn.functional.linear(x, layer.weight, layer.bias)
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        from banyan.kernels import native
-
         return device.type == "cpu" and dtype == torch.float32 and native.load() is not None
 
     @classmethod
@@ -158,8 +156,6 @@ class SkinnyF32Method(DenseMethod):
         model's largest, where the time goes): medians of `reps` timed calls each. CPUs differ
         (GEMM libraries pick other kernels per ISA), so this is measured, not assumed."""
         import time
-
-        from banyan.kernels import native
 
         x = torch.randn(rows, weight.shape[1])
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from banyan.cache.base import LowerTier, MatchResult, PrefixCache
+from banyan.cache.base import InsertResult, LowerTier, MatchResult, PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.request import Request
 
@@ -130,8 +130,8 @@ class KVManager:
             return device
         loaded = self.cache.aligned_len(start + self.tier.load(tokens, namespace, start, slots))
         loaded -= start
-        self.allocator.free(slots[max(loaded, 0):])
-        if loaded <= 0:
+        self.allocator.free(slots[loaded:])
+        if loaded == 0:
             return device
         result = self.cache.insert(tokens[: start + loaded], device.slots + slots[:loaded],
                                    namespace)
@@ -171,9 +171,7 @@ class KVManager:
         if not self.cache.keeps_prefixes:
             return
         tokens = req.token_ids(0, n)
-        if self.tier is not None:  # at once: requests on other replicas may want it now
-            self.tier.save(tokens, req.namespace, req.slots[:n])
-        result = self.cache.insert(tokens, req.slots[:n], req.namespace)
+        result = self._offer(tokens, req.slots[:n], req.namespace)
         self.allocator.free(req.slots[req.locked_len : result.cached_len])
         self.cache.lock(result.handle)
         self.cache.unlock(req.cache_handle)
@@ -183,6 +181,14 @@ class KVManager:
             req.row_synced = 0  # the table row must be rewritten with the cache's slots
         req.slots = shared + req.slots[len(shared) :]
         req.locked_len = len(shared)
+
+    def _offer(self, tokens: list[int], slots: list[int], namespace: str | None) -> InsertResult:
+        """Computed K/V (a prompt chunk, or a request giving its KV up) offered to the prefix
+        cache, and written through to the tier at once, while the slots still hold it: replicas
+        sharing the tier may want a prompt before its request ends."""
+        if self.tier is not None:
+            self.tier.save(tokens, namespace, slots)
+        return self.cache.insert(tokens, slots, namespace)
 
     def drop_uncomputed(self, req: Request, keep: int) -> None:
         """Free req's slots from token `keep` on, given to a step that failed (and any launched
@@ -206,9 +212,7 @@ class KVManager:
             # Only K/V that collected steps wrote is cached; a step in flight (a request
             # retracted under overlap) may still be writing the rest.
             n = max(min(req.num_computed, req.written), req.locked_len)
-            if self.tier is not None:  # write-through, while the slots still hold this K/V
-                self.tier.save(req.token_ids(0, n), req.namespace, req.slots[:n])
-            result = self.cache.insert(req.token_ids(0, n), req.slots[:n], req.namespace)
+            result = self._offer(req.token_ids(0, n), req.slots[:n], req.namespace)
             self.allocator.free(req.slots[req.locked_len : max(result.cached_len, req.locked_len)])
             # A partial last page is never cached: it stays ours to free.
             self.allocator.free(req.slots[max(self.cache.aligned_len(n), req.locked_len) :])

@@ -35,7 +35,8 @@ PHASES = ("schedule", "prepare", "forward", "sample", "output", "other")
 
 
 HICACHE_COUNTERS = {
-    "saved_blocks": "KV blocks written to the tier (write-through at request release).",
+    "saved_blocks": "KV blocks written to the tier (write-through of computed prompt chunks "
+                    "and of requests' KV when they end).",
     "saved_bytes": "Bytes written to the tier.",
     "dropped_blocks": "Blocks not written: the write queue was full.",
     "loaded_blocks": "Blocks loaded from the tier into the KV pool.",
