@@ -331,3 +331,20 @@ def test_explain_prefix_names_the_tier(llama_dir: Path, tmp_path: Path) -> None:
         why = engine.explain_prefix(input_ids=prompt)
         assert why["miss_cause"] == "in_tier" and why["matched"] + why["tier_tokens"] == 240
         assert engine.explain_prefix(input_ids=prompt, cache_salt="t")["tier_tokens"] == 0
+
+
+def test_model_identity_ignores_a_tied_head_made_at_load(llama_dir: Path) -> None:
+    """Whether a run builds a tied head copy depends on the linear method picked at load (timed
+    on the CPU): the blocks' keys must not."""
+    import torch
+
+    from banyan.cache.tier.kv_tier import model_identity
+    from banyan.layers.linear import Linear
+    from banyan.models.loader import load_model
+
+    model = load_model(llama_dir, dtype="float32", device=torch.device("cpu"),
+                       show_progress=False)
+    before = model_identity(model, torch.float32)
+    model.tied_head = Linear.from_weight(model.embed_tokens.weight)
+    assert model_identity(model, torch.float32) == before
+    assert model_identity(model, torch.bfloat16) != before

@@ -52,10 +52,16 @@ class TierStats:
 def model_identity(model: torch.nn.Module, kv_dtype: torch.dtype, extra: str = "") -> str:
     """What a stored block's K/V depends on besides its tokens: the weights (the first values of
     every parameter, so two fine-tunes of one architecture differ), their layout and the KV
-    dtype. Part of every block key: another model's blocks are simply never found."""
+    dtype. Part of every block key: another model's blocks are simply never found. A tensor
+    reachable twice (a tied LM head made at load, whose existence depends on which linear method
+    the load picked) counts once, so the identity is the checkpoint's, not the run's layout."""
     digest = xxhash.xxh3_128()
     digest.update(f"{kv_dtype}|{extra}".encode())
+    seen: set[int] = set()
     for name, param in model.named_parameters():
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
         head = param.detach().reshape(-1)[:256].float().cpu()
         digest.update(name.encode() + str(tuple(param.shape)).encode())
         digest.update(head.numpy().tobytes())
