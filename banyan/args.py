@@ -11,6 +11,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+LINEAR_KERNELS = ("auto", "torch", "native")
+
+
+def check_linear_kernel(value: str) -> None:
+    if value not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
+                         f"got {value!r}")
+
+
 def _doc(text: str, **extra: object) -> dict[str, object]:
     return {"help": text, **extra}
 
@@ -110,6 +119,13 @@ class EngineArgs:
         "4-bit with a float16 scale and minimum per 32 inputs). CPU only; activations stay in "
         "--dtype (float32 is the fast one on CPUs without AVX512_BF16).",
         choices=["none", "int8", "int4"]))
+    linear_kernel: str = field(default="auto", metadata=_doc(
+        "Kernel of the unquantized linear layers: torch (F.linear; bfloat16 weights prepacked "
+        "by oneDNN where it can), native (the C++ skinny kernel for steps of up to 16 tokens, "
+        "float32 on CPU), auto (native where it measured faster on this CPU; measured once per "
+        "machine and remembered in the kernel cache's choices.json, so every process decides "
+        "alike).",
+        choices=list(LINEAR_KERNELS)))
     grammar_compile_timeout: float = field(default=30.0, metadata=_doc(
         "Seconds a structured-output request waits for its grammar to compile (off the step "
         "loop; other requests keep running) before it fails."))
@@ -143,6 +159,7 @@ class EngineArgs:
             if getattr(self, name) not in ("none", "int8", "int4"):
                 raise ValueError(f"{name} must be one of none, int8, int4, "
                                  f"got {getattr(self, name)!r}")
+        check_linear_kernel(self.linear_kernel)
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.speculative_algorithm not in ("none", "ngram", "draft"):

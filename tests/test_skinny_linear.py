@@ -34,3 +34,51 @@ def test_the_method_takes_few_tokens_and_leaves_the_rest_to_f_linear() -> None:
     torch.testing.assert_close(layer(x[:8]), want[:8], rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x), want)  # 20 tokens: F.linear itself
     assert layer.weight_bytes() == 40 * 24 * 4
+
+
+def _methods(runner: object) -> set[str]:
+    model = runner.model  # type: ignore[attr-defined]
+    return {type(m.method).__name__ for m in model.modules() if isinstance(m, Linear)}
+
+
+def test_linear_kernel_choice_is_the_users_or_the_machines(llama_dir: object) -> None:
+    from tests.model_helpers import make_runner
+
+    assert _methods(make_runner(llama_dir, dtype="float32", linear_kernel="torch")) == \
+        {"DenseMethod"}
+    assert _methods(make_runner(llama_dir, dtype="float32", linear_kernel="native")) == \
+        {"SkinnyF32Method"}
+    with pytest.raises(ValueError, match="linear_kernel"):
+        make_runner(llama_dir, dtype="float32", linear_kernel="fast")
+    with pytest.raises(ValueError, match="linear_kernel native"):
+        make_runner(llama_dir, dtype="float32", linear_kernel="native", quantization="int8")
+
+
+_ASK = """
+import random, sys, time
+from pathlib import Path
+from banyan.kernels import native
+native.load()
+native._cache_dir = lambda: Path(sys.argv[1])
+measured = []
+def measure():
+    measured.append(1)
+    time.sleep(0.2)
+    return random.random() < 0.5
+answer = native.remembered("question", measure)
+print(answer, len(measured))
+"""
+
+
+def test_processes_started_together_take_one_answer(tmp_path: object) -> None:
+    """The timing-based kernel choice is made once per machine: replicas started together must
+    not each time it and pick differently (their outputs would differ in the last bits)."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _ASK, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len({answer for answer, _ in outs}) == 1, outs
+    assert sorted(n for _, n in outs) == ["0", "0", "0", "1"], outs  # one process measured

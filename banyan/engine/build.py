@@ -60,7 +60,9 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
                             num_slots=target.num_slots, max_rows=target.max_rows,
                             max_context=target.max_context, show_progress=not args.disable_tqdm,
                             attention_backend=args.attention_backend,
-                            quantization=args.spec_draft_quantization)
+                            quantization=args.spec_draft_quantization,
+                            linear_kernel="auto" if args.spec_draft_quantization != "none"
+                            else args.linear_kernel)
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)

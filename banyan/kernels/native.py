@@ -16,12 +16,15 @@ one that would spin against it.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -149,6 +152,34 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                                  None if bias is None else bias.data_ptr(), out.data_ptr(),
                                  weight.shape[0], torch.get_num_threads())
     return out
+
+
+def remembered(question: str, measure: Callable[[], bool]) -> bool:
+    """The answer to a timing question about the kernels ("is the skinny kernel faster than
+    F.linear for this weight?"), measured once per machine and kept beside the library (keyed by
+    it: sources, flags, CPU), torch's version and thread count. Under a file lock, so processes
+    started together (server replicas) all take the first one's answer: a timing decided per
+    process let two replicas of one model pick different kernels and differ in the last bits."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable"
+    key = f"{Path(lib._name).stem} torch-{torch.__version__} threads-{torch.get_num_threads()} "
+    key += question
+    folder = _cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "choices.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = folder / "choices.json"
+        try:
+            answers = json.loads(path.read_text())
+        except (OSError, ValueError):
+            answers = {}
+        if not isinstance(answers.get(key), bool):
+            answers[key] = bool(measure())
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=folder)
+            with os.fdopen(fd, "w") as f:
+                json.dump(answers, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        return answers[key]
 
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -130,7 +130,8 @@ class SkinnyF32Method(DenseMethod):
     ms), so checking guesses was not free. Sums are in another order than F.linear's (8-lane
     partial sums): results differ in the last bits (~1e-6 relative). Up to 16 tokens the kernel
     measured faster on every projection of SmolLM2 there (two passes over the weights beat the
-    GEMM); past that, F.linear. Whether it wins on a CPU is measured at load (`faster_here`).
+    GEMM); past that, F.linear. Whether it wins on a CPU is measured (`faster_here`) once per
+    machine (`chosen_here`), so every process serving a model computes it alike.
     """
 
     SKINNY_ROWS = 16
@@ -149,6 +150,12 @@ class SkinnyF32Method(DenseMethod):
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype == torch.float32 and native.load() is not None
+
+    @classmethod
+    def chosen_here(cls, weight: torch.Tensor) -> bool:
+        """`faster_here` for this weight's shape, as first measured on this machine."""
+        rows, cols = weight.shape
+        return native.remembered(f"skinny-f32 {rows}x{cols}", lambda: cls.faster_here(weight))
 
     @classmethod
     def faster_here(cls, weight: torch.Tensor, rows: int = 4, reps: int = 3) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from banyan.args import check_linear_kernel
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
@@ -98,12 +99,14 @@ class ModelRunner:
         show_progress: bool = True,
         attention_backend: str = "auto",
         quantization: str = "none",
+        linear_kernel: str = "auto",
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
         at max_rows * max_context + 1 slots).
         max_context: longest sequence a table row holds (default max_position_embeddings).
-        quantization: none | int8 | int4 weight-only linears (layers/quant.py)."""
+        quantization: none | int8 | int4 weight-only linears (layers/quant.py).
+        linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
@@ -114,7 +117,7 @@ class ModelRunner:
         )
         self.dtype = self.model.embed_tokens.weight.dtype
         self.quantization = quantization
-        self._convert_linears(quantization)
+        self._convert_linears(quantization, linear_kernel)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
         if num_slots is None and kv_cache_bytes is not None:
@@ -155,17 +158,24 @@ class ModelRunner:
             self.backend.name,
         )
 
-    def _convert_linears(self, quantization: str) -> None:
+    def _convert_linears(self, quantization: str, linear_kernel: str) -> None:
         """Quantize the linears (the tied head too: a quantized copy beside the embedding,
-        which lookups keep reading), or else prepack bf16 ones where oneDNN can."""
+        which lookups keep reading), or else pick their kernel: oneDNN-prepacked bf16 where it
+        can, the native skinny float32 kernel where asked or measured faster here."""
         check_quantization(quantization, self.device, self.dtype,
                            [m.in_features for m in self.model.modules() if isinstance(m, Linear)])
+        check_linear_kernel(linear_kernel)
+        skinny = SkinnyF32Method.available(self.device, self.dtype)
+        if linear_kernel == "native" and (quantization != "none" or not skinny):
+            raise ValueError("linear_kernel native needs float32 on CPU, unquantized, with the "
+                             "native kernels built")
         method = quantized_method(quantization)
         if method is None:
             if PackedBf16Method.available(self.device, self.dtype):
                 method = PackedBf16Method
-            elif SkinnyF32Method.available(self.device, self.dtype) and \
-                    SkinnyF32Method.faster_here(self._largest_linear_weight()):
+            elif linear_kernel == "native" or (linear_kernel == "auto" and skinny and
+                                               SkinnyF32Method.chosen_here(
+                                                   self._largest_linear_weight())):
                 method = SkinnyF32Method
             else:
                 return
@@ -202,6 +212,7 @@ class ModelRunner:
             show_progress=not args.disable_tqdm,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            linear_kernel=args.linear_kernel,
         )
 
     # ------------------------------------------------------------------ public surface
