@@ -126,6 +126,18 @@ class EngineArgs:
         "machine and remembered in the kernel cache's choices.json, so every process decides "
         "alike).",
         choices=list(LINEAR_KERNELS)))
+    disaggregation_mode: str = field(default="null", metadata=_doc(
+        "Prefill/decode disaggregation role: null (serve both phases), prefill (compute prompts "
+        "and keep their K/V for decode workers to fetch), decode (fetch a prompt's K/V from the "
+        "prefill worker a request names in kv_transfer_params, then decode). Usually started "
+        "by `banyan route --pd` or `banyan serve --pd P:D`.",
+        choices=["null", "prefill", "decode"]))
+    disaggregation_kv_addr: str = field(default="tcp://127.0.0.1:0", metadata=_doc(
+        "prefill: the ZMQ address its K/V is served on, as decode workers reach it (port 0: a "
+        "free one). Responses carry it in the x-banyan-kv-source header."))
+    disaggregation_timeout: float = field(default=30.0, metadata=_doc(
+        "decode: seconds a K/V fetch may take before the decode worker computes the prompt "
+        "itself (the prefill worker died or is stuck)."))
     grammar_compile_timeout: float = field(default=30.0, metadata=_doc(
         "Seconds a structured-output request waits for its grammar to compile (off the step "
         "loop; other requests keep running) before it fails."))
@@ -160,6 +172,18 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of none, int8, int4, "
                                  f"got {getattr(self, name)!r}")
         check_linear_kernel(self.linear_kernel)
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError("disaggregation_mode must be null, prefill or decode, got "
+                             f"{self.disaggregation_mode!r}")
+        if self.disaggregation_mode != "null" and self.no_prefix_cache:
+            raise ValueError("disaggregation_mode needs the prefix cache (drop no_prefix_cache)")
+        host = self.disaggregation_kv_addr.removeprefix("tcp://").rsplit(":", 1)[0]
+        if not self.disaggregation_kv_addr.startswith("tcp://") or host in ("", "*", "0.0.0.0"):
+            raise ValueError("disaggregation_kv_addr must be tcp://HOST:PORT with the address "
+                             f"decode workers reach, got {self.disaggregation_kv_addr!r}")
+        if self.disaggregation_timeout <= 0:
+            raise ValueError("disaggregation_timeout must be > 0, got "
+                             f"{self.disaggregation_timeout}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.speculative_algorithm not in ("none", "ngram", "draft"):

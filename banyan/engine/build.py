@@ -70,6 +70,32 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
     return None
 
 
+def kv_identity(runner: ModelRunner) -> str:
+    """What K/V computed by this runner depends on besides the tokens (model_identity)."""
+    return model_identity(runner.model, runner.pool.dtype, runner.quantization)
+
+
+def attach_disaggregation(core: EngineCore, args: EngineArgs, runner: ModelRunner) -> None:
+    """Give a prefill or decode worker its end of the KV transfer (banyan/disagg/)."""
+    if args.disaggregation_mode == "null":
+        return
+    import zmq
+
+    from banyan.disagg.sink import KVSink
+    from banyan.disagg.source import KVSource
+
+    ctx = zmq.Context.instance()
+    kv = core.scheduler.kv
+    if args.disaggregation_mode == "prefill":
+        core.kv_source = KVSource(ctx, args.disaggregation_kv_addr, runner.pool, kv.cache,
+                                  kv_identity(runner))
+        logger.info("prefill worker: K/V served at %s", core.kv_source.address)
+    else:
+        core.kv_sink = KVSink(ctx, kv, runner.pool, kv_identity(runner),
+                              args.disaggregation_timeout)
+        logger.info("decode worker: fetches prompts' K/V from prefill workers")
+
+
 def make_tier(args: EngineArgs, runner: ModelRunner) -> KVTier | None:
     """The KV tier under the prefix cache EngineArgs name (None: none)."""
     if args.hicache_backend == "none":
@@ -87,7 +113,7 @@ def make_tier(args: EngineArgs, runner: ModelRunner) -> KVTier | None:
         directory = Path(args.hicache_dir or Path(user_cache_dir("banyan")) / "kv-tier")
         store = FileStore(directory, budget)
         where = f"{directory} ({store.stats.files} blocks, {store.stats.bytes_used / 2**20:.1f} MiB)"
-    identity = model_identity(runner.model, runner.pool.dtype, runner.quantization)
+    identity = kv_identity(runner)
     logger.info("KV tier: %s, %s budget, blocks of %d tokens", where, args.hicache_size,
                 args.hicache_block_tokens)
     return KVTier(runner.pool, store, args.hicache_block_tokens, identity)
@@ -129,6 +155,7 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
         tier,
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
+    attach_disaggregation(core, args, runner)
     # With a tied head in its own layout (packed or quantized), the logits read that copy and a
     # step reads only its tokens' rows of the embedding: count the head, not the table.
     model = runner.model

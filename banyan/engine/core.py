@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from banyan.args import EngineArgs
 from banyan.engine.detok import TextAccumulator
@@ -21,6 +22,10 @@ from banyan.scheduler.speculation import SpecStats
 from banyan.structured.grammar import GrammarBackend, check_compiles
 from banyan.structured.spec import check_json_schema
 from banyan.structured.waiting import GrammarWaitlist
+
+if TYPE_CHECKING:
+    from banyan.disagg.sink import KVSink
+    from banyan.disagg.source import KVSource
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,7 @@ class CoreStats:
     last_step: StepStats
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
     tier: dict[str, float] | None = None  # the KV tier's counters (KVTier.counters), when on
+    disagg: dict[str, float] | None = None  # the KV transfer's counters (P/D workers)
 
 
 @dataclass(slots=True)
@@ -65,12 +71,19 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.weight_bytes = 0  # bytes of weights read per forward (for the bandwidth bound)
         self._grammars: GrammarWaitlist | None = None  # made at the first structured request
+        # Prefill/decode disaggregation (banyan/disagg/): the end this worker's role needs.
+        self.kv_sink: KVSink | None = None  # decode: fetches prompts' K/V
+        self.kv_source: KVSource | None = None  # prefill: serves its cached K/V
 
     def add(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
-            namespace: str | None = None) -> SampleGroup:
+            namespace: str | None = None, kv_source: str | None = None) -> SampleGroup:
         """Validate and queue a request (n children when params.n > 1). ValueError names the
-        problem; nothing is queued then."""
+        problem; nothing is queued then. kv_source: the prefill worker holding the prompt's K/V
+        (a decode worker fetches it first, banyan/disagg/sink.py)."""
         params.validate(self.vocab_size)
+        if kv_source is not None and self.kv_sink is None:
+            raise ValueError("kv_transfer_params: this server is not a decode worker "
+                             "(--disaggregation-mode decode)")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -96,8 +109,19 @@ class EngineCore:
             ))
         if params.structured is not None:
             self._check_structured(params)
-            self._waitlist().add(params.structured, children)
+        if kv_source is not None and self.kv_sink is not None:
+            self._queue(self.kv_sink.start(children, kv_source))
             return SampleGroup(rid, [r.rid for r in children], prompt)
+        return SampleGroup(rid, self._queue(children), prompt)
+
+    def _queue(self, children: list[Request]) -> list[str]:
+        """Into the grammar waitlist (structured output) or the scheduler: all or none."""
+        if not children:
+            return []
+        structured = children[0].params.structured
+        if structured is not None:
+            self._waitlist().add(structured, children)
+            return [r.rid for r in children]
         added: list[str] = []
         try:
             for req in children:
@@ -107,7 +131,7 @@ class EngineCore:
             for child_rid in added:
                 self.scheduler.abort(child_rid)
             raise
-        return SampleGroup(rid, added, prompt)
+        return added
 
     def _text_stream(self, prompt: list[int], params: SamplingParams) -> Any:
         return TextAccumulator.from_params(self.tokenizer, prompt, params)
@@ -133,6 +157,15 @@ class EngineCore:
         """One turn of the engine loop (overlapped with --overlap on), after moving requests
         whose grammar is compiled into the scheduler."""
         updates: list[RequestUpdate] = []
+        if self.kv_sink is not None and len(self.kv_sink):
+            idle = not self.scheduler.has_work and not self._grammars
+            for req in self.kv_sink.collect(block_s=0.005 if idle else 0.0):
+                try:
+                    self._queue([req])
+                except ValueError as exc:
+                    updates.append(RequestUpdate(req.rid, [], "", FinishReason.ABORT,
+                                                 prompt_tokens=len(req.prompt_ids),
+                                                 error=str(exc)))
         if self._grammars is not None and len(self._grammars):
             idle = not self.scheduler.has_work
             ready, failed = self._grammars.collect(block_s=0.005 if idle else 0.0)
@@ -144,11 +177,14 @@ class EngineCore:
             for req, error in failed:
                 updates.append(RequestUpdate(req.rid, [], "", FinishReason.ABORT,
                                              prompt_tokens=len(req.prompt_ids), error=error))
-            if not self.scheduler.has_work:
-                return updates
+        if not self.scheduler.has_work:
+            return updates
         return updates + self.scheduler.step()
 
     def abort(self, rid: str) -> RequestUpdate | None:
+        if self.kv_sink is not None and (req := self.kv_sink.remove(rid)) is not None:
+            return RequestUpdate(rid, [], "", FinishReason.ABORT,
+                                 prompt_tokens=len(req.prompt_ids))
         if self._grammars is not None:
             req = self._grammars.remove(rid)
             if req is not None:
@@ -159,6 +195,9 @@ class EngineCore:
     def close(self) -> None:
         """Abort everything and stop the runner's worker (the engine cannot step after)."""
         self.abort_all()
+        for end in (self.kv_sink, self.kv_source):
+            if end is not None:
+                end.close()
         self.scheduler.runner.close()
         if self.scheduler.kv.tier is not None:
             self.scheduler.kv.tier.close()  # blocks still queued are written first
@@ -171,21 +210,25 @@ class EngineCore:
         return self.scheduler.last_step
 
     def abort_all(self) -> list[RequestUpdate]:
-        waiting = self._grammars.rids() if self._grammars is not None else []
-        updates = [self.abort(rid) for rid in waiting + list(self.scheduler.requests)]
+        updates = [self.abort(rid) for rid in self._outside_scheduler()]
+        updates += [self.abort(rid) for rid in list(self.scheduler.requests)]
         return [u for u in updates if u is not None]
+
+    def _outside_scheduler(self) -> list[str]:
+        """Requests waiting for their K/V or their grammar, not yet in the scheduler."""
+        waiting = self.kv_sink.rids() if self.kv_sink is not None else []
+        return waiting + (self._grammars.rids() if self._grammars is not None else [])
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not yet finished (n > 1 samples as "rid#i")."""
-        waiting = self._grammars.rids() if self._grammars is not None else []
-        return waiting + list(self.scheduler.requests)
+        return self._outside_scheduler() + list(self.scheduler.requests)
 
     def is_waiting(self, rid: str) -> bool:
         """Whether the request is queued (or waits for its grammar) and was never admitted
         (or was retracted)."""
         req = self.scheduler.requests.get(rid)
         if req is None:
-            return self._grammars is not None and rid in self._grammars.rids()
+            return rid in self._outside_scheduler()
         return req.status is Status.WAITING
 
     def flush_cache(self) -> bool:
@@ -211,8 +254,16 @@ class EngineCore:
             retractions=sched.total_retractions, last_step=sched.last_step,
             spec=sched.speculation.stats if sched.speculation is not None else None,
             tier=kv.tier.counters() if kv.tier is not None else None,
+            disagg=self._disagg_counters(),
         )
+
+    def _disagg_counters(self) -> dict[str, float] | None:
+        end = self.kv_sink or self.kv_source
+        if end is None:
+            return None
+        return {k: float(v) for k, v in dataclasses.asdict(end.stats).items()}
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._grammars is not None and len(self._grammars))
+        return self.scheduler.has_work or bool(self._grammars is not None and len(self._grammars)) \
+            or bool(self.kv_sink is not None and len(self.kv_sink))

@@ -8,6 +8,8 @@ gather read it, so it must only ever hold finite values (the pool starts zeroed)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from banyan.mem.allocator import PAD_SLOT
@@ -74,3 +76,28 @@ class KVPool:
         """slots: [T] int64; k/v: [T, kv_heads, head_dim] -> written to layer `layer_id`."""
         self.k[layer_id].index_copy_(0, slots, k)
         self.v[layer_id].index_copy_(0, slots, v)
+
+    def gather(self, slots: Sequence[int]) -> torch.Tensor:
+        """The K/V of `slots`, copied out: [layers, 2 (k, v), n, kv_heads, head_dim] on the CPU
+        (what the KV tier and the P/D transfer send)."""
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        out = torch.empty((self.layers, 2, len(index), self.kv_heads, self.head_dim),
+                          dtype=self.dtype)
+        for layer in range(self.layers):
+            out[layer, 0] = self.k[layer].index_select(0, index).cpu()
+            out[layer, 1] = self.v[layer].index_select(0, index).cpu()
+        return out
+
+    def scatter(self, kv: torch.Tensor, slots: Sequence[int]) -> None:
+        """kv [layers, 2, n, kv_heads, head_dim] into `slots`: a plain copy when the slots are
+        one ascending run (the allocator hands out lowest-first, so they usually are), else an
+        index copy."""
+        first, n = slots[0], len(slots)
+        run = slots[-1] - first == n - 1 and list(slots) == list(range(first, first + n))
+        index = None if run else torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        for layer in range(self.layers):
+            for which, dest in enumerate((self.k[layer], self.v[layer])):
+                if index is None:
+                    dest[first:first + n].copy_(kv[layer, which])
+                else:
+                    dest.index_copy_(0, index, kv[layer, which])

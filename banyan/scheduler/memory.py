@@ -37,6 +37,8 @@ class KVManager:
         self.prefix_queried = 0
         self.prefix_hit = 0
         self.tier_loaded = 0  # tokens loaded from the tier into the pool
+        self._reserved: dict[int, list[int]] = {}  # reservation id -> slots awaiting K/V
+        self._next_reservation = 0
 
     @property
     def available(self) -> int:
@@ -139,6 +141,42 @@ class KVManager:
         self.tier_loaded += loaded
         return self.cache.match_prefix(tokens, namespace, count_stats=False)
 
+    def reserve_prefix(self, tokens: list[int], namespace: str | None
+                       ) -> tuple[int, MatchResult, list[int]] | None:
+        """For K/V of `tokens` that will arrive from elsewhere (a prefill worker): lock the
+        cached prefix, and take slots for the rest (from free slots and evictable cache only).
+        Returns (reservation id, the locked match, the slots), or None when the cache already
+        holds them all or memory is short. End it with `fill_reserved`."""
+        matched = self.cache.match_prefix(tokens, namespace, count_stats=False)
+        n = self.cache.aligned_len(len(tokens)) - len(matched.slots)
+        if n <= 0:
+            return None
+        self.cache.lock(matched.handle)
+        slots = self.alloc_slots(n) if self.available >= n else None
+        if slots is None:
+            self.cache.unlock(matched.handle)
+            return None
+        rid = self._next_reservation
+        self._next_reservation += 1
+        self._reserved[rid] = slots
+        return rid, matched, slots
+
+    def fill_reserved(self, reservation: int, tokens: list[int], namespace: str | None,
+                      matched: MatchResult, filled: int) -> int:
+        """The first `filled` reserved slots now hold the K/V of the tokens after the match:
+        give them to the prefix cache (as `insert` takes them), free the rest and the lock.
+        filled = 0 cancels the reservation. Returns the tokens given to the cache."""
+        slots = self._reserved.pop(reservation)
+        start = len(matched.slots)
+        filled = self.cache.aligned_len(start + filled) - start
+        self.allocator.free(slots[max(filled, 0):])
+        if filled > 0:
+            result = self.cache.insert(tokens[: start + filled], matched.slots + slots[:filled],
+                                       namespace)
+            self.allocator.free(slots[: max(min(result.cached_len - start, filled), 0)])
+        self.cache.unlock(matched.handle)
+        return max(filled, 0)
+
     def count_admission(self, req: Request) -> None:
         self.prefix_queried += len(req.prompt_ids)
         self.prefix_hit += req.locked_len
@@ -231,11 +269,13 @@ class KVManager:
 
     def check_integrity(self, running: list[Request], ended: Iterable[Request] = ()) -> None:
         """free + cached + held by requests (decode runs included; `ended`: requests whose KV
-        waits for a step in flight) = every slot, each in exactly one place."""
+        waits for a step in flight) + reserved for arriving K/V = every slot, each in exactly
+        one place."""
         free = self.allocator.free_set()
         cached = self.cache.cached_slots()
         holders = [*running, *ended]
         held = [s for r in holders for s in (*r.slots[r.locked_len :], *r.decode_run)]
+        held += [s for slots in self._reserved.values() for s in slots]
         everything = list(free) + cached + held
         assert len(free) == self.allocator.num_free, "a slot is twice in the free list"
         assert len(everything) == self.capacity, (

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import banyan
 from banyan.server.engine_client import EngineDeadError
 from banyan.server.errors import ApiError, engine_dead, error_body
-from banyan.server.head import HeadAsGet
+from banyan.server.head import HeadAsGet, KVSourceHeader
 from banyan.server.metrics import step_times_dict
 from banyan.server.native import NativeServing
 from banyan.server.openai_serving import OpenAIServing
@@ -222,4 +222,6 @@ def build_app(state: ServerState) -> FastAPI:
     if state.args.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.args.api_key)
     app.add_middleware(HeadAsGet)
+    if state.engine.kv_source:
+        app.add_middleware(KVSourceHeader, address=state.engine.kv_source)
     return app

@@ -53,6 +53,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
     namespace: str | None = None
+    kv_source: str | None = None  # P/D decode worker: the prefill worker holding the K/V
 
 
 class _Dead:
@@ -269,7 +270,7 @@ class EngineClient:
         rids = [f"{next(self._rids):x}" for _ in requests]
         try:
             payloads = [self._push.encode(AddRequest(rid, req.prompt_ids, req.params,
-                                                     req.namespace))
+                                                     req.namespace, req.kv_source))
                         for rid, req in zip(rids, requests)]
         except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
             raise RequestRejected(f"the request holds a value the engine cannot take: "

@@ -73,6 +73,10 @@ class EngineLoop:
         self.queue_waits: dict[str, float] = {}
         self.finished: list[str] = []  # child rids that ended in the step being sent
         self._last_parent_check = time.monotonic()
+        self._poller = zmq.Poller()
+        self._poller.register(inbox.socket, zmq.POLLIN)
+        if core.kv_source is not None:
+            self._poller.register(core.kv_source.socket, zmq.POLLIN)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -101,7 +105,14 @@ class EngineLoop:
                 self._check_parent()
 
     def _drain(self, timeout_ms: int) -> int:
-        if not self.inbox.poll(timeout_ms):
+        source = self.core.kv_source
+        if source is not None:  # a prefill worker: decode workers' fetches wake it too
+            timeout_ms = 0 if source.serve() else timeout_ms
+            ready = dict(self._poller.poll(timeout_ms))
+            source.serve()
+            if self.inbox.socket not in ready:
+                return 0
+        elif not self.inbox.poll(timeout_ms):
             return 0
         handled = 0
         while handled < MAX_DRAIN:
@@ -131,7 +142,8 @@ class EngineLoop:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            group = self.core.add(msg.rid, msg.prompt_ids, msg.params, namespace=msg.namespace)
+            group = self.core.add(msg.rid, msg.prompt_ids, msg.params, namespace=msg.namespace,
+                                  kv_source=msg.kv_source)
         except Exception as exc:  # noqa: BLE001 - a bad request must never end the loop
             internal = not isinstance(exc, ValueError)
             if internal:
@@ -287,7 +299,16 @@ class EngineLoop:
             "last_step": stats.last_step,
             "speculative": spec.as_dict() if stats.spec_accepted_per_pos else None,
             "hicache": stats.hicache or None,
+            "disaggregation": self._disaggregation(),
         }
+
+    def _disaggregation(self) -> dict[str, object] | None:
+        core = self.core.stats()
+        if core.disagg is None:
+            return None
+        source = self.core.kv_source
+        return {"mode": self.core.args.disaggregation_mode,
+                "kv_addr": source.address if source is not None else None, **core.disagg}
 
     def _update(self, u: RequestUpdate) -> Update:
         return Update(u.rid, u.new_token_ids, u.text,
@@ -337,8 +358,9 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
             _send_blocking(outbox, EngineFailed(f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from None
         loop = EngineLoop(core, inbox, outbox, parent_pid)
+        kv_addr = core.kv_source.address if core.kv_source is not None else ""
         _send_blocking(outbox, EngineReady(os.getpid(), core.max_model_len, core.vocab_size,
-                                           core.kv_capacity, sorted(core.eos_ids)))
+                                           core.kv_capacity, sorted(core.eos_ids), kv_addr))
         logger.info("engine ready (pid %d)", os.getpid())
         loop.run()
         core.close()

@@ -26,3 +26,27 @@ class HeadAsGet:
             await send(message)
 
         await self.app({**scope, "method": "GET"}, receive, send_without_body)
+
+
+KV_SOURCE_HEADER = b"x-banyan-kv-source"
+
+
+class KVSourceHeader:
+    """A prefill worker names, on every response, where its K/V is fetched from: the P/D router
+    reads it off the prefill response and hands it to the decode worker (kv_transfer_params)."""
+
+    def __init__(self, app: ASGIApp, address: str) -> None:
+        self.app = app
+        self.header = (KV_SOURCE_HEADER, address.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

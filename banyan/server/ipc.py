@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_ids: list[int]
     params: SamplingParams
     namespace: str | None = None  # cache_salt
+    kv_source: str | None = None  # decode worker: the prefill worker holding the prompt's K/V
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -58,6 +59,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     vocab_size: int
     kv_capacity: int  # KV slots (tokens) in the pool
     eos_ids: list[int]
+    kv_source: str = ""  # prefill worker: where decode workers fetch its K/V
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -199,6 +201,10 @@ class PullSocket:
         self._decoder = msgspec.msgpack.Decoder(kind)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._sock
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self._poller.poll(timeout_ms))

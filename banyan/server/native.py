@@ -62,7 +62,8 @@ class NativeServing:
                                                       "input_ids", "max_new_tokens")
             params.structured = structured
             rid = base if len(prompts) == 1 else f"{base}-{i}"
-            requests.append(EngineRequest(rid, ids, st.validate(params), body.cache_salt))
+            requests.append(EngineRequest(rid, ids, st.validate(params), body.cache_salt,
+                                          body.kv_source))
         try:
             stream = st.client.submit(requests)
         except EngineDeadError:

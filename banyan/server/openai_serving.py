@@ -107,7 +107,8 @@ class OpenAIServing:
             params.prompt_logprobs = wanted_prompt_logprobs(body)
             params.structured = structured
             params = st.validate(params)
-            requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt))
+            requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt,
+                                          body.kv_source))
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
                    body.n, self._submit(requests), body.include_usage, body.logprobs)
         if body.stream:
@@ -209,7 +210,8 @@ class OpenAIServing:
         params = st.validate(params)
         job_id = new_id("chatcmpl")
         job = _Job(job_id, now_s(), st.model_name, [ids], [], body.n,
-                   self._submit([EngineRequest(job_id, ids, params, body.cache_salt)]),
+                   self._submit([EngineRequest(job_id, ids, params, body.cache_salt,
+                                               body.kv_source)]),
                    body.include_usage, k, tools is not None)
         if body.stream:
             return SSEResponse(self._stream_chat(job), job.stream.close)

@@ -36,7 +36,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class KVTransferParams(_Body):
+    """P/D disaggregation, sent by the router to a decode worker (vLLM's field name): where the
+    prompt's K/V was computed."""
+
+    remote_addr: str = Field(min_length=1, max_length=256, pattern=r"^tcp://[^\s]+:\d+$")
+
+
+class _Routing(_Body):
+    """Where a request's prompt K/V lives: its cache namespace, and (P/D) its prefill worker."""
+
+    cache_salt: str | None = Field(default=None, min_length=1)
+    kv_transfer_params: KVTransferParams | None = None
+
+    @property
+    def kv_source(self) -> str | None:
+        return None if self.kv_transfer_params is None else self.kv_transfer_params.remote_addr
+
+
+class _SamplingFields(_Routing):
     """Sampling fields shared by completions and chat."""
 
     model: str | None = None
@@ -58,7 +76,6 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
     # Structured output (OpenAI, vLLM), read by banyan/server/structured_api.py.
     response_format: Any = None
     structured_outputs: Any = None
@@ -207,7 +224,7 @@ class NativeSamplingParams(_Body):
         )
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Routing):
     text: str | list[str] | None = None
     input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
@@ -215,7 +232,6 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     rid: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class TokenizeRequest(_Body):

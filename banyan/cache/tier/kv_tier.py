@@ -177,7 +177,7 @@ class KVTier:
             block = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.dtype)
             block = block.view(self.block_shape).to(self.pool.device)  # [L, 2, B, H, D]
             lo, hi = max(start, j * B) - j * B, min(end, (j + 1) * B) - j * B
-            self._copy_in(block[:, :, lo:hi], slots[loaded:loaded + hi - lo])
+            self.pool.scatter(block[:, :, lo:hi], slots[loaded:loaded + hi - lo])
             loaded += hi - lo
             read += 1
         if not loaded:
@@ -191,20 +191,6 @@ class KVTier:
         s.loaded_bytes += nbytes
         s.load_seconds += seconds
         return loaded
-
-    def _copy_in(self, kv: torch.Tensor, slots: Sequence[int]) -> None:
-        """kv [L, 2, n, H, D] into pool slots: a plain copy when the slots are one ascending run
-        (the allocator hands out lowest-first, so they usually are), else an index copy."""
-        first, n = slots[0], len(slots)
-        run = slots[-1] - first == n - 1 and list(slots) == list(range(first, first + n))
-        index = None if run else torch.tensor(list(slots), dtype=torch.int64,
-                                             device=self.pool.device)
-        for layer in range(self.pool.layers):
-            for which, dest in enumerate((self.pool.k[layer], self.pool.v[layer])):
-                if index is None:
-                    dest[first:first + n].copy_(kv[layer, which])
-                else:
-                    dest.index_copy_(0, index, kv[layer, which])
 
     def save(self, tokens: Sequence[int], namespace: str | None, slots: Sequence[int]) -> None:
         """Write-through: queue the full blocks of `tokens` (whose KV is in `slots`) that the
@@ -224,13 +210,7 @@ class KVTier:
                 new.append(j)
         if not new:
             return
-        index = torch.tensor([s for j in new for s in slots[j * B:(j + 1) * B]],
-                             dtype=torch.int64, device=self.pool.device)
-        out = torch.empty((self.pool.layers, 2, len(index), self.pool.kv_heads,
-                           self.pool.head_dim), dtype=self.pool.dtype)
-        for layer in range(self.pool.layers):
-            out[layer, 0] = self.pool.k[layer].index_select(0, index).cpu()
-            out[layer, 1] = self.pool.v[layer].index_select(0, index).cpu()
+        out = self.pool.gather([s for j in new for s in slots[j * B:(j + 1) * B]])
         for i, j in enumerate(new):
             self._queue.put((keys[j], list(tokens[j * B:(j + 1) * B]),
                              out[:, :, i * B:(i + 1) * B]))
