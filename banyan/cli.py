@@ -109,7 +109,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if ns.dp != 1:
+    if ns.dp != 1 or ns.pd is not None:
         return run_serve_dp(ns, engine_args, server_args)
     return run_server(engine_args, server_args)
 

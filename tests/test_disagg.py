@@ -72,7 +72,7 @@ def test_pd_outputs_equal_colocated(model_dirs: dict[str, Path], arch: str,
         assert sink is not None
         expected = sum(decode.core.scheduler.kv.cache.aligned_len(n - 1) for n in lengths)
         assert sink.stats.received_tokens == expected and sink.stats.failed == 0
-        assert decode.core.stats().prefix_hit == expected  # the decode side computed no prompt
+        assert decode.core.stats().prefix_hit == 0  # sent K/V is not a cache hit
         _check(prefill)
         _check(decode)
 

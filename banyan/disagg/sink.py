@@ -180,6 +180,8 @@ class KVSink:
         taken = self.kv.fill_reserved(transfer.reservation, transfer.tokens, transfer.namespace,
                                       transfer.matched, filled)
         self.stats.received_tokens += taken
+        for req in transfer.requests:
+            req.transferred = taken
         self.stats.short_tokens += len(transfer.slots) - taken
         self.stats.transfer_seconds += time.monotonic() - transfer.started
 

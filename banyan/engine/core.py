@@ -258,7 +258,7 @@ class EngineCore:
         )
 
     def _disagg_counters(self) -> dict[str, float] | None:
-        end = self.kv_sink or self.kv_source
+        end = self.kv_sink if self.kv_sink is not None else self.kv_source
         if end is None:
             return None
         return {k: float(v) for k, v in dataclasses.asdict(end.stats).items()}

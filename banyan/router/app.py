@@ -34,6 +34,7 @@ import banyan
 from banyan.router.args import RouterArgs
 from banyan.router.keys import route_key
 from banyan.router.metrics import RouterMetrics
+from banyan.router.pd import PrefillStage
 from banyan.router.policies import Policy, make_policy
 from banyan.router.proxy import Proxy, Upstream, forward_headers
 from banyan.router.workers import WorkerRegistry
@@ -58,6 +59,13 @@ class Router:
         for url in self.args.workers:
             self.registry.add(url)
         await self.registry.check_all()
+        prefill = self.proxy.prefill
+        if prefill is not None:
+            for url in self.args.prefill_workers:
+                prefill.registry.add(url)
+            await prefill.registry.check_all()
+            self.tasks.append(asyncio.get_running_loop().create_task(
+                prefill.registry.run_checks()))
         healthy = sum(w.healthy for w in self.registry.all())
         logger.info("router: %d of %d workers healthy, policy %s", healthy,
                     len(self.registry.all()), self.policy.name)
@@ -92,9 +100,14 @@ def build_router(args: RouterArgs) -> Router:
     policy = make_policy(args)
     # The policy object lives as long as the router, so forget() can be bound once.
     registry = WorkerRegistry(args, client, on_lost=policy.forget)
-    metrics = RouterMetrics(policy.name, registry.all, policy.tree_sizes)
+    prefill = None
+    if args.pd:
+        prefill_policy = make_policy(args)
+        prefill = PrefillStage(args, WorkerRegistry(args, client, on_lost=prefill_policy.forget),
+                               prefill_policy, client)
+    metrics = RouterMetrics(policy.name, registry.all, policy.tree_sizes, prefill)
     return Router(args, client, policy, registry, metrics,
-                  Proxy(args, registry, policy, metrics, client))
+                  Proxy(args, registry, policy, metrics, client, prefill))
 
 
 ADMIN_METHODS = frozenset({"POST", "DELETE"})

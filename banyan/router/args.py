@@ -15,7 +15,7 @@ from banyan.args import _doc
 POLICIES = ["cache_aware", "round_robin", "shortest_queue", "random"]
 
 # Fields of RouterArgs that `banyan serve` already has (from ServerArgs) or sets itself.
-SERVE_SKIP = frozenset({"host", "port", "workers", "api_key", "log_level", "max_request_bytes",
+SERVE_SKIP = frozenset({"host", "port", "workers", "pd", "prefill_workers", "api_key", "log_level", "max_request_bytes",
                         "access_log", "request_body_timeout"})
 
 
@@ -27,6 +27,14 @@ class RouterArgs:
     workers: list[str] = field(default_factory=list, metadata=_doc(
         "Engine replica base URLs (http://host:port); on the command line: --worker URL, "
         "repeatable. More can be added at run time with POST /workers."))
+    pd: bool = field(default=False, metadata=_doc(
+        "Prefill/decode disaggregation: each generation request is sent to a prefill worker "
+        "(--prefill) for its prompt, then to a decode worker (--decode / --worker) that fetches "
+        "the prompt's K/V from it and streams the answer. Workers are `banyan serve "
+        "--disaggregation-mode prefill|decode`."))
+    prefill_workers: list[str] = field(default_factory=list, metadata=_doc(
+        "--pd: the prefill workers' base URLs; on the command line: --prefill URL, "
+        "repeatable."))
     policy: str = field(default="cache_aware", metadata=_doc(
         "How a worker is chosen: cache_aware (longest approximate prefix match, else the "
         "least-loaded worker), round_robin, shortest_queue (least load), random.",
@@ -118,6 +126,9 @@ class RouterArgs:
         if self.api_key == "" or self.admin_api_key == "":
             raise ValueError("api_key and admin_api_key must not be empty")
         self.workers = [normalize_url(u) for u in self.workers]
+        self.prefill_workers = [normalize_url(u) for u in self.prefill_workers]
+        if self.prefill_workers and not self.pd:
+            raise ValueError("prefill workers are for --pd (prefill/decode disaggregation)")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -17,7 +17,11 @@ def add_route_parser(sub: Any) -> None:
     group = route.add_argument_group("router")
     group.add_argument("--worker", dest="workers", action="append", default=[],
                        metavar="URL", help="an engine replica, http://host:port (repeatable)")
-    add_dataclass_args(group, RouterArgs, skip={"workers"})
+    group.add_argument("--decode", dest="workers", action="append", metavar="URL",
+                       help="--pd: a decode worker (the same list as --worker)")
+    group.add_argument("--prefill", dest="prefill_workers", action="append", default=[],
+                       metavar="URL", help="--pd: a prefill worker (repeatable)")
+    add_dataclass_args(group, RouterArgs, skip={"workers", "prefill_workers"})
     route.set_defaults(func=cmd_route)
 
 
@@ -27,6 +31,9 @@ def add_dp_args(serve: argparse.ArgumentParser) -> None:
         "1/N of --num-threads, behind the router on --host/--port.")
     group.add_argument("--dp", type=int, default=1,
                        help="Engine replicas to start behind a router (1: no router).")
+    group.add_argument("--pd", default=None, metavar="P:D",
+                       help="Prefill/decode disaggregation: P prefill and D decode replicas "
+                            "behind a --pd router (instead of --dp).")
     add_dataclass_args(group, RouterArgs, skip=set(SERVE_SKIP))
 
 
@@ -45,16 +52,32 @@ def run_serve_dp(ns: argparse.Namespace, engine_args: EngineArgs,
                  server_args: ServerArgs) -> int:
     from banyan.router.launch import run_dp
 
-    if ns.dp < 1:
-        print(f"error: dp must be >= 1, got {ns.dp}", file=sys.stderr)
-        return 2
     try:
+        roles = replica_roles(ns.dp, ns.pd)
         router_args = RouterArgs.from_namespace(
             ns, host=server_args.host, port=server_args.port, workers=[],
             api_key=server_args.api_key, log_level=server_args.log_level,
             max_request_bytes=server_args.max_request_bytes, access_log=server_args.access_log,
-            request_body_timeout=server_args.request_body_timeout)
+            request_body_timeout=server_args.request_body_timeout, pd=ns.pd is not None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run_dp(engine_args, server_args, router_args, ns.dp)
+    return run_dp(engine_args, server_args, router_args, roles)
+
+
+def replica_roles(dp: int, pd: str | None) -> list[str]:
+    """Each replica's --disaggregation-mode: --dp N gives N plain ones, --pd P:D P prefill and
+    D decode ones."""
+    if pd is None:
+        if dp < 1:
+            raise ValueError(f"dp must be >= 1, got {dp}")
+        return ["null"] * dp
+    if dp != 1:
+        raise ValueError("give --dp or --pd, not both")
+    try:
+        p, d = (int(x) for x in pd.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd takes P:D (prefill and decode replicas), got {pd!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--pd needs at least one replica of each kind, got {pd!r}")
+    return ["prefill"] * p + ["decode"] * d

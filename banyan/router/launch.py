@@ -135,14 +135,18 @@ class Replica:
     url: str
     cmd: list[str]
     env: dict[str, str]
+    role: str = "null"  # its --disaggregation-mode
     restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of the planned restart
 
 
-def start_replicas(engine_args: EngineArgs, server_args: ServerArgs, dp: int) -> list[Replica]:
-    """N `banyan serve` processes on free localhost ports, the CPU threads split between them.
+def start_replicas(engine_args: EngineArgs, server_args: ServerArgs,
+                   roles: list[str]) -> list[Replica]:
+    """One `banyan serve` process per role (its --disaggregation-mode) on free localhost ports,
+    the CPU threads split between them.
     Started before any thread exists here (preexec_fn). The API key travels in the environment,
     not on the command line, which every user of the machine can read."""
+    dp = len(roles)
     threads = engine_args.num_threads or os.cpu_count() or 1
     per_replica = max(1, threads // dp)
     env = dict(os.environ)
@@ -154,14 +158,15 @@ def start_replicas(engine_args: EngineArgs, server_args: ServerArgs, dp: int) ->
     replicas = []
     for i in range(dp):
         port = free_port()
-        e = dataclasses.replace(engine_args, num_threads=per_replica, device=devices[i])
+        e = dataclasses.replace(engine_args, num_threads=per_replica, device=devices[i],
+                                disaggregation_mode=roles[i])
         s = dataclasses.replace(server_args, host="127.0.0.1", port=port, api_key=None)
         cmd = [sys.executable, "-m", "banyan.cli", "serve", *dataclass_argv(e),
                *dataclass_argv(s)]
         proc = _spawn(cmd, env)
-        logger.info("replica %d: pid %d on port %d, %d thread(s)", i, proc.pid, port,
-                    per_replica)
-        replicas.append(Replica(proc, f"http://127.0.0.1:{port}", cmd, env))
+        logger.info("replica %d (%s): pid %d on port %d, %d thread(s)", i, roles[i], proc.pid,
+                    port, per_replica)
+        replicas.append(Replica(proc, f"http://127.0.0.1:{port}", cmd, env, roles[i]))
     return replicas
 
 
@@ -227,7 +232,7 @@ async def wait_healthy(replicas: list[Replica], timeout: float) -> None:
 
 
 def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: RouterArgs,
-           dp: int) -> int:
+           roles: list[str]) -> int:
     from banyan.model_files import default_served_name, resolve_model_dir
 
     _set_log_level(server_args.log_level)
@@ -242,7 +247,7 @@ def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: Router
                                         or default_served_name(engine_args.model)))
     engine_args = dataclasses.replace(engine_args, model=str(model_dir))
     try:
-        replicas = start_replicas(engine_args, server_args, dp)
+        replicas = start_replicas(engine_args, server_args, roles)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -272,7 +277,9 @@ async def _dp_main(replicas: list[Replica], server_args: ServerArgs,
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
     logger.info("%d replicas healthy", len(replicas))
-    args = dataclasses.replace(router_args, workers=[r.url for r in replicas])
+    args = dataclasses.replace(
+        router_args, workers=[r.url for r in replicas if r.role != "prefill"],
+        prefill_workers=[r.url for r in replicas if r.role == "prefill"])
     keeper = loop.create_task(supervise_replicas(replicas, server_args.max_engine_restarts,
                                                  server_args.engine_restart_backoff))
     try:

@@ -7,18 +7,23 @@ usage, tree size) is read from the registry and the policy at scrape time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from banyan.router.policies import Decision
 from banyan.router.workers import Worker
 
+if TYPE_CHECKING:
+    from banyan.router.pd import PrefillStage
+
 
 class RouterMetrics:
     def __init__(self, policy: str, workers: Callable[[], list[Worker]],
-                 tree_sizes: Callable[[], dict[str, int]]) -> None:
+                 tree_sizes: Callable[[], dict[str, int]],
+                 prefill: PrefillStage | None = None) -> None:
         self.registry = CollectorRegistry()
         self.policy = policy
         self._decisions = Counter(
@@ -53,6 +58,8 @@ class RouterMetrics:
             "output (--max-retries).",
             registry=self.registry)
         self.registry.register(_WorkerCollector(workers, tree_sizes))
+        if prefill is not None:
+            self.registry.register(_PrefillCollector(prefill))
 
     def decision(self, d: Decision) -> None:
         self._decisions.labels(d.url, self.policy, d.outcome).inc()
@@ -73,6 +80,26 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefillCollector(Collector):
+    """--pd: the prefill stage's counters, read at scrape time."""
+
+    def __init__(self, prefill: PrefillStage) -> None:
+        self._prefill = prefill
+
+    def collect(self) -> Iterator[Metric]:
+        p = self._prefill
+        yield CounterMetricFamily("banyan:router_pd_prefills", "Prompts computed by a prefill "
+                                  "worker before their decode worker.", value=p.prefills)
+        yield CounterMetricFamily("banyan:router_pd_fallbacks", "Requests no prefill worker "
+                                  "could serve: their decode worker computed the prompt.",
+                                  value=p.fallbacks)
+        yield CounterMetricFamily("banyan:router_pd_prefill_seconds", "Time spent waiting "
+                                  "for prefill workers (prompt computed, one token).",
+                                  value=p.prefill_seconds)
+        yield GaugeMetricFamily("banyan:router_pd_prefill_workers_healthy", "Prefill workers "
+                                "taking traffic.", value=len(p.registry.candidates()))
 
 
 class _WorkerCollector(Collector):

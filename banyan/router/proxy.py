@@ -24,6 +24,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.responses import Response
@@ -35,6 +36,9 @@ from banyan.router.metrics import RouterMetrics
 from banyan.router.policies import Policy, least_loaded
 from banyan.router.workers import Worker, WorkerRegistry
 from banyan.server.errors import ApiError, error_body
+
+if TYPE_CHECKING:
+    from banyan.router.pd import PrefillStage
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +90,10 @@ def sse_error_event(status: int, message: str) -> bytes:
 
 class Proxy:
     def __init__(self, args: RouterArgs, registry: WorkerRegistry, policy: Policy,
-                 metrics: RouterMetrics, client: httpx.AsyncClient) -> None:
+                 metrics: RouterMetrics, client: httpx.AsyncClient,
+                 prefill: PrefillStage | None = None) -> None:
         self.args = args
+        self.prefill = prefill  # --pd: prompts go to a prefill worker first
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -172,6 +178,8 @@ class Proxy:
             raise
 
     async def run(self, up: Upstream, send: Send) -> None:
+        if self.prefill is not None and up.routed:
+            up = await self.prefill.run(up)
         tried: set[str] = set()
         last_error = "no healthy worker"
         for _ in range(self.args.max_retries + 1):

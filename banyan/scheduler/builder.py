@@ -130,7 +130,7 @@ class BatchBuilder:
                 self.kv.unmatch(req)
                 return  # first come, first served: nobody overtakes the head of the queue
             if req.num_retractions == 0:
-                req.cached_tokens = req.locked_len
+                req.cached_tokens = max(req.locked_len - req.transferred, 0)
                 self.kv.count_admission(req)
             waiting.remove(req)
             req.status = Status.RUNNING

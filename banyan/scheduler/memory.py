@@ -179,7 +179,7 @@ class KVManager:
 
     def count_admission(self, req: Request) -> None:
         self.prefix_queried += len(req.prompt_ids)
-        self.prefix_hit += req.locked_len
+        self.prefix_hit += req.cached_tokens
 
     def explain(self, tokens: list[int], namespace: str | None = None) -> dict[str, object]:
         """How much of `tokens` the cache holds now, and (radix cache) why the rest missed:

@@ -77,6 +77,9 @@ class Request:
     inflight: int = 0
 
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    # P/D decode worker: prompt tokens whose K/V a prefill worker computed and sent. They reach
+    # the scheduler through the prefix cache but were computed for this request: not cache hits.
+    transferred: int = 0
     num_retractions: int = 0
     arrival_seq: int = 0
 
