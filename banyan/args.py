@@ -14,6 +14,11 @@ from typing import Any
 LINEAR_KERNELS = ("auto", "torch", "native")
 
 
+def kv_addr_host(addr: str) -> str:
+    """The host of a tcp://HOST:PORT address."""
+    return addr.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
 def check_linear_kernel(value: str) -> None:
     if value not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
@@ -134,7 +139,13 @@ class EngineArgs:
         choices=["null", "prefill", "decode"]))
     disaggregation_kv_addr: str = field(default="tcp://127.0.0.1:0", metadata=_doc(
         "prefill: the ZMQ address its K/V is served on, as decode workers reach it (port 0: a "
-        "free one). Responses carry it in the x-banyan-kv-source header."))
+        "free one). Responses carry it in the x-banyan-kv-source header. Its host is also where "
+        "peers reach this worker's Mooncake transfer engine (both roles)."))
+    disaggregation_transfer_backend: str = field(default="zmq", metadata=_doc(
+        "How K/V moves: zmq (the bytes in a reply frame, copied into the pool; no extra "
+        "dependency), mooncake (Mooncake's transfer engine writes them straight into the decode "
+        "worker's pool over TCP: the mooncake extra). Both roles must use the same.",
+        choices=["zmq", "mooncake"]))
     disaggregation_timeout: float = field(default=30.0, metadata=_doc(
         "decode: seconds a K/V fetch may take before the decode worker computes the prompt "
         "itself (the prefill worker died or is stuck)."))
@@ -177,10 +188,13 @@ class EngineArgs:
                              f"{self.disaggregation_mode!r}")
         if self.disaggregation_mode != "null" and self.no_prefix_cache:
             raise ValueError("disaggregation_mode needs the prefix cache (drop no_prefix_cache)")
-        host = self.disaggregation_kv_addr.removeprefix("tcp://").rsplit(":", 1)[0]
+        host = kv_addr_host(self.disaggregation_kv_addr)
         if not self.disaggregation_kv_addr.startswith("tcp://") or host in ("", "*", "0.0.0.0"):
             raise ValueError("disaggregation_kv_addr must be tcp://HOST:PORT with the address "
                              f"decode workers reach, got {self.disaggregation_kv_addr!r}")
+        if self.disaggregation_transfer_backend not in ("zmq", "mooncake"):
+            raise ValueError("disaggregation_transfer_backend must be zmq or mooncake, got "
+                             f"{self.disaggregation_transfer_backend!r}")
         if self.disaggregation_timeout <= 0:
             raise ValueError("disaggregation_timeout must be > 0, got "
                              f"{self.disaggregation_timeout}")

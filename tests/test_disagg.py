@@ -17,6 +17,18 @@ from banyan.scheduler.request import FinishReason
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def _has_mooncake() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401  (needs libibverbs1 even for TCP)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+BACKENDS = ["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not _has_mooncake(), reason="mooncake-transfer-engine-non-cuda (and libibverbs1) missing"))]
+
+
 def _engine(model: Path, mode: str = "null", **kw: object) -> Engine:
     args: dict[str, object] = dict(dtype="float32", kv_cache_memory="4MiB", disable_tqdm=True,
                                    max_model_len=2100, chunked_prefill_size=512)
@@ -53,10 +65,11 @@ def _pd_generate(prefill: Engine, decode: Engine, prompts: list[list[int]], max_
     return [outs[f"r{i}"] for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch,page_size", [("llama", 1), ("llama", 4), ("mistral", 1),
                                             ("qwen2", 4), ("qwen3", 1)])
-def test_pd_outputs_equal_colocated(model_dirs: dict[str, Path], arch: str,
-                                    page_size: int) -> None:
+def test_pd_outputs_equal_colocated(model_dirs: dict[str, Path], arch: str, page_size: int,
+                                    backend: str) -> None:
     rng = random.Random(7)
     lengths = [1, 2, 5, 63, 300, 2000]
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
@@ -65,8 +78,8 @@ def test_pd_outputs_equal_colocated(model_dirs: dict[str, Path], arch: str,
         want = [o.outputs[0].output_ids for o in colocated.generate(
             input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=6, **GREEDY),
             use_tqdm=False)]
-    with _engine(model, "prefill", page_size=page_size) as prefill, \
-            _engine(model, "decode", page_size=page_size) as decode:
+    pd = dict(page_size=page_size, disaggregation_transfer_backend=backend)
+    with _engine(model, "prefill", **pd) as prefill, _engine(model, "decode", **pd) as decode:
         assert _pd_generate(prefill, decode, prompts, 6) == want
         sink = decode.core.kv_sink
         assert sink is not None
@@ -77,7 +90,8 @@ def test_pd_outputs_equal_colocated(model_dirs: dict[str, Path], arch: str,
         _check(decode)
 
 
-def test_only_the_missing_part_moves(llama_dir: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_the_missing_part_moves(llama_dir: Path, backend: str) -> None:
     """A decode worker that holds a prefix (an earlier turn) fetches only the rest."""
     rng = random.Random(8)
     system = [rng.randrange(3, 500) for _ in range(200)]
@@ -86,7 +100,9 @@ def test_only_the_missing_part_moves(llama_dir: Path) -> None:
         want = [o.outputs[0].output_ids for o in colocated.generate(
             input_ids=[first, second], sampling_params=SamplingParams(max_new_tokens=5, **GREEDY),
             use_tqdm=False)]
-    with _engine(llama_dir, "prefill") as prefill, _engine(llama_dir, "decode") as decode:
+    pd = dict(disaggregation_transfer_backend=backend)
+    with _engine(llama_dir, "prefill", **pd) as prefill, \
+            _engine(llama_dir, "decode", **pd) as decode:
         got = [_pd_generate(prefill, decode, [p], 5)[0] for p in (first, second)]
         assert got == want
         sink, source = decode.core.kv_sink, prefill.core.kv_source
@@ -141,6 +157,33 @@ def test_abort_while_the_kv_travels_frees_the_reservation(llama_dir: Path) -> No
         assert not decode.core.has_work
         prefill.core.kv_source.serve()  # the late reply finds no transfer: dropped
         assert decode.core.step() == []
+        _check(decode)
+
+
+@pytest.mark.skipif(not _has_mooncake(), reason="mooncake transfer engine missing")
+def test_mooncake_slots_given_up_stay_reserved_until_the_reply(llama_dir: Path) -> None:
+    """With mooncake the prefill worker writes into the decode worker's slots: an aborted
+    transfer keeps them reserved until the reply says the writing is over, so they are never
+    handed to another request while a write may still land in them."""
+    prompt = [random.Random(12).randrange(3, 500) for _ in range(150)]
+    pd = dict(disaggregation_transfer_backend="mooncake")
+    with _engine(llama_dir, "prefill", **pd) as prefill, \
+            _engine(llama_dir, "decode", **pd) as decode:
+        prefill.generate(input_ids=[prompt], use_tqdm=False,
+                         sampling_params=SamplingParams(max_new_tokens=1, **GREEDY))
+        assert prefill.core.kv_source is not None and decode.core.kv_sink is not None
+        free = decode.core.stats().kv_free
+        decode.core.add("x", prompt, SamplingParams(max_new_tokens=3, **GREEDY),
+                        kv_source=prefill.core.kv_source.address)
+        decode.core.abort("x")
+        assert decode.core.stats().kv_free < free and decode.core.kv_sink.pending
+        _check(decode)  # quarantined slots are accounted for
+        prefill.core.kv_source.serve()  # writes, then replies
+        for _ in range(100):
+            decode.core.step()
+            if not decode.core.kv_sink.pending:
+                break
+        assert not decode.core.kv_sink.pending and decode.core.stats().kv_free == free
         _check(decode)
 
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.router_helpers import REPLICA_ARGS, start_processes, start_router, stop_all, wait_for
+from tests.test_disagg import _has_mooncake
 from tests.test_server import ServerProcess, free_port, wait_idle_and_free
 
 
@@ -157,11 +158,14 @@ def test_a_killed_prefill_worker_loses_no_request(workers: dict[str, ServerProce
 
 def test_serve_pd_starts_both_roles_behind_a_router(llama_dir: Path, log_dir: Path,
                                                     workers: dict[str, ServerProcess]) -> None:
-    """`banyan serve --pd 1:1`: one prefill and one decode replica and the router, one port."""
+    """`banyan serve --pd 1:1`: one prefill and one decode replica and the router, one port;
+    the K/V moved by Mooncake's transfer engine where it is installed (the tests above: zmq)."""
+    backend = "mooncake" if _has_mooncake() else "zmq"
     port = free_port()
     cmd = [sys.executable, "-m", "banyan.cli", "serve", "--model", str(llama_dir), "--port",
            str(port), "--pd", "1:1", "--dtype", "float32", "--kv-cache-memory", "32MiB",
-           "--num-threads", "2", "--log-level", "warning"]
+           "--num-threads", "2", "--log-level", "warning",
+           "--disaggregation-transfer-backend", backend]
     proc = start_processes([(cmd, port, "serve-pd")], log_dir, "/health")[0]
     try:
         body = {"prompt": _ids(150, 7), "max_tokens": 5, "temperature": 0, "ignore_eos": True}

@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from banyan.cache.base import MatchResult
+from banyan.disagg.mooncake_transfer import MooncakeTransfer
 from banyan.disagg.wire import KVFetch, KVReply
 from banyan.mem.kv_pool import KVPool
 from banyan.scheduler.memory import KVManager
@@ -61,8 +62,9 @@ class _Transfer:
 
 class KVSink:
     def __init__(self, ctx: zmq.Context, kv: KVManager, pool: KVPool, identity: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, mooncake: MooncakeTransfer | None = None) -> None:
         self.ctx = ctx
+        self.mooncake = mooncake  # the mooncake backend: the prefill worker writes our slots
         self.kv = kv
         self.pool = pool
         self.identity = identity
@@ -71,12 +73,20 @@ class KVSink:
         self._sockets: dict[str, zmq.Socket] = {}  # prefill worker address -> DEALER
         self._poller = zmq.Poller()
         self._transfers: dict[int, _Transfer] = {}  # room -> transfer
+        # mooncake: transfers given up (aborted, timed out) whose slots the prefill worker may
+        # still write: kept reserved until its reply comes, or until it cannot write any more.
+        self._quarantined: dict[int, _Transfer] = {}
         self._room = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(KVReply)
 
     def __len__(self) -> int:
         return sum(len(t.requests) for t in self._transfers.values())
+
+    @property
+    def pending(self) -> bool:
+        """Transfers in flight, or given up and not yet safe to free (collect ends them)."""
+        return bool(self._transfers or self._quarantined)
 
     def rids(self) -> list[str]:
         return [r.rid for t in self._transfers.values() for r in t.requests]
@@ -97,10 +107,14 @@ class KVSink:
         now = time.monotonic()
         transfer = _Transfer(reservation, requests, tokens[: len(matched.slots) + len(slots)],
                              req.namespace, matched, slots, now, now + self.timeout_s, remote)
+        fetch = KVFetch(self._room, transfer.tokens, len(matched.slots), req.namespace,
+                        self.identity)
+        if self.mooncake is not None:
+            fetch.session = self.mooncake.session
+            fetch.dest_k, fetch.dest_v = self.mooncake.k_ptrs, self.mooncake.v_ptrs
+            fetch.dest_slots, fetch.expires_in = slots, self.timeout_s
         try:
-            self._socket(remote).send(self._encoder.encode(KVFetch(
-                self._room, transfer.tokens, len(matched.slots), req.namespace, self.identity)),
-                flags=zmq.NOBLOCK)
+            self._socket(remote).send(self._encoder.encode(fetch), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.warning("KV fetch from %s not sent (%s): computing the prompt here", remote,
                            exc)
@@ -125,7 +139,7 @@ class KVSink:
         """Requests whose K/V arrived (or whose transfer failed or timed out: they compute it),
         waiting up to block_s for a reply when nothing is ready."""
         ready: list[Request] = []
-        if not self._transfers:
+        if not self._transfers and not self._quarantined:
             return ready
         for sock, _ in self._poller.poll(int(block_s * 1000)):
             while True:
@@ -141,9 +155,24 @@ class KVSink:
                                "prompt here", transfer.remote, self.timeout_s)
                 del self._transfers[room]
                 self.stats.failed += 1
-                self._end(transfer, 0)
                 ready += transfer.requests
+                self._give_up(room, transfer)
+        for room, transfer in list(self._quarantined.items()):
+            # The prefill worker writes only within the first half of expires_in after it
+            # got the fetch, and it got it after we sent it: past 2 x the timeout it cannot.
+            if now > transfer.started + 2 * self.timeout_s:
+                del self._quarantined[room]
+                self._end(transfer, 0)
         return ready
+
+    def _give_up(self, room: int, transfer: _Transfer) -> None:
+        """End a transfer nobody waits for any more; with mooncake, only once the prefill
+        worker can no longer write into its slots."""
+        transfer.requests = []
+        if self.mooncake is None:
+            self._end(transfer, 0)
+        else:
+            self._quarantined[room] = transfer
 
     def _receive(self, frames: list[zmq.Frame]) -> list[Request]:
         try:
@@ -153,18 +182,22 @@ class KVSink:
             return []
         transfer = self._transfers.pop(reply.room, None)
         if transfer is None:  # its requests were aborted, or it timed out: too late
+            late = self._quarantined.pop(reply.room, None)
+            if late is not None:
+                self._end(late, 0)  # written or not, the slots are ours again
             return []
         start = len(transfer.matched.slots)
         count = reply.count
         payload = frames[1].buffer if len(frames) > 1 else b""
+        expected = 0 if self.mooncake is not None else count * self.pool.bytes_per_slot
         bad = reply.error or reply.start != start or not 0 <= count <= len(transfer.slots) or \
-            len(payload) != count * self.pool.bytes_per_slot
+            len(payload) != expected
         if bad:
             logger.warning("KV transfer from %s failed (%s): computing the prompt here",
                            transfer.remote, reply.error or "a reply that does not fit")
             self.stats.failed += 1
             count = 0
-        if count:
+        if count and self.mooncake is None:
             t0 = time.perf_counter()
             with warnings.catch_warnings():  # read-only: it is only copied from
                 warnings.simplefilter("ignore", UserWarning)
@@ -172,7 +205,7 @@ class KVSink:
             self.pool.scatter(kv.view(self.pool.layers, 2, count, self.pool.kv_heads,
                                       self.pool.head_dim), transfer.slots[:count])
             self.stats.copy_seconds += time.perf_counter() - t0
-            self.stats.received_bytes += len(payload)
+        self.stats.received_bytes += count * self.pool.bytes_per_slot
         self._end(transfer, count)
         return transfer.requests
 
@@ -193,13 +226,14 @@ class KVSink:
                     transfer.requests.remove(req)
                     if not transfer.requests:
                         del self._transfers[room]
-                        self._end(transfer, 0)
+                        self._give_up(room, transfer)
                     return req
         return None
 
     def close(self) -> None:
-        for room in list(self._transfers):
-            self._end(self._transfers.pop(room), 0)
+        for transfers in (self._transfers, self._quarantined):
+            for room in list(transfers):
+                self._end(transfers.pop(room), 0)
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()

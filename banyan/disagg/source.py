@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from banyan.cache.base import PrefixCache
+from banyan.disagg.mooncake_transfer import MooncakeTransfer
 from banyan.disagg.wire import KVFetch, KVReply
 from banyan.mem.kv_pool import KVPool
 
@@ -34,13 +35,14 @@ class SourceStats:
     sent_bytes: int = 0
     short_tokens: int = 0  # asked for but no longer cached (evicted): the decode side computes
     refused: int = 0  # fetches for another model
-    gather_seconds: float = 0.0
+    gather_seconds: float = 0.0  # copying out of the pool (zmq) or writing to the peer (mooncake)
 
 
 class KVSource:
     def __init__(self, ctx: zmq.Context, bind: str, pool: KVPool, cache: PrefixCache,
-                 identity: str) -> None:
+                 identity: str, mooncake: MooncakeTransfer | None = None) -> None:
         self.pool = pool
+        self.mooncake = mooncake
         self.cache = cache
         self.identity = identity
         self.stats = SourceStats()
@@ -77,12 +79,16 @@ class KVSource:
         return served
 
     def _answer(self, peer: bytes, fetch: KVFetch) -> None:
+        received = time.monotonic()
         self.stats.fetches += 1
+        refusal = None
         if fetch.identity != self.identity:
+            refusal = "the prefill worker serves another model or KV dtype"
+        elif fetch.session and self.mooncake is None:
+            refusal = "the prefill worker has no Mooncake transfer engine (transfer backend zmq)"
+        if refusal is not None:
             self.stats.refused += 1
-            self._send(peer, KVReply(fetch.room, fetch.start, 0,
-                                     error="the prefill worker serves another model or KV "
-                                           "dtype"))
+            self._send(peer, KVReply(fetch.room, fetch.start, 0, error=refusal))
             return
         t0 = time.perf_counter()
         result = self.cache.match_prefix(fetch.tokens, fetch.namespace, count_stats=False)
@@ -93,12 +99,34 @@ class KVSource:
         if count == 0:
             self._send(peer, KVReply(fetch.room, fetch.start, 0))
             return
+        if fetch.session:
+            self._write(peer, fetch, result.slots[fetch.start:have], received)
+            return
         kv = self.pool.gather(result.slots[fetch.start:have])  # a copy: eviction may follow
         self.stats.gather_seconds += time.perf_counter() - t0
         payload = kv.view(-1).view(torch.uint8).numpy()  # bytes (numpy has no bfloat16)
         self._send(peer, KVReply(fetch.room, fetch.start, count), payload)
         self.stats.sent_tokens += count
         self.stats.sent_bytes += payload.nbytes
+
+    def _write(self, peer: bytes, fetch: KVFetch, slots: list[int], received: float) -> None:
+        """The mooncake backend: write into the decode worker's reserved slots, then reply. Not
+        after half its wait is over: past its deadline it frees those slots for others."""
+        assert self.mooncake is not None
+        count = min(len(slots), len(fetch.dest_slots))
+        if time.monotonic() - received > fetch.expires_in / 2:
+            self._send(peer, KVReply(fetch.room, fetch.start, 0, error="fetch expired"))
+            return
+        t0 = time.perf_counter()
+        if not self.mooncake.write(fetch.session, slots[:count], fetch.dest_k, fetch.dest_v,
+                                   fetch.dest_slots[:count]):
+            self._send(peer, KVReply(fetch.room, fetch.start, 0,
+                                     error="the Mooncake write failed"))
+            return
+        self.stats.gather_seconds += time.perf_counter() - t0
+        self.stats.sent_tokens += count
+        self.stats.sent_bytes += count * self.pool.bytes_per_slot
+        self._send(peer, KVReply(fetch.room, fetch.start, count))
 
     def _send(self, peer: bytes, reply: KVReply, payload: object = None) -> None:
         frames: list[object] = [peer, self._encoder.encode(reply)]

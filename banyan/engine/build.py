@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from banyan.args import EngineArgs, parse_bytes
+from banyan.args import EngineArgs, kv_addr_host, parse_bytes
 from banyan.cache.no_cache import NoPrefixCache
 from banyan.cache.radix import RadixCache
 from banyan.cache.tier import FileStore, KVTier
@@ -86,14 +86,21 @@ def attach_disaggregation(core: EngineCore, args: EngineArgs, runner: ModelRunne
 
     ctx = zmq.Context.instance()
     kv = core.scheduler.kv
+    mooncake = None
+    if args.disaggregation_transfer_backend == "mooncake":
+        from banyan.disagg.mooncake_transfer import MooncakeTransfer
+
+        mooncake = MooncakeTransfer(kv_addr_host(args.disaggregation_kv_addr), runner.pool)
     if args.disaggregation_mode == "prefill":
         core.kv_source = KVSource(ctx, args.disaggregation_kv_addr, runner.pool, kv.cache,
-                                  kv_identity(runner))
-        logger.info("prefill worker: K/V served at %s", core.kv_source.address)
+                                  kv_identity(runner), mooncake)
+        logger.info("prefill worker: K/V served at %s (%s)", core.kv_source.address,
+                    args.disaggregation_transfer_backend)
     else:
         core.kv_sink = KVSink(ctx, kv, runner.pool, kv_identity(runner),
-                              args.disaggregation_timeout)
-        logger.info("decode worker: fetches prompts' K/V from prefill workers")
+                              args.disaggregation_timeout, mooncake)
+        logger.info("decode worker: fetches prompts' K/V from prefill workers (%s)",
+                    args.disaggregation_transfer_backend)
 
 
 def make_tier(args: EngineArgs, runner: ModelRunner) -> KVTier | None:

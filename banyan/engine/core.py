@@ -157,7 +157,7 @@ class EngineCore:
         """One turn of the engine loop (overlapped with --overlap on), after moving requests
         whose grammar is compiled into the scheduler."""
         updates: list[RequestUpdate] = []
-        if self.kv_sink is not None and len(self.kv_sink):
+        if self.kv_sink is not None and self.kv_sink.pending:
             idle = not self.scheduler.has_work and not self._grammars
             for req in self.kv_sink.collect(block_s=0.005 if idle else 0.0):
                 try:
@@ -266,4 +266,4 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._grammars is not None and len(self._grammars)) \
-            or bool(self.kv_sink is not None and len(self.kv_sink))
+            or bool(self.kv_sink is not None and self.kv_sink.pending)
