@@ -21,11 +21,12 @@ REPLICA_ARGS = ("--dtype", "float32", "--kv-cache-memory", "32MiB", "--num-threa
                 "--max-running-requests", "2", "--log-level", "warning")
 
 
-def _spawn(cmd: list[str], port: int, log_dir: Path, name: str) -> ServerProcess:
+def _spawn(cmd: list[str], port: int, log_dir: Path, name: str,
+           host: str = "127.0.0.1") -> ServerProcess:
     log_path = log_dir / f"{name}-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return ServerProcess(proc, port, log_path)
+    return ServerProcess(proc, port, log_path, host)
 
 
 def _wait(procs: Sequence[ServerProcess], path: str, timeout: float = START_TIMEOUT) -> None:
@@ -46,12 +47,13 @@ def _wait(procs: Sequence[ServerProcess], path: str, timeout: float = START_TIME
 
 
 def start_processes(cmds: Sequence[tuple[list[str], int, str]], log_dir: Path,
-                    ready_path: str) -> list[ServerProcess]:
-    """Start all, then wait for all; on failure, stop what was started."""
+                    ready_path: str, hosts: Sequence[str] = ()) -> list[ServerProcess]:
+    """Start all (at hosts[i], default localhost), then wait for all; on failure, stop what was
+    started."""
     procs: list[ServerProcess] = []
     try:
-        for cmd, port, name in cmds:
-            procs.append(_spawn(cmd, port, log_dir, name))
+        for i, (cmd, port, name) in enumerate(cmds):
+            procs.append(_spawn(cmd, port, log_dir, name, *hosts[i:i + 1]))
         _wait(procs, ready_path)
     except BaseException:
         for p in procs:

@@ -111,6 +111,10 @@ def test_pd_answers_equal_the_colocated_server(workers: dict[str, ServerProcess]
     assert prefill["mode"] == "prefill" and prefill["kv_addr"].startswith("tcp://127.0.0.1:")
     metrics = httpx.get(f"{router.url}/metrics").text
     assert re.search(r"banyan:router_pd_prefills_total \d+", metrics)
+    worker_metrics = httpx.get(f"{workers['decode'].url}/metrics").text
+    received = re.search(r'banyan:disagg_received_tokens(?:_total)?{[^}]*} ([0-9.e+]+)',
+                         worker_metrics)
+    assert received and float(received.group(1)) == decode["received_tokens"], worker_metrics
 
 
 def test_a_second_turn_moves_only_the_new_tokens(workers: dict[str, ServerProcess],

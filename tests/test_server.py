@@ -42,10 +42,11 @@ class ServerProcess:
     proc: subprocess.Popen[bytes]
     port: int
     log_path: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -246,6 +246,7 @@ class EngineLoop:
             retractions=core.retractions, steps=c.steps,
             **_spec_fields(core.spec),
             hicache=core.tier or {},
+            disagg=core.disagg or {},
             times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
             busy_fraction=(min(sum(b for _, b in c.recent) / recent_wall, 1.0)
                            if recent_wall else 0.0),
@@ -299,16 +300,16 @@ class EngineLoop:
             "last_step": stats.last_step,
             "speculative": spec.as_dict() if stats.spec_accepted_per_pos else None,
             "hicache": stats.hicache or None,
-            "disaggregation": self._disaggregation(),
+            "disaggregation": self._disaggregation(stats.disagg),
         }
 
-    def _disaggregation(self) -> dict[str, object] | None:
-        core = self.core.stats()
-        if core.disagg is None:
+    def _disaggregation(self, counters: dict[str, float]) -> dict[str, object] | None:
+        if not counters:
             return None
         source = self.core.kv_source
         return {"mode": self.core.args.disaggregation_mode,
-                "kv_addr": source.address if source is not None else None, **core.disagg}
+                "backend": self.core.args.disaggregation_transfer_backend,
+                "kv_addr": source.address if source is not None else None, **counters}
 
     def _update(self, u: RequestUpdate) -> Update:
         return Update(u.rid, u.new_token_ids, u.text,

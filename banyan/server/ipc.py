@@ -127,6 +127,7 @@ class EngineStats(msgspec.Struct):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
     hicache: dict[str, float] = {}  # the KV tier's counters (KVTier.counters); empty when off
+    disagg: dict[str, float] = {}  # P/D: the KV transfer's counters; empty for a plain worker
 
     @property
     def kv_usage(self) -> float:

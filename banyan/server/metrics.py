@@ -153,6 +153,10 @@ class _EngineCollector(Collector):
             yield gauge("banyan:hicache_compute_tokens_per_second", "Measured prompt compute "
                         "rate (the load-or-recompute estimate; 0 until a prompt was computed).",
                         s.hicache.get("compute_tokens_per_s", 0))
+        for key, value in s.disagg.items():  # P/D: the K/V transfer (disagg/source, sink.py)
+            doc = DISAGG_COUNTERS.get(key)
+            if doc is not None:
+                yield counter(f"banyan:disagg_{key}", doc, value)
         phase = CounterMetricFamily(
             "banyan:step_phase_seconds",
             "Engine loop time by phase: schedule, prepare (inputs), forward, sample, output "
@@ -170,6 +174,23 @@ class _EngineCollector(Collector):
                       max(s.times.wall - s.times.busy, 0.0))
         yield gauge("banyan:device_busy_fraction", "Device-busy share of the wall time over the "
                     "recent steps (1 - execution-idle fraction).", s.busy_fraction)
+
+
+DISAGG_COUNTERS = {
+    "transfers": "decode worker: K/V fetches sent to prefill workers.",
+    "received_tokens": "decode worker: prompt tokens whose K/V arrived from prefill workers.",
+    "received_bytes": "decode worker: K/V bytes that arrived.",
+    "transfer_seconds": "decode worker: fetch sent to K/V in the pool, summed over transfers.",
+    "copy_seconds": "decode worker: copying received K/V into the pool (zmq backend).",
+    "short_tokens": "decode worker: prompt tokens asked for and not received (computed here).",
+    "failed": "decode worker: transfers refused, malformed or timed out (computed here).",
+    "fetches": "prefill worker: K/V fetches answered.",
+    "sent_tokens": "prefill worker: prompt tokens whose K/V was sent.",
+    "sent_bytes": "prefill worker: K/V bytes sent.",
+    "gather_seconds": "prefill worker: copying K/V out of the pool (zmq) or writing it to the "
+                      "decode worker (mooncake).",
+    "refused": "prefill worker: fetches refused (another model, no Mooncake engine).",
+}
 
 
 def step_times_dict(times: StepTimes) -> dict[str, float]:
