@@ -146,6 +146,10 @@ class EngineArgs:
         "dependency), mooncake (Mooncake's transfer engine writes them straight into the decode "
         "worker's pool over TCP: the mooncake extra). Both roles must use the same.",
         choices=["zmq", "mooncake"]))
+    disaggregation_prefill_nice: int = field(default=10, metadata=_doc(
+        "prefill: raise the engine process's nice value by this much, so that where prefill and "
+        "decode workers share cores the decode worker's steps (users waiting on every token) "
+        "win over prompt computing (0: equal priority)."))
     disaggregation_timeout: float = field(default=30.0, metadata=_doc(
         "decode: seconds a K/V fetch may take before the decode worker computes the prompt "
         "itself (the prefill worker died or is stuck)."))
@@ -195,6 +199,9 @@ class EngineArgs:
         if self.disaggregation_transfer_backend not in ("zmq", "mooncake"):
             raise ValueError("disaggregation_transfer_backend must be zmq or mooncake, got "
                              f"{self.disaggregation_transfer_backend!r}")
+        if not 0 <= self.disaggregation_prefill_nice <= 19:
+            raise ValueError("disaggregation_prefill_nice must be in [0, 19], got "
+                             f"{self.disaggregation_prefill_nice}")
         if self.disaggregation_timeout <= 0:
             raise ValueError("disaggregation_timeout must be > 0, got "
                              f"{self.disaggregation_timeout}")

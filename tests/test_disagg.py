@@ -193,3 +193,7 @@ def test_kv_transfer_params_need_a_decode_worker(llama_dir: Path) -> None:
                         kv_source="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="disaggregation_kv_addr"):
         _engine(llama_dir, "prefill", disaggregation_kv_addr="tcp://0.0.0.0:5000")
+    with pytest.raises(ValueError, match="disaggregation_prefill_nice"):
+        _engine(llama_dir, "prefill", disaggregation_prefill_nice=25)
+    with pytest.raises(ValueError, match="disaggregation_transfer_backend"):
+        _engine(llama_dir, "decode", disaggregation_transfer_backend="rdma")

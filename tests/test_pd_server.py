@@ -104,7 +104,11 @@ def test_pd_answers_equal_the_colocated_server(workers: dict[str, ServerProcess]
         assert headers["x-banyan-worker"] == workers["decode"].url
         assert _normal(got) == _normal(want), path
     decode = wait_idle_and_free(workers["decode"].url)["disaggregation"]
-    prefill = wait_idle_and_free(workers["prefill"].url)["disaggregation"]
+    prefill_info = wait_idle_and_free(workers["prefill"].url)
+    prefill = prefill_info["disaggregation"]
+    # The prefill engine yields the cores to decode steps (--disaggregation-prefill-nice 10).
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, prefill_info["engine_pid"]) == min(ours + 10, 19)
     assert decode["mode"] == "decode" and decode["failed"] == 0
     assert decode["received_tokens"] > 900 and decode["received_tokens"] == \
         prefill["sent_tokens"]

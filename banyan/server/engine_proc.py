@@ -351,6 +351,10 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
             raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if args.disaggregation_mode == "prefill" and args.disaggregation_prefill_nice:
+        # Decode steps first where the roles share cores. Before the build: threads made
+        # later (torch's OpenMP pool, the K/V socket's I/O thread) inherit it.
+        os.nice(args.disaggregation_prefill_nice)
     try:
         try:
             core = build_engine_core(args)
