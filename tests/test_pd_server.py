@@ -115,6 +115,8 @@ def test_pd_answers_equal_the_colocated_server(workers: dict[str, ServerProcess]
     assert prefill["mode"] == "prefill" and prefill["kv_addr"].startswith("tcp://127.0.0.1:")
     metrics = httpx.get(f"{router.url}/metrics").text
     assert re.search(r"banyan:router_pd_prefills_total \d+", metrics)
+    flushed = httpx.post(f"{router.url}/flush_cache").json()["workers"]
+    assert {w["url"] for w in flushed} == {workers["decode"].url, workers["prefill"].url}
     worker_metrics = httpx.get(f"{workers['decode'].url}/metrics").text
     received = re.search(r'banyan:disagg_received_tokens(?:_total)?{[^}]*} ([0-9.e+]+)',
                          worker_metrics)
@@ -134,6 +136,23 @@ def test_a_second_turn_moves_only_the_new_tokens(workers: dict[str, ServerProces
     # The first fetch: all but the last prompt token; the second: past the 400 tokens the
     # decode worker kept from the first turn.
     assert after - before == (400 - 1) + (450 - 1 - 400)
+
+
+def test_bench_serve_splits_the_ttft(router: ServerProcess, llama_dir: Path, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from banyan.cli import main
+
+    out = tmp_path / "pd.json"
+    code = main(["bench", "serve", "--base-url", f"{router.url}/v1", "--tokenizer",
+                 str(llama_dir), "--workload", "random", "--num-requests", "4", "--input-len",
+                 "120", "--output-len", "3", "--disable-tqdm", "--out", str(out)])
+    assert code == 0
+    assert "P/D TTFT prefill/transfer/decode" in capsys.readouterr().out
+    summary = json.loads(out.read_text())["summary"]
+    split = summary["pd_ttft_split"]
+    assert split["prefills"] == 4 and split["transfers"] == 4 and split["fallbacks"] == 0
+    assert 0 < split["prefill_s"] and 0 < split["transfer_s"]
+    assert split["prefill_s"] + split["transfer_s"] <= summary["ttft_ms"]["mean"] / 1e3
 
 
 def test_kv_transfer_params_are_refused_by_a_plain_server(

@@ -132,6 +132,7 @@ def run_offline(ns: argparse.Namespace) -> int:
 def run_serve_cmd(ns: argparse.Namespace) -> int:
     from banyan.bench.metrics import summarize
     from banyan.bench.offline import machine_info
+    from banyan.bench.pd_split import ttft_split
     from banyan.bench.report import format_table, plot, write_json
     from banyan.bench.serve import ServeOptions, run_serve
     from banyan.model_files import load_tokenizer
@@ -156,6 +157,10 @@ def run_serve_cmd(ns: argparse.Namespace) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     summary = summarize(run.records, run.duration_s, run.reusable_tokens)
+    ttft = summary.get("ttft_ms") or {}
+    pd = ttft_split(*run.pd_counters, ttft["mean"] / 1e3 if "mean" in ttft else None)
+    if pd is not None:
+        summary["pd_ttft_split"] = pd
     out = {
         "mode": "serve", "base_url": ns.base_url, "model": run.model, "endpoint": ns.endpoint,
         "prompt_format": ns.prompt_format if ns.endpoint == "completions" else "chat",
@@ -173,6 +178,9 @@ def run_serve_cmd(ns: argparse.Namespace) -> int:
                                             if ns.endpoint == "completions" else ""),
             "Request rate / concurrency cap": f"{rate} / {ns.concurrency or 'none'}",
             "Most requests in flight": run.max_in_flight}
+    if pd is not None:
+        info["P/D TTFT prefill/transfer/decode (s)"] = (
+            f"{pd['prefill_s']:.3f} / {pd['transfer_s']:.3f} / {pd['first_decode_s']:.3f}")
     print(format_table("Serving Benchmark Result", info, summary))
     write_json(out, ns.out, echo=ns.json)
     if ns.plot:

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from banyan.bench import pd_split
 from banyan.bench.metrics import RequestRecord
 from banyan.bench.text import TextPrompts, chat_prompt_ids
 from banyan.bench.workloads import Workload, optimal_reuse
@@ -66,6 +67,8 @@ class ServeRun:
     model: str
     max_in_flight: int
     reusable_tokens: int  # the optimum of prefix reuse over the prompts as the server sees them
+    # A `route --pd` router: its and its decode workers' counters before and after the run.
+    pd_counters: tuple[dict[str, float] | None, dict[str, float] | None] = (None, None)
 
 
 def root_url(base_url: str) -> str:
@@ -282,8 +285,10 @@ def run_serve(workload: Workload, tokenizer: Any, opts: ServeOptions) -> ServeRu
     if opts.flush_cache:
         flush_cache(opts)
     reusable = optimal_reuse([p.tokens for p in prepared])  # the server never saw the answers
+    before = pd_split.snapshot(root_url(opts.base_url), _headers(opts))
     records, duration, peak = asyncio.run(run_async(workload, prepared, tokenizer, opts))
-    return ServeRun(records, duration, model, peak, reusable)
+    after = pd_split.snapshot(root_url(opts.base_url), _headers(opts)) if before else None
+    return ServeRun(records, duration, model, peak, reusable, (before, after))
 
 
 def _warmup(first: Prepared, tokenizer: Any, opts: ServeOptions) -> None:

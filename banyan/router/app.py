@@ -222,8 +222,10 @@ def build_app(router: Router) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:
-        """Every worker's prefix cache, and the router's trees with them."""
+        """Every worker's prefix cache (prefill workers too), and the router's trees."""
         workers = registry.candidates()
+        if proxy.prefill is not None:
+            workers += proxy.prefill.registry.candidates()
         headers = forward_headers(request.headers.raw)
 
         async def one(url: str) -> dict[str, Any]:
@@ -236,6 +238,8 @@ def build_app(router: Router) -> FastAPI:
 
         results = await asyncio.gather(*(one(w.url) for w in workers))
         router.policy.flush()
+        if proxy.prefill is not None:
+            proxy.prefill.policy.flush()
         # A worker that refused (busy: 400) is the caller's to retry, not a gateway failure;
         # one that could not be reached or failed is.
         statuses = [r["status"] for r in results]
