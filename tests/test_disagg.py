@@ -197,3 +197,35 @@ def test_kv_transfer_params_need_a_decode_worker(llama_dir: Path) -> None:
         _engine(llama_dir, "prefill", disaggregation_prefill_nice=25)
     with pytest.raises(ValueError, match="disaggregation_transfer_backend"):
         _engine(llama_dir, "decode", disaggregation_transfer_backend="rdma")
+
+
+def test_a_prefill_worker_dying_mid_transfer_is_noticed_at_once(llama_dir: Path) -> None:
+    """The fetch reached a prefill worker that then died (its socket closed, as kill -9 does):
+    the decode worker sees the connection drop and computes the prompt itself, long before the
+    timeout; outputs unchanged, nothing leaked."""
+    import time
+
+    import zmq
+
+    prompt = [random.Random(14).randrange(3, 500) for _ in range(90)]
+    with _engine(llama_dir) as colocated:
+        want = colocated.generate(input_ids=[prompt], sampling_params=SamplingParams(
+            max_new_tokens=4, **GREEDY), use_tqdm=False)[0].outputs[0].output_ids
+    ctx = zmq.Context.instance()
+    dying = ctx.socket(zmq.ROUTER)
+    port = dying.bind_to_random_port("tcp://127.0.0.1")
+    with _engine(llama_dir, "decode", disaggregation_timeout=60) as decode:
+        decode.core.add("x", prompt, SamplingParams(max_new_tokens=4, **GREEDY),
+                        kv_source=f"tcp://127.0.0.1:{port}")
+        assert dying.poll(10_000), "the fetch did not arrive"
+        dying.recv_multipart()
+        dying.close(linger=0)  # dies without answering
+        t0 = time.monotonic()
+        out: list[int] = []
+        while decode.core.has_work:
+            for update in decode.core.step():
+                out += update.new_token_ids
+        assert time.monotonic() - t0 < 10 and out == want
+        sink = decode.core.kv_sink
+        assert sink is not None and sink.stats.failed == 1
+        _check(decode)

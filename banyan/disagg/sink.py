@@ -72,6 +72,10 @@ class KVSink:
         self.stats = SinkStats()
         self._sockets: dict[str, zmq.Socket] = {}  # prefill worker address -> DEALER
         self._poller = zmq.Poller()
+        # Their connections' disconnect events: a prefill worker that dies (kill -9 closes its
+        # sockets; a dead host stops answering heartbeats) fails its transfers at once, not
+        # after the timeout.
+        self._monitors: dict[zmq.Socket, str] = {}
         self._transfers: dict[int, _Transfer] = {}  # room -> transfer
         # mooncake: transfers given up (aborted, timed out) whose slots the prefill worker may
         # still write: kept reserved until its reply comes, or until it cannot write any more.
@@ -130,9 +134,14 @@ class KVSink:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a peer host gone silent counts as gone
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(remote)
             self._sockets[remote] = sock
+            self._monitors[monitor] = remote
             self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(monitor, zmq.POLLIN)
         return sock
 
     def collect(self, block_s: float = 0.0) -> list[Request]:
@@ -141,18 +150,24 @@ class KVSink:
         ready: list[Request] = []
         if not self._transfers and not self._quarantined:
             return ready
+        gone: set[str] = set()
         for sock, _ in self._poller.poll(int(block_s * 1000)):
             while True:
                 try:
                     frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                ready += self._receive(frames)
+                if sock in self._monitors:
+                    gone.add(self._monitors[sock])
+                else:
+                    ready += self._receive(frames)
         now = time.monotonic()
         for room, transfer in list(self._transfers.items()):
-            if now > transfer.deadline:
-                logger.warning("KV transfer from %s timed out after %.1f s: computing the "
-                               "prompt here", transfer.remote, self.timeout_s)
+            if transfer.remote in gone or now > transfer.deadline:
+                logger.warning("KV transfer from %s %s: computing the prompt here",
+                               transfer.remote, "lost its connection"
+                               if transfer.remote in gone else
+                               f"timed out after {self.timeout_s:.1f} s")
                 del self._transfers[room]
                 self.stats.failed += 1
                 ready += transfer.requests
@@ -234,6 +249,7 @@ class KVSink:
         for transfers in (self._transfers, self._quarantined):
             for room in list(transfers):
                 self._end(transfers.pop(room), 0)
-        for sock in self._sockets.values():
+        for sock in (*self._sockets.values(), *self._monitors):
             sock.close(linger=0)
         self._sockets.clear()
+        self._monitors.clear()
