@@ -10,14 +10,15 @@
 // once per token block (once per step for decode, where the bytes are the cost), and a panel
 // stays in L1 while the token blocks reuse it. Panels are split across torch's OpenMP threads.
 //
-// Only AVX-512F/BW are needed (no VNNI, BF16 or AMX); a plain-loop path builds elsewhere.
+// AVX-512F/BW (no VNNI, BF16 or AMX needed), or AVX2 with FMA and F16C (a panel as two 8-lane
+// halves: AMD Zen 2/3, Intel Haswell to Skylake client); a plain-loop path builds elsewhere.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -125,6 +126,107 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+inline __m256 load_i8x8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 load_f16x8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// As the AVX-512 int8_panel, each 16-row step as two 8-lane halves (h).
+template <int TB, int U>
+void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, const float* bias,
+                float* out, int64_t n_out, int64_t p) {
+    __m256 acc[U][TB][2];
+    for (int u = 0; u < U; ++u)
+        for (int i = 0; i < TB; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + U <= K; k += U) {
+        for (int u = 0; u < U; ++u) {
+            const __m256 w0 = load_i8x8(w + (k + u) * PANEL), w1 = load_i8x8(w + (k + u) * PANEL + 8);
+            for (int i = 0; i < TB; ++i) {
+                const __m256 xb = _mm256_set1_ps(x[i * K + k + u]);
+                acc[u][i][0] = _mm256_fmadd_ps(xb, w0, acc[u][i][0]);
+                acc[u][i][1] = _mm256_fmadd_ps(xb, w1, acc[u][i][1]);
+            }
+        }
+    }
+    for (; k < K; ++k) {
+        const __m256 w0 = load_i8x8(w + k * PANEL), w1 = load_i8x8(w + k * PANEL + 8);
+        for (int i = 0; i < TB; ++i) {
+            const __m256 xb = _mm256_set1_ps(x[i * K + k]);
+            acc[0][i][0] = _mm256_fmadd_ps(xb, w0, acc[0][i][0]);
+            acc[0][i][1] = _mm256_fmadd_ps(xb, w1, acc[0][i][1]);
+        }
+    }
+    alignas(32) float vals[PANEL];
+    for (int i = 0; i < TB; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            __m256 sum = acc[0][i][h];
+            for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[u][i][h]);
+            const __m256 sc = _mm256_loadu_ps(scale + p * PANEL + 8 * h);
+            const __m256 b = bias ? _mm256_loadu_ps(bias + p * PANEL + 8 * h) : _mm256_setzero_ps();
+            _mm256_store_ps(vals + 8 * h, _mm256_fmadd_ps(sum, sc, b));
+        }
+        store_rows(out + i * n_out, vals, p, n_out);
+    }
+}
+
+// As the AVX-512 int4_panel, in two halves, with both nibbles of a byte summed into one
+// accumulator (AVX2 has 16 vector registers, not 32).
+template <int TB, int U>
+void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
+                const uint16_t* scale, const uint16_t* mins, const float* bias, float* out,
+                int64_t n_out, int64_t p) {
+    const int64_t groups = K / group;
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    __m256 acc[TB][2];
+    for (int i = 0; i < TB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256 q[U][TB][2];
+        for (int u = 0; u < U; ++u)
+            for (int i = 0; i < TB; ++i) q[u][i][0] = q[u][i][1] = _mm256_setzero_ps();
+        const uint8_t* wg = w + g * (group / 2) * PANEL;
+        const int64_t k0 = g * group;
+        for (int64_t j = 0; j < group / 2; j += U) {
+            for (int u = 0; u < U; ++u) {
+                const int64_t k = k0 + 2 * (j + u);
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        reinterpret_cast<const __m128i*>(wg + (j + u) * PANEL + 8 * h)));
+                    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low4));
+                    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+                    for (int i = 0; i < TB; ++i) {
+                        q[u][i][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[i * K + k]), lo, q[u][i][h]);
+                        q[u][i][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[i * K + k + 1]), hi, q[u][i][h]);
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256 sc = load_f16x8(scale + (p * groups + g) * PANEL + 8 * h);
+            const __m256 m = load_f16x8(mins + (p * groups + g) * PANEL + 8 * h);
+            for (int i = 0; i < TB; ++i) {
+                __m256 sum = q[0][i][h];
+                for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, q[u][i][h]);
+                acc[i][h] = _mm256_fmadd_ps(sum, sc, acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[i * groups + g]), m, acc[i][h]);
+            }
+        }
+    }
+    alignas(32) float vals[PANEL];
+    for (int i = 0; i < TB; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            const __m256 b = bias ? _mm256_loadu_ps(bias + p * PANEL + 8 * h) : _mm256_setzero_ps();
+            _mm256_store_ps(vals + 8 * h, _mm256_add_ps(acc[i][h], b));
+        }
+        store_rows(out + i * n_out, vals, p, n_out);
+    }
+}
+
 #else  // portable loops, same layout and order of operations per lane
 
 inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, subnormals included
@@ -184,7 +286,7 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
     }
 }
 
-#endif  // __AVX512F__
+#endif  // __AVX512F__, AVX2
 
 // Run `body(t0, tb)` over the tokens in blocks of MAX_TB, dispatching the block size to a
 // template instance (a decode step is one block of 1).
