@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.test_server import START_TIMEOUT, ServerProcess, free_port
+from tests.server_helpers import START_TIMEOUT, ServerProcess, free_port
 
 # Two running requests at most: the tiny model decodes a token in about a millisecond, so
 # without a queue no request would stay in flight long enough to be seen (load, failover).

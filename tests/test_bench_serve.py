@@ -20,7 +20,7 @@ from banyan.bench.workloads import (
     random_workload,
     shared_prefix_workload,
 )
-from tests.test_server import ServerProcess, free_port, running_server
+from tests.server_helpers import ServerProcess, free_port, running_server
 
 
 @pytest.fixture(scope="module")

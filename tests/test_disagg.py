@@ -14,20 +14,9 @@ import pytest
 
 from banyan import Engine, SamplingParams
 from banyan.scheduler.request import FinishReason
+from tests.disagg_helpers import BACKENDS, has_mooncake
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def _has_mooncake() -> bool:
-    try:
-        import mooncake.engine  # noqa: F401  (needs libibverbs1 even for TCP)
-    except (ImportError, OSError):
-        return False
-    return True
-
-
-BACKENDS = ["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not _has_mooncake(), reason="mooncake-transfer-engine-non-cuda (and libibverbs1) missing"))]
 
 
 def _engine(model: Path, mode: str = "null", **kw: object) -> Engine:
@@ -161,7 +150,7 @@ def test_abort_while_the_kv_travels_frees_the_reservation(llama_dir: Path) -> No
         _check(decode)
 
 
-@pytest.mark.skipif(not _has_mooncake(), reason="mooncake transfer engine missing")
+@pytest.mark.skipif(not has_mooncake(), reason="mooncake transfer engine missing")
 def test_mooncake_slots_given_up_stay_reserved_until_the_reply(llama_dir: Path) -> None:
     """With mooncake the prefill worker writes into the decode worker's slots: an aborted
     transfer keeps them reserved until the reply says the writing is over, so they are never

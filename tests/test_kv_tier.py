@@ -292,7 +292,7 @@ def test_server_reports_the_tier(llama_dir: Path, tmp_path: Path) -> None:
     above; a server builds its engine the same way.)"""
     import httpx
 
-    from tests.test_server import metric_values, running_server, wait_idle_and_free
+    from tests.server_helpers import metric_values, running_server, wait_idle_and_free
 
     rng = random.Random(5)
     prompt = [rng.randrange(3, 500) for _ in range(240)]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from banyan import Engine, SamplingParams
-from tests.test_server import free_port, start_server, wait_idle_and_free
+from tests.server_helpers import free_port, start_server, wait_idle_and_free
 
 mooncake_store = pytest.importorskip(
     "mooncake.store", reason="mooncake-transfer-engine-non-cuda (and libibverbs1) not installed")

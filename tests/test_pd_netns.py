@@ -14,9 +14,9 @@ import pytest
 
 from banyan import Engine, SamplingParams
 from banyan.bench import netns
+from tests.disagg_helpers import BACKENDS
 from tests.router_helpers import REPLICA_ARGS, start_processes, start_router, stop_all
-from tests.test_disagg import BACKENDS
-from tests.test_server import wait_idle_and_free
+from tests.server_helpers import wait_idle_and_free
 
 WHY_NOT = netns.available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.disagg_helpers import has_mooncake
 from tests.router_helpers import REPLICA_ARGS, start_processes, start_router, stop_all, wait_for
-from tests.test_disagg import _has_mooncake
-from tests.test_server import ServerProcess, free_port, wait_idle_and_free
+from tests.server_helpers import ServerProcess, free_port, wait_idle_and_free
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_serve_pd_starts_both_roles_behind_a_router(llama_dir: Path, log_dir: Pa
                                                     workers: dict[str, ServerProcess]) -> None:
     """`banyan serve --pd 1:1`: one prefill and one decode replica and the router, one port;
     the K/V moved by Mooncake's transfer engine where it is installed (the tests above: zmq)."""
-    backend = "mooncake" if _has_mooncake() else "zmq"
+    backend = "mooncake" if has_mooncake() else "zmq"
     port = free_port()
     cmd = [sys.executable, "-m", "banyan.cli", "serve", "--model", str(llama_dir), "--port",
            str(port), "--pd", "1:1", "--dtype", "float32", "--kv-cache-memory", "32MiB",

@@ -27,7 +27,7 @@ from tests.router_helpers import (
     wait_for,
     worker_states,
 )
-from tests.test_server import ServerProcess, metric_values, sse_events, wait_idle_and_free
+from tests.server_helpers import ServerProcess, metric_values, sse_events, wait_idle_and_free
 
 WORKER = "x-banyan-worker"
 

@@ -10,7 +10,7 @@ import httpx
 from openai import OpenAI
 
 from tests.router_helpers import start_processes, worker_states
-from tests.test_server import free_port
+from tests.server_helpers import free_port
 
 
 def test_serve_dp(llama_dir: Path, tmp_path: Path) -> None:

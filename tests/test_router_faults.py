@@ -27,7 +27,7 @@ from tests.router_helpers import (
     wait_for,
     worker_states,
 )
-from tests.test_server import ServerProcess, free_port
+from tests.server_helpers import ServerProcess, free_port
 
 USER, ADMIN = "sk-user", "sk-admin"
 WORKER_TIMEOUT = 5.0

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.router_helpers import start_processes
-from tests.test_server import ServerProcess, free_port, running_server
+from tests.server_helpers import ServerProcess, free_port, running_server
 
 pytest.importorskip("schemathesis")
 

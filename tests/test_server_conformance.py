@@ -16,7 +16,7 @@ import torch
 from openai import OpenAI
 
 from tests.hf_reference import hf_model
-from tests.test_server import ServerProcess, metric_values, running_server
+from tests.server_helpers import ServerProcess, metric_values, running_server
 
 TOLERANCE = 1e-4
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.test_server import ServerProcess, start_server
+from tests.server_helpers import ServerProcess, start_server
 
 MAX_BYTES = 64 * 1024
 MAX_N = 4

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_server import ServerProcess, running_server
+from tests.server_helpers import ServerProcess, running_server
 
 HEALTH_BOUND = 0.1  # seconds: the bound for /health under attack
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.test_server import ServerProcess, sse_events, start_server
+from tests.server_helpers import ServerProcess, sse_events, start_server
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

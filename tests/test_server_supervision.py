@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from banyan.server.supervisor import IPC_PREFIX, remove_stale_ipc_dirs
-from tests.test_server import ServerProcess, metric_values, sse_events, start_server
+from tests.server_helpers import ServerProcess, metric_values, sse_events, start_server
 from tests.test_server_faults import BOMB, HEALTH_BOUND, health_while
 
 KEY = "sk-env-key"

@@ -274,7 +274,7 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir: Path,
                                                           tmp_path: Path) -> None:
     from openai import OpenAI
 
-    from tests.test_server import metric_values, running_server, wait_idle_and_free
+    from tests.server_helpers import metric_values, running_server, wait_idle_and_free
 
     prompt = [20, 21, 22, 20, 21, 22, 20, 21]
     with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True) as plain:

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from tests.test_server import ServerProcess, running_server
+from tests.server_helpers import ServerProcess, running_server
 
 
 class Person(BaseModel):

@@ -1,0 +1,137 @@
+"""Server processes for the tests: a real `banyan serve` (API server + engine process) on a free
+localhost port, started, waited for and stopped with everything it spawned; and readers of what
+it says (SSE events, Prometheus samples, an idle pool). Shared by every test that starts one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+START_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL of its process group if it does not exit in time; returns the
+        exit code of the server process. Nothing of the group is left running."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # the engine process is in the same group: it must be gone too
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.1)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError("a process of the server outlived it")
+        except ProcessLookupError:
+            pass
+        return self.proc.returncode
+
+
+def start_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "banyan.cli", "serve", "--model", str(model_dir),
+           "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "32MiB",
+           "--log-level", "warning", *extra]
+    with open(log_path, "wb") as log:
+        # Own process group: the finalizer can reap the engine process even if the server hangs.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = ServerProcess(proc, port, log_path)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+
+
+def sse_events(lines: Iterator[str]) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing: only `data: ` lines, each
+    followed by a blank line, no comments or other fields."""
+    events = []
+    expect_blank = False
+    for line in lines:
+        if expect_blank:
+            assert line == "", f"event not followed by a blank line: {line!r}"
+            expect_blank = False
+            continue
+        assert line.startswith("data: "), f"unexpected SSE line {line!r}"
+        events.append(line[len("data: "):])
+        expect_blank = True
+    return events
+
+
+def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            values[(sample.name, labels)] = sample.value
+    return values
+
+
+def wait_idle_and_free(url: str, timeout: float = 20.0) -> dict:
+    """/server_info once the engine holds no request and every KV slot is free or evictable."""
+    deadline = time.monotonic() + timeout
+    info: dict = {}
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{url}/server_info").json()
+        if (info["num_requests"] == 0 and info["kv_protected"] == 0
+                and info["kv_free"] + info["kv_evictable"] == info["kv_capacity"]):
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle with a free KV pool: {info}")
+
+
+@contextlib.contextmanager
+def running_server(llama_dir: Path, folder: Path, *extra: str) -> Iterator[ServerProcess]:
+    """A tiny-model server serving as "tiny" for the duration; it must exit cleanly."""
+    srv = start_server(llama_dir, folder, "--served-model-name", "tiny", *extra)
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, f"server exit code {code}:\n{srv.log()}"
