@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -55,9 +55,8 @@ class _Transfer:
     namespace: str | None
     matched: MatchResult  # the locked local prefix
     slots: list[int]  # reserved for tokens[len(matched.slots):]
-    started: float
-    deadline: float
-    remote: str = field(default="")
+    started: float  # time.monotonic() when the fetch was sent
+    remote: str  # the prefill worker's K/V address
 
 
 class KVSink:
@@ -108,9 +107,8 @@ class KVSink:
             return requests
         reservation, matched, slots = reserved
         self._room += 1
-        now = time.monotonic()
         transfer = _Transfer(reservation, requests, tokens[: len(matched.slots) + len(slots)],
-                             req.namespace, matched, slots, now, now + self.timeout_s, remote)
+                             req.namespace, matched, slots, time.monotonic(), remote)
         fetch = KVFetch(self._room, transfer.tokens, len(matched.slots), req.namespace,
                         self.identity)
         if self.mooncake is not None:
@@ -163,7 +161,7 @@ class KVSink:
                     ready += self._receive(frames)
         now = time.monotonic()
         for room, transfer in list(self._transfers.items()):
-            if transfer.remote in gone or now > transfer.deadline:
+            if transfer.remote in gone or now > transfer.started + self.timeout_s:
                 logger.warning("KV transfer from %s %s: computing the prompt here",
                                transfer.remote, "lost its connection"
                                if transfer.remote in gone else

@@ -82,11 +82,10 @@ class PrefillStage:
         payload = json.dumps(prefill_body(up.path, body)).encode()
         tried: set[str] = set()
         for _ in range(self.args.max_retries + 1):
-            workers = self.registry.candidates(tried)
-            if not workers:
+            chosen = self.registry.choose(self.policy, up.key, tried)
+            if chosen is None:
                 break
-            by_url = {w.url: w for w in workers}
-            worker = by_url[self.policy.choose(up.key, [w.candidate() for w in workers]).url]
+            worker = chosen[0]
             tried.add(worker.url)
             self.registry.acquire(worker)
             t0 = time.perf_counter()

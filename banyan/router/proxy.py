@@ -104,16 +104,17 @@ class Proxy:
         return ProxyResponse(self, upstream)
 
     def pick(self, up: Upstream, tried: set[str]) -> Worker | None:
-        workers = self.registry.candidates(tried)
-        if not workers:
-            return None
-        by_url = {w.url: w for w in workers}
-        candidates = [w.candidate() for w in workers]
         if not up.routed:
-            return by_url[least_loaded(candidates, self.args.kv_load_weight).url]
-        decision = self.policy.choose(up.key, candidates)
-        self.metrics.decision(decision)
-        return by_url[decision.url]
+            workers = self.registry.candidates(tried)
+            if not workers:
+                return None
+            url = least_loaded([w.candidate() for w in workers], self.args.kv_load_weight).url
+            return next(w for w in workers if w.url == url)
+        chosen = self.registry.choose(self.policy, up.key, tried)
+        if chosen is None:
+            return None
+        self.metrics.decision(chosen[1])
+        return chosen[0]
 
     def _suspect(self, worker: Worker, error: str) -> None:
         """A dropped connection may be a dead worker or a keep-alive race: check it now, and take

@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 
 from banyan.router.args import RouterArgs, normalize_url
-from banyan.router.policies import Candidate
+from banyan.router.keys import RouteKey
+from banyan.router.policies import Candidate, Decision, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,15 @@ class WorkerRegistry:
     def candidates(self, exclude: Collection[str] = ()) -> list[Worker]:
         return [w for w in self._workers.values()
                 if w.healthy and not w.draining and w.url not in exclude]
+
+    def choose(self, policy: Policy, key: RouteKey | None,
+               exclude: Collection[str] = ()) -> tuple[Worker, Decision] | None:
+        """The worker `policy` picks among those taking traffic (not in exclude), and why."""
+        workers = self.candidates(exclude)
+        if not workers:
+            return None
+        decision = policy.choose(key, [w.candidate() for w in workers])
+        return next(w for w in workers if w.url == decision.url), decision
 
     def any_healthy(self) -> bool:
         return any(w.healthy and not w.draining for w in self._workers.values())

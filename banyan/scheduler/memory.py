@@ -116,29 +116,18 @@ class KVManager:
 
     def _load_from_tier(self, tokens: list[int], namespace: str | None,
                         device: MatchResult) -> MatchResult:
-        """Extend a device match with the blocks the tier holds: load them into free slots and
-        insert them into the prefix cache, as if this request had computed them. Only free
+        """Extend a device match with the blocks the tier holds: load them into reserved slots
+        and give them to the prefix cache, as if this request had computed them. Only free
         slots and evictable cache are used, and only when loading beats recomputing."""
         assert self.tier is not None
         start = len(device.slots)
-        n = self.tier.loadable(tokens, namespace, start)
-        n = self.cache.aligned_len(start + n) - start
-        if n <= 0:
+        n = self.cache.aligned_len(start + self.tier.loadable(tokens, namespace, start))
+        reserved = self.reserve_prefix(tokens[:n], namespace) if n > start else None
+        if reserved is None:
             return device
-        self.cache.lock(device.handle)  # the matched path must survive the eviction below
-        slots = self.alloc_slots(n) if self.available >= n else None
-        self.cache.unlock(device.handle)
-        if slots is None:
-            return device
-        loaded = self.cache.aligned_len(start + self.tier.load(tokens, namespace, start, slots))
-        loaded -= start
-        self.allocator.free(slots[loaded:])
-        if loaded == 0:
-            return device
-        result = self.cache.insert(tokens[: start + loaded], device.slots + slots[:loaded],
-                                   namespace)
-        self.allocator.free(slots[: max(result.cached_len - start, 0)])  # (none: nothing raced)
-        self.tier_loaded += loaded
+        reservation, matched, slots = reserved
+        loaded = self.tier.load(tokens, namespace, start, slots)
+        self.tier_loaded += self.fill_reserved(reservation, tokens, namespace, matched, loaded)
         return self.cache.match_prefix(tokens, namespace, count_stats=False)
 
     def reserve_prefix(self, tokens: list[int], namespace: str | None

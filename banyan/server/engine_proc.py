@@ -107,7 +107,6 @@ class EngineLoop:
     def _drain(self, timeout_ms: int) -> int:
         source = self.core.kv_source
         if source is not None:  # a prefill worker: decode workers' fetches wake it too
-            timeout_ms = 0 if source.serve() else timeout_ms
             ready = dict(self._poller.poll(timeout_ms))
             source.serve()
             if self.inbox.socket not in ready:
