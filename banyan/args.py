@@ -12,6 +12,7 @@ from typing import Any
 
 
 LINEAR_KERNELS = ("auto", "torch", "native")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # mem/kv_pool.py maps them to dtypes
 
 
 def kv_addr_host(addr: str) -> str:
@@ -22,6 +23,12 @@ def kv_addr_host(addr: str) -> str:
 def check_linear_kernel(value: str) -> None:
     if value not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
+                         f"got {value!r}")
+
+
+def check_kv_cache_dtype(value: str) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                          f"got {value!r}")
 
 
@@ -45,6 +52,11 @@ class EngineArgs:
         "auto (cuda when available, else cpu), cpu, cuda, cuda:N."))
     kv_cache_memory: str | None = field(default=None, metadata=_doc(
         "KV cache size: bytes, or with a unit (512MiB, 4GiB). Default: --mem-fraction of free memory."))
+    kv_cache_dtype: str = field(default="auto", metadata=_doc(
+        "Storage of the KV cache: auto (the model's dtype), int8 or fp8_e4m3 / fp8_e5m2 (one "
+        "byte per value and a float32 scale per token and head: about twice the tokens in the "
+        "same --kv-cache-memory; attention reads the codes in place).",
+        choices=list(KV_CACHE_DTYPES)))
     mem_fraction: float = field(default=0.25, metadata=_doc(
         "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is unset."))
     max_model_len: int | None = field(default=None, metadata=_doc(
@@ -187,6 +199,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of none, int8, int4, "
                                  f"got {getattr(self, name)!r}")
         check_linear_kernel(self.linear_kernel)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("disaggregation_mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")

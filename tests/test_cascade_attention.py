@@ -18,7 +18,7 @@ from banyan.attention.cpu_native import CpuNativeBackend
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata
 from banyan.batch import ForwardBatch
-from banyan.mem.kv_pool import KVPool
+from banyan.mem.kv_pool import KVPool, kv_code_dtype
 from banyan.mem.req_table import ReqToTokenTable
 from tests.hf_reference import hf_greedy
 from tests.test_attention import naive
@@ -40,14 +40,21 @@ class Scene:
         self, reqs: list[Req], heads: int, kv_heads: int, dim: int = 8, layers: int = 2,
         dtype: torch.dtype = torch.float32, seed: int = 0,
         stale: dict[int, list[int]] | None = None, device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """stale: request index -> slots written right after its row's end (a reused row)."""
         g = torch.Generator().manual_seed(seed)
         live = max(s for r in reqs for s in r.slots) + 1
-        self.pool = KVPool(layers, live + 16, kv_heads, dim, dtype, device)
+        self.pool = KVPool(layers, live + 16, kv_heads, dim, dtype, device,
+                           kv_code_dtype(kv_cache_dtype))
+        every = torch.arange(self.pool.num_slots, device=device)
         for layer in range(layers):
-            self.pool.k[layer].copy_(torch.randn(self.pool.k[layer].shape, generator=g))
-            self.pool.v[layer].copy_(torch.randn(self.pool.v[layer].shape, generator=g))
+            shape = (self.pool.num_slots, kv_heads, dim)
+            k, v = (torch.randn(shape, generator=g) for _ in range(2))
+            if self.pool.quantized:  # rows of unequal magnitudes, so per-row scales matter
+                k, v = (x * (0.25 + torch.rand(shape[:2] + (1,), generator=g) * 1.75)
+                        for x in (k, v))
+            self.pool.store(layer, every, k.to(dtype).to(device), v.to(dtype).to(device))
         longest = max(len(r.slots) for r in reqs)
         self.table = ReqToTokenTable(len(reqs) + 3, longest + 5, device)
         # Stale entries past every row's end, as a reused row holds: slots no live row has.
@@ -72,11 +79,13 @@ class Scene:
         dim, dtype = self.pool.head_dim, self.pool.dtype
         for layer in range(self.layers):
             q = torch.randn(len(self.out_slots), self.heads, dim, generator=self.gen).to(dtype)
-            # The new tokens' K/V are already in the pool: storing them again changes nothing.
-            k = self.pool.k[layer][self.out_slots].clone()
-            v = self.pool.v[layer][self.out_slots].clone()
+            # The new tokens' K/V are already in the pool: storing them again changes nothing
+            # (a quantized row's dequantized values quantize to the same codes).
+            pool_k, pool_v = self.values(layer)
+            k = pool_k[self.out_slots.cpu()].to(dtype).to(self.out_slots.device)
+            v = pool_v[self.out_slots.cpu()].to(dtype).to(self.out_slots.device)
             out = backend.forward(q.to(k.device), k, v, layer, meta).cpu()
-            pool_k, pool_v = self.pool.k[layer].cpu(), self.pool.v[layer].cpu()
+            pool_k, pool_v = self.values(layer)  # (bf16 inputs may requantize a code by one)
             start = 0
             for r, p in zip(self.reqs, self.batch.prefix_lens, strict=True):
                 idx = torch.tensor(r.slots)
@@ -88,6 +97,17 @@ class Scene:
                 torch.testing.assert_close(got, want, atol=atol, rtol=atol)
                 start += r.extend
         return meta
+
+
+    def values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's K, V of a layer as attention must see them: float64 on the CPU (codes
+        times scales when quantized)."""
+        lk = self.pool.layer(layer)
+        if lk.k_scale is None:
+            return lk.k.cpu().double(), lk.v.cpu().double()
+        assert lk.v_scale is not None
+        return tuple(c.cpu().double() * s.cpu().double().unsqueeze(-1)  # type: ignore[return-value]
+                     for c, s in ((lk.k, lk.k_scale), (lk.v, lk.v_scale)))
 
 
 def fresh(counter: list[int], n: int) -> list[int]:
@@ -115,6 +135,19 @@ def test_one_group(heads: int, kv_heads: int) -> None:
     scene = Scene(reqs, heads, kv_heads)
     meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS))
     assert groups_of(meta) == [(5, 40)] and meta.dec_count == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_pool_through_the_cascade(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """The cascade's gathers dequantize a quantized pool's rows (codes x scales)."""
+    c = [1]
+    prefix = fresh(c, 40)
+    reqs = [Req(prefix + fresh(c, n)) for n in (1, 5, 17)] + [Req(fresh(c, 12))]
+    scene = Scene(reqs, 6, 2, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    meta = scene.check(SdpaBackend(scene.pool, scene.table, cascade=ALWAYS),
+                       atol=5e-5 if dtype == torch.float32 else 4e-2)
+    assert groups_of(meta) == [(3, 40)] and meta.dec_count == 1
 
 
 @pytest.mark.parametrize("heads,kv_heads", HEADS)

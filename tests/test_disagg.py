@@ -104,6 +104,29 @@ def test_only_the_missing_part_moves(llama_dir: Path, backend: str) -> None:
         _check(decode)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_quantized_cache_moves_its_codes_and_scales(llama_dir: Path, backend: str) -> None:
+    """With --kv-cache-dtype int8 on both sides, the K/V travels as codes and scales (half
+    the bytes of float32 and less), and outputs equal the colocated int8 engine's."""
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 70, 260)]
+    quant = dict(kv_cache_dtype="int8")
+    with _engine(llama_dir, **quant) as colocated:
+        want = [o.outputs[0].output_ids for o in colocated.generate(
+            input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=6, **GREEDY),
+            use_tqdm=False)]
+        per_token = colocated.core.kv_bytes_per_token
+    pd = dict(disaggregation_transfer_backend=backend, **quant)
+    with _engine(llama_dir, "prefill", **pd) as prefill, \
+            _engine(llama_dir, "decode", **pd) as decode:
+        assert _pd_generate(prefill, decode, prompts, 6) == want
+        sink = decode.core.kv_sink
+        assert sink is not None and sink.stats.failed == 0
+        assert sink.stats.received_bytes == sink.stats.received_tokens * per_token > 0
+        _check(prefill)
+        _check(decode)
+
+
 def test_a_gone_prefill_worker_costs_time_not_requests(llama_dir: Path) -> None:
     """No reply (the prefill worker died): after the timeout the decode worker computes the
     prompt itself; outputs unchanged, nothing leaked."""

@@ -289,7 +289,8 @@ def test_tier_flags_are_checked() -> None:
 def test_server_reports_the_tier(llama_dir: Path, tmp_path: Path) -> None:
     """`banyan serve --hicache-backend file`: a prompt evicted from the pool is loaded back
     (same text) and the counters reach /metrics and /server_info. (Restarts: the engine test
-    above; a server builds its engine the same way.)"""
+    above; a server builds its engine the same way.) The pool is int8 (codes and scales go to
+    the tier as they are): 50 KiB hold the 320 tokens 160 KiB of float32 would."""
     import httpx
 
     from tests.server_helpers import metric_values, running_server, wait_idle_and_free
@@ -298,7 +299,8 @@ def test_server_reports_the_tier(llama_dir: Path, tmp_path: Path) -> None:
     prompt = [rng.randrange(3, 500) for _ in range(240)]
     other = [rng.randrange(3, 500) for _ in range(240)]
     flags = ("--hicache-backend", "file", "--hicache-dir", str(tmp_path / "tier"),
-             "--hicache-block-tokens", "16", "--kv-cache-memory", "160KiB")
+             "--hicache-block-tokens", "16", "--kv-cache-memory", "50KiB",
+             "--kv-cache-dtype", "int8")
 
     def complete(url: str, ids: list[int]) -> str:
         reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
@@ -315,6 +317,8 @@ def test_server_reports_the_tier(llama_dir: Path, tmp_path: Path) -> None:
         assert loaded >= 224
         info = wait_idle_and_free(srv.url)
         assert info["hicache"]["loaded_tokens"] == loaded and info["hicache"]["files"] >= 28
+        assert info["kv_cache_dtype"] == "int8" and info["kv_bytes_per_token"] == 160
+        assert info["kv_capacity"] == 50 * 1024 // 160 - 1  # the padding slot aside
 
 
 def test_explain_prefix_names_the_tier(llama_dir: Path, tmp_path: Path) -> None:

@@ -137,3 +137,28 @@ def test_greedy_matches_transformers_with_the_native_kernel(
     native_steps = [m for m in plans if m.native is not None]
     assert native_steps and all(m.cascade is None for m in native_steps)
     assert max(len(groups_of(m)) for m in native_steps) >= 2  # several prefixes grouped at once
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_pool_matches_naive_over_its_dequantized_values(
+    kv_cache_dtype: str, heads: int, kv_heads: int, dtype: torch.dtype
+) -> None:
+    """The kernel reads int8 / fp8 codes in place, each (slot, head) row times its scale:
+    grouped decodes, plain decodes and extends over a cached prefix against naive attention
+    over the codes x scales; the SDPA paths (a long chunk) dequantize what they gather."""
+    c = [1]
+    shared = fresh(c, 40)
+    reqs = [
+        Req(shared + fresh(c, 3)), Req(shared + fresh(c, 9)),  # one decode group
+        Req(fresh(c, 33)),  # a plain decode
+        Req(fresh(c, 20 + 17), extend=17),  # an extend over a cached prefix
+        Req(fresh(c, 5 + 300), extend=300),  # too long for the kernel: SDPA, dequantized
+    ]
+    scene = Scene(reqs, heads, kv_heads, dim=64, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    assert scene.pool.k[0].element_size() == 1 and scene.pool.quantized
+    # values up to 2x the other tests': float32 rounding grows with them
+    meta = scene.check(native_backend(scene), atol=5e-5 if dtype == torch.float32 else 4e-2)
+    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 1, 1, 17]
+    assert [e.length for e in meta.extends] == [300]

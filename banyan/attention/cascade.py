@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from banyan.attention.prefix_groups import SharedPrefix
+from banyan.mem.kv_pool import LayerKV
 
 
 @dataclass(slots=True)
@@ -153,20 +154,18 @@ def plan_cascade(
 
 def cascade_attention(
     q: torch.Tensor,
-    pool_k: torch.Tensor,
-    pool_v: torch.Tensor,
+    layer: LayerKV,
     plan: CascadePlan,
     scale: float,
     ws: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """q: [T, H, D] the step's queries (flat); pool_k/v: [slots, KVH, D] of the layer; ws:
-    workspaces (K, V in the pool's dtype; K, V in float32, the same two when the pool is
-    float32) of >= max(R * Lo, max P) rows of [KVH, D] -> [V, H, D] for `plan.tokens`."""
+    """q: [T, H, D] the step's queries (flat); layer: the pool's layer ([slots, KVH, D]); ws:
+    workspaces (K, V in the model's dtype; K, V in float32, the same two when it is float32)
+    of >= max(R * Lo, max P) rows of [KVH, D] -> [V, H, D] for `plan.tokens`."""
     H, D = q.shape[1], q.shape[2]
-    kvh = pool_k.shape[1]
+    kvh = layer.k.shape[1]
     G = H // kvh
     R, N, lo = plan.num_rows, plan.queries, plan.own_len
-    flat_k, flat_v = pool_k.view(-1, D), pool_v.view(-1, D)  # [slots * KVH, D]
     ws_k, ws_v, wf_k, wf_v = ws
 
     # Queries as [R, KVH, N*G, D] float32: a row's N tokens x G heads of a KV head.
@@ -175,8 +174,8 @@ def cascade_attention(
     qf.view(R, kvh, N, G, D).copy_(qsel.view(R, N, kvh, G, D).transpose(1, 2))
 
     # (a) own parts: [R*KVH, Lo, D] blocks, scores [R, KVH, N*G, Lo]
-    ks = _gather(flat_k, plan.own_index, ws_k, wf_k).view(R * kvh, lo, D)
-    vs = _gather(flat_v, plan.own_index, ws_v, wf_v).view(R * kvh, lo, D)
+    ks = _gather(layer, 0, plan.own_index, ws_k, wf_k).view(R * kvh, lo, D)
+    vs = _gather(layer, 1, plan.own_index, ws_v, wf_v).view(R * kvh, lo, D)
     s = torch.empty((R * kvh, N * G, lo), dtype=torch.float32, device=q.device)
     s.baddbmm_(qf.view(R * kvh, N * G, D), ks.transpose(1, 2), beta=0, alpha=scale)
     s.view(R, kvh, N, G, lo).masked_fill_(plan.own_mask, float("-inf"))
@@ -190,8 +189,8 @@ def cascade_attention(
     for grp in plan.groups:
         r0, r1, bg, pl = grp.start, grp.start + grp.count, grp.count, grp.length
         k_live, v_live = grp.k_buf[:, :pl, :D], grp.v_buf[:, :pl, :D]
-        k_live.copy_(_gather_raw(flat_k, grp.kv_index, ws_k).view(kvh, pl, D))
-        v_live.copy_(_gather_raw(flat_v, grp.kv_index, ws_v).view(kvh, pl, D))
+        k_live.copy_(_gather_raw(layer, 0, grp.kv_index, ws_k).view(kvh, pl, D))
+        v_live.copy_(_gather_raw(layer, 1, grp.kv_index, ws_v).view(kvh, pl, D))
         if grp.q_buf is None:
             shape = (kvh, bg * N * G, grp.k_buf.shape[-1])
             grp.q_buf = torch.zeros(shape, dtype=torch.float32, device=q.device)
@@ -211,22 +210,21 @@ def cascade_attention(
     return res.index_select(0, plan.valid).to(q.dtype)
 
 
-def _gather_raw(flat: torch.Tensor, index: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """flat: [slots * KVH, D]; index: [N] head-split rows -> [N, D] in the pool's dtype,
-    written into the workspace ws."""
-    d = flat.shape[1]
-    return torch.index_select(flat, 0, index, out=ws.view(-1, d)[: index.shape[0]])
+def _gather_raw(layer: LayerKV, which: int, index: torch.Tensor, ws: torch.Tensor
+                ) -> torch.Tensor:
+    """K (which 0) or V (1) rows of the layer's [slots * KVH, D] head-split view; index: [N]
+    -> [N, D] in the model's dtype, written into the workspace ws."""
+    return layer.select(which, index, ws.view(-1, ws.shape[-1]), head_rows=True)
 
 
 def _gather(
-    flat: torch.Tensor, index: torch.Tensor, ws: torch.Tensor, wf: torch.Tensor
+    layer: LayerKV, which: int, index: torch.Tensor, ws: torch.Tensor, wf: torch.Tensor
 ) -> torch.Tensor:
     """As `_gather_raw`, in float32 into the float32 workspace wf (staged through ws when the
-    pool is not float32). Workspaces, not fresh tensors: on CPU a fresh multi-MB buffer per
-    layer is mostly page faults (measured: the bf16 -> float32 copy 10x slower than into a kept
-    one)."""
-    d, n = flat.shape[1], index.shape[0]
-    out = wf.view(-1, d)[:n]
-    if flat.dtype == torch.float32:
-        return torch.index_select(flat, 0, index, out=out)
-    return out.copy_(_gather_raw(flat, index, ws))
+    model's dtype is not float32; a quantized pool dequantizes straight into float32).
+    Workspaces, not fresh tensors: on CPU a fresh multi-MB buffer per layer is mostly page
+    faults (measured: the bf16 -> float32 copy 10x slower than into a kept one)."""
+    out = wf.view(-1, wf.shape[-1])
+    if wf.data_ptr() == ws.data_ptr() or layer.k_scale is not None:
+        return layer.select(which, index, out, head_rows=True)
+    return out[: index.shape[0]].copy_(_gather_raw(layer, which, index, ws))

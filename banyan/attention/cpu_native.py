@@ -41,7 +41,7 @@ class CpuNativeBackend(SdpaBackend):
 
     @classmethod
     def supports(cls, pool: KVPool) -> bool:
-        return native_kernels.supports(pool.device, pool.dtype)
+        return native_kernels.supports(pool.device, pool.dtype, pool.code_dtype)
 
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> NativeMetadata:
         meta = NativeMetadata(backend=self, num_tokens=batch.num_tokens, out_slots=out_slots)
@@ -64,12 +64,11 @@ class CpuNativeBackend(SdpaBackend):
         nat = meta.native
         if nat is None:
             return super().forward(q, k, v, layer_id, meta)
-        self.pool.store(layer_id, meta.out_slots, k, v)
+        k, v = self.pool.store(layer_id, meta.out_slots, k, v)
         T, H, D = q.shape
         q = q.contiguous()
         out = q.new_empty((T, H, D))
-        pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
-        native_attention(q, pool_k, pool_v, self.table.table, nat, self.scale, out)
+        native_attention(q, self.pool.layer(layer_id), self.table.table, nat, self.scale, out)
         if nat.num_tokens < T:  # longer chunks: the SDPA paths
             self._attend_paths(q, k, v, layer_id, meta, out)
         return out

@@ -22,6 +22,7 @@ import torch
 
 from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
 from banyan.kernels import native
+from banyan.mem.kv_pool import LayerKV
 
 NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
 MAX_NATIVE_EXTEND = 256
@@ -97,8 +98,7 @@ def plan_native(
 
 def native_attention(
     q: torch.Tensor,
-    pool_k: torch.Tensor,
-    pool_v: torch.Tensor,
+    layer: LayerKV,
     table: torch.Tensor,
     plan: NativePlan,
     scale: float,
@@ -107,8 +107,8 @@ def native_attention(
     """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written)."""
     return native.paged_attention(
         q,
-        pool_k,
-        pool_v,
+        layer.k,
+        layer.v,
         table,
         plan.req_row,
         plan.req_len,
@@ -119,4 +119,6 @@ def native_attention(
         plan.group_prefix,
         scale,
         out,
+        layer.k_scale,
+        layer.v_scale,
     )

@@ -240,8 +240,8 @@ class SdpaBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)
-        # q: [T, H, D]; k, v: [T, KVH, D]
-        self.pool.store(layer_id, meta.out_slots, k, v)
+        # q: [T, H, D]; k, v: [T, KVH, D] (as the pool holds them: dequantized when quantized)
+        k, v = self.pool.store(layer_id, meta.out_slots, k, v)
         T, H, D = q.shape
         if meta.dec_count == T:  # decode-only step: no scatter back
             return self._decode(q, layer_id, meta)
@@ -261,18 +261,15 @@ class SdpaBackend(AttentionBackend):
         for casc in (meta.cascade, meta.ext_cascade):
             if casc is not None:
                 ws = (self._ws_k, self._ws_v, self._wf_k, self._wf_v)
-                pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
-                oc = cascade_attention(q, pool_k, pool_v, casc, self.scale, ws)
+                oc = cascade_attention(q, self.pool.layer(layer_id), casc, self.scale, ws)
                 out.index_copy_(0, casc.tokens, oc)
         for ext in meta.extends:
             out[ext.start : ext.start + ext.length] = self._extend(q, k, v, layer_id, ext)
 
     def _gather(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index: [N] int64 slots -> k, v: [N, KVH, D] views of the workspace
-        n = index.shape[0]
-        k = torch.index_select(self.pool.k[layer_id], 0, index, out=self._ws_k[:n])
-        v = torch.index_select(self.pool.v[layer_id], 0, index, out=self._ws_v[:n])
-        return k, v
+        layer = self.pool.layer(layer_id)
+        return layer.select(0, index, self._ws_k), layer.select(1, index, self._ws_v)
 
     def _decode(
         self, qd: torch.Tensor, layer_id: int, meta: TorchAttentionMetadata

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from banyan.args import KV_CACHE_DTYPES
+
 if TYPE_CHECKING:
     from banyan.runner.model_runner import ModelRunner
 
@@ -114,6 +116,8 @@ def add_quality_parser(modes: Any) -> None:
                    help="text to score (default: a fixed ~600-token English text)")
     q.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="weight format of the linears (as for serve)")
+    q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="storage of the KV cache (as for serve)")
     q.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     q.add_argument("--reference", action="store_true",
                    help="also score with transformers on the same (converted) model, float32")
@@ -128,10 +132,12 @@ def run_quality(ns: argparse.Namespace) -> int:
     text = ns.text_file.read_text() if ns.text_file else REFERENCE_TEXT
     ids = list(load_tokenizer(folder).encode(text))
     runner = ModelRunner(folder, dtype=ns.dtype, num_slots=len(ids) + 1, max_rows=1,
-                         max_context=len(ids), quantization=ns.quantization)
+                         max_context=len(ids), quantization=ns.quantization,
+                         kv_cache_dtype=ns.kv_cache_dtype)
     ours = banyan_perplexity(runner, ids, ns.chunk)
     report: dict[str, Any] = {"model": str(folder), "dtype": str(runner.dtype),
-                              "quantization": ns.quantization, **asdict(ours),
+                              "quantization": ns.quantization,
+                              "kv_cache_dtype": ns.kv_cache_dtype, **asdict(ours),
                               "ppl": ours.ppl}
     if ns.reference:
         from transformers import AutoModelForCausalLM

@@ -42,29 +42,27 @@ class MooncakeTransfer:
         if rc != 0:
             raise RuntimeError(f"Mooncake transfer engine did not start on {host} (rc {rc})")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
-        self.k_ptrs = [t.data_ptr() for t in pool.k]
-        self.v_ptrs = [t.data_ptr() for t in pool.v]
-        for t in (*pool.k, *pool.v):
+        regions = pool.regions()
+        for t in regions:
             if self.engine.register_memory(t.data_ptr(), t.nbytes) != 0:
                 raise RuntimeError("Mooncake could not register the KV pool's memory")
-        self.row_bytes = pool.kv_heads * pool.head_dim * pool.k[0].element_size()
+        self.region_ptrs = [t.data_ptr() for t in regions]
+        self.region_rows = [t.stride(0) * t.element_size() for t in regions]  # bytes per slot
 
-    def write(self, session: str, src_slots: Sequence[int], dst_k: Sequence[int],
-              dst_v: Sequence[int], dst_slots: Sequence[int]) -> bool:
+    def write(self, session: str, src_slots: Sequence[int], dst_regions: Sequence[int],
+              dst_slots: Sequence[int]) -> bool:
         """Copy the K/V of src_slots (this pool) into dst_slots of the pool at `session`
-        (whose per-layer K and V base addresses are dst_k, dst_v); True when all arrived."""
-        if len(dst_k) != len(self.k_ptrs) or len(dst_v) != len(self.v_ptrs):
+        (whose regions, as `KVPool.regions` lists them, start at dst_regions); True when all
+        arrived."""
+        if len(dst_regions) != len(self.region_ptrs):
             return False
-        row = self.row_bytes
         srcs: list[int] = []
         dsts: list[int] = []
         lengths: list[int] = []
         runs = slot_runs(src_slots, dst_slots)
-        for layer in range(len(self.k_ptrs)):
-            for src_base, dst_base in ((self.k_ptrs[layer], dst_k[layer]),
-                                       (self.v_ptrs[layer], dst_v[layer])):
-                for s, d, n in runs:
-                    srcs.append(src_base + s * row)
-                    dsts.append(dst_base + d * row)
-                    lengths.append(n * row)
+        for src_base, dst_base, row in zip(self.region_ptrs, dst_regions, self.region_rows):
+            for s, d, n in runs:
+                srcs.append(src_base + s * row)
+                dsts.append(dst_base + d * row)
+                lengths.append(n * row)
         return self.engine.batch_transfer_sync_write(session, srcs, dsts, lengths) == 0

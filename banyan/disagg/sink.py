@@ -113,7 +113,7 @@ class KVSink:
                         self.identity)
         if self.mooncake is not None:
             fetch.session = self.mooncake.session
-            fetch.dest_k, fetch.dest_v = self.mooncake.k_ptrs, self.mooncake.v_ptrs
+            fetch.dest_regions = self.mooncake.region_ptrs
             fetch.dest_slots, fetch.expires_in = slots, self.timeout_s
         try:
             self._socket(remote).send(self._encoder.encode(fetch), flags=zmq.NOBLOCK)
@@ -214,9 +214,8 @@ class KVSink:
             t0 = time.perf_counter()
             with warnings.catch_warnings():  # read-only: it is only copied from
                 warnings.simplefilter("ignore", UserWarning)
-                kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype)
-            self.pool.scatter(kv.view(self.pool.layers, 2, count, self.pool.kv_heads,
-                                      self.pool.head_dim), transfer.slots[:count])
+                kv = self.pool.unpack(payload, count)
+            self.pool.scatter(kv, transfer.slots[:count])
             self.stats.copy_seconds += time.perf_counter() - t0
         self.stats.received_bytes += count * self.pool.bytes_per_slot
         self._end(transfer, count)

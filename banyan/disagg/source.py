@@ -104,7 +104,7 @@ class KVSource:
             return
         kv = self.pool.gather(result.slots[fetch.start:have])  # a copy: eviction may follow
         self.stats.gather_seconds += time.perf_counter() - t0
-        payload = kv.view(-1).view(torch.uint8).numpy()  # bytes (numpy has no bfloat16)
+        payload = kv.view(-1).numpy()  # uint8: the pool's raw bytes
         self._send(peer, KVReply(fetch.room, fetch.start, count), payload)
         self.stats.sent_tokens += count
         self.stats.sent_bytes += payload.nbytes
@@ -118,7 +118,7 @@ class KVSource:
             self._send(peer, KVReply(fetch.room, fetch.start, 0, error="fetch expired"))
             return
         t0 = time.perf_counter()
-        if not self.mooncake.write(fetch.session, slots[:count], fetch.dest_k, fetch.dest_v,
+        if not self.mooncake.write(fetch.session, slots[:count], fetch.dest_regions,
                                    fetch.dest_slots[:count]):
             self._send(peer, KVReply(fetch.room, fetch.start, 0,
                                      error="the Mooncake write failed"))

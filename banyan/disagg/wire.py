@@ -24,11 +24,11 @@ class KVFetch(msgspec.Struct, tag="fetch"):
     namespace: str | None = None  # cache_salt: the cache keeps namespaces apart
     identity: str = ""  # the decode worker's model identity (model, dtype, KV layout)
     # The mooncake backend: write the K/V into the decode worker's pool instead of replying
-    # with it. Its transfer engine's session, its pool's per-layer K and V base addresses, and
-    # the slots reserved for tokens[start:]; and how long it still waits (no write after that).
+    # with it. Its transfer engine's session, the base addresses of its pool's regions
+    # (`KVPool.regions`), and the slots reserved for tokens[start:]; and how long it still
+    # waits (no write after that).
     session: str = ""
-    dest_k: list[int] = []
-    dest_v: list[int] = []
+    dest_regions: list[int] = []
     dest_slots: list[int] = []
     expires_in: float = 0.0
 

@@ -72,7 +72,8 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
 
 def kv_identity(runner: ModelRunner) -> str:
     """What K/V computed by this runner depends on besides the tokens (model_identity)."""
-    return model_identity(runner.model, runner.pool.dtype, runner.quantization)
+    pool = runner.pool
+    return model_identity(runner.model, pool.dtype, f"{runner.quantization}|{pool.kv_cache_dtype}")
 
 
 def attach_disaggregation(core: EngineCore, args: EngineArgs, runner: ModelRunner) -> None:
@@ -168,4 +169,5 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     model = runner.model
     skip = (model.embed_tokens,) if model.tied_head is not None else ()
     core.weight_bytes = model_weight_bytes(model, skip=skip)
+    core.kv_bytes_per_token = runner.pool.bytes_per_slot
     return core

@@ -1,5 +1,5 @@
-// Element types of the CPU kernels (float32, bfloat16 as raw uint16) and a scalar exp, shared by
-// the attention and element-wise sources.
+// Element types of the CPU kernels (float32, bfloat16 as raw uint16; the quantized KV cache's
+// int8 and fp8 codes) and a scalar exp, shared by the attention and element-wise sources.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +29,7 @@ struct F32 {
     static float load(T x) { return x; }
     static T store(float x) { return x; }
     static float round(float x) { return x; }  // a float32 tensor op's result
+    static constexpr bool kScaled = false;
 };
 
 struct BF16 {
@@ -36,6 +37,51 @@ struct BF16 {
     static float load(T x) { return bf16_to_f32(x); }
     static T store(float x) { return f32_to_bf16(x); }
     static float round(float x) { return bf16_to_f32(f32_to_bf16(x)); }  // a bf16 op's result
+    static constexpr bool kScaled = false;
+};
+
+// Quantized KV codes: a row's value is load(code) x its (slot, head) scale (mem/kv_pool.py).
+struct I8 {
+    using T = int8_t;
+    static float load(T x) { return static_cast<float>(x); }
+    static constexpr bool kScaled = true;
+};
+
+// fp8 as torch's float8_e4m3fn (bias 7, no infinities, 0x7f/0xff NaN) and float8_e5m2 (bias
+// 15, IEEE-like): decoded through a 256-entry table, built once.
+struct Fp8Table {
+    float v[256];
+    Fp8Table(int mant_bits, int bias, bool ieee_specials) {
+        const int exp_max = (1 << (7 - mant_bits)) - 1;
+        for (int b = 0; b < 256; ++b) {
+            const int e = (b & 0x7f) >> mant_bits, m = b & ((1 << mant_bits) - 1);
+            const float frac = static_cast<float>(m) / static_cast<float>(1 << mant_bits);
+            float x;
+            if (e == 0)
+                x = std::ldexp(frac, 1 - bias);
+            else if (e == exp_max && ieee_specials)
+                x = m == 0 ? INFINITY : NAN;
+            else if (e == exp_max && m == (1 << mant_bits) - 1)
+                x = NAN;  // e4m3fn's only NaN
+            else
+                x = std::ldexp(1.0f + frac, e - bias);
+            v[b] = (b & 0x80) ? -x : x;
+        }
+    }
+};
+inline const Fp8Table kE4M3Table(3, 7, false);
+inline const Fp8Table kE5M2Table(2, 15, true);
+
+struct E4M3 {
+    using T = uint8_t;
+    static float load(T x) { return kE4M3Table.v[x]; }
+    static constexpr bool kScaled = true;
+};
+
+struct E5M2 {
+    using T = uint8_t;
+    static float load(T x) { return kE5M2Table.v[x]; }
+    static constexpr bool kScaled = true;
 };
 
 // exp(x) for x in [-87, 88] (clamped outside), Cephes' expf: ~1 ulp, vectorisable.

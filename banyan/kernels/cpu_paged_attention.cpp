@@ -47,24 +47,34 @@ struct Scratch {
 };
 
 // Attend query rows [r0, r0 + rows) of `sc` to the keys at `slots[0, n)` of KV head h.
-template <typename C>
+// K: the pool's element type (cpu_dtypes.h); a scaled one multiplies each (slot, head) row by
+// its scale as the block is converted, so quantized K/V cost no dequantized copy of the pool.
+template <typename K>
 void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
-            const typename C::T* kpool, const typename C::T* vpool, int64_t kvh, int64_t h,
-            int d, bool causal) {
+            const typename K::T* kpool, const typename K::T* vpool, const float* kscale,
+            const float* vscale, int64_t kvh, int64_t h, int d, bool causal) {
     float* kb = sc.kt.data();  // [BLK][D] keys of the block
     float* vb = sc.vb.data();  // [BLK][D]
     for (int64_t j0 = 0; j0 < n; j0 += BLK) {
         const int nb = static_cast<int>(std::min<int64_t>(BLK, n - j0));
         for (int j = 0; j < nb; ++j) {
-            const int64_t base = (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
-            const typename C::T* kr = kpool + base;
-            const typename C::T* vr = vpool + base;
+            const int64_t row = static_cast<int64_t>(slots[j0 + j]) * kvh + h;
+            const typename K::T* kr = kpool + row * d;
+            const typename K::T* vr = vpool + row * d;
             float* kj = kb + j * d;
             float* vj = vb + j * d;
+            if constexpr (K::kScaled) {
+                const float ks = kscale[row], vs = vscale[row];
 #pragma omp simd
-            for (int e = 0; e < d; ++e) kj[e] = C::load(kr[e]);
+                for (int e = 0; e < d; ++e) kj[e] = K::load(kr[e]) * ks;
 #pragma omp simd
-            for (int e = 0; e < d; ++e) vj[e] = C::load(vr[e]);
+                for (int e = 0; e < d; ++e) vj[e] = K::load(vr[e]) * vs;
+            } else {
+#pragma omp simd
+                for (int e = 0; e < d; ++e) kj[e] = K::load(kr[e]);
+#pragma omp simd
+                for (int e = 0; e < d; ++e) vj[e] = K::load(vr[e]);
+            }
         }
         for (int r = r0; r < r0 + rows; ++r) {
             float* sr = sc.s.data() + static_cast<size_t>(r) * BLK;
@@ -278,9 +288,11 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
 }
 #endif
 
-template <typename C>
-void paged_attention(const typename C::T* q, const typename C::T* kpool,
-                     const typename C::T* vpool, const int32_t* table, int64_t table_stride,
+// C: the queries' and outputs' type; K: the pool's (C's own, or a quantized one with scales).
+template <typename C, typename K>
+void paged_attention(const typename C::T* q, const typename K::T* kpool,
+                     const typename K::T* vpool, const float* kscale, const float* vscale,
+                     const int32_t* table, int64_t table_stride,
                      const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,
                      const int64_t* n_new, const int64_t* order, const int64_t* group_start,
                      const int64_t* group_prefix, int64_t n_groups, typename C::T* out,
@@ -325,7 +337,8 @@ void paged_attention(const typename C::T* q, const typename C::T* kpool,
             const int rows = static_cast<int>(offset.back());
             sc.fit(rows, static_cast<int>(d));
 #if defined(__AVX512F__)
-            const bool wide = d % 32 == 0;
+            // The AVX-512 paths read unquantized pools of the queries' type only.
+            const bool wide = std::is_same_v<typename K::T, typename C::T> && d % 32 == 0;
             if (wide) qraw.resize(static_cast<size_t>(rows) * d);
 #else
             const bool wide = false;
@@ -350,15 +363,17 @@ void paged_attention(const typename C::T* q, const typename C::T* kpool,
             }
             auto segment = [&](int r0, int nrows, const int32_t* slots, int64_t n, bool causal) {
 #if defined(__AVX512F__)
-                if (wide) {
-                    attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0,
-                                             nrows, slots, n, kpool, vpool, kvh, h,
-                                             static_cast<int>(d), scale, causal);
-                    return;
+                if constexpr (std::is_same_v<typename K::T, typename C::T>) {
+                    if (wide) {
+                        attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d,
+                                                 r0, nrows, slots, n, kpool, vpool, kvh, h,
+                                                 static_cast<int>(d), scale, causal);
+                        return;
+                    }
                 }
 #endif
-                attend<C>(sc, r0, nrows, slots, n, kpool, vpool, kvh, h, static_cast<int>(d),
-                          causal);
+                attend<K>(sc, r0, nrows, slots, n, kpool, vpool, kscale, vscale, kvh, h,
+                          static_cast<int>(d), causal);
             };
             if (prefix > 0)  // the shared part, once for all members, seen whole by every row
                 segment(0, rows, table + req_row[order[first]] * table_stride, prefix, false);
@@ -386,25 +401,32 @@ void paged_attention(const typename C::T* q, const typename C::T* kpool,
 extern "C" {
 
 // q, out: [T, H, D], the step's flat tokens (only the requests below are read and written);
-// k, v: one layer of the pool, [slots, KVH, D]; table: [rows, stride] int32. Per request:
+// k, v: one layer of the pool, [slots, KVH, D]; kscale, vscale: [slots, KVH] float32 for a
+// quantized pool (row = codes x scale), else null; table: [rows, stride] int32. Per request:
 // req_row, req_len (context including its new tokens, all stored), q_start (its first new
 // token in q), n_new (its new tokens: 1 for a decode; each attends causally). order: request
 // indices grouped, group g = order[group_start[g] .. group_start[g + 1]), sharing its first
 // group_prefix[g] slots (0 for a request alone).
-#define BANYAN_PAGED_ATTENTION(NAME, C)                                                        \
-    void NAME(const C::T* q, const C::T* k, const C::T* v, const int32_t* table,              \
-              int64_t table_stride, const int64_t* req_row, const int64_t* req_len,           \
-              const int64_t* q_start, const int64_t* n_new, const int64_t* order,             \
-              const int64_t* group_start, const int64_t* group_prefix, int64_t n_groups,      \
-              C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,                  \
-              int64_t n_threads) {                                                            \
-        paged_attention<C>(q, k, v, table, table_stride, req_row, req_len, q_start, n_new,    \
-                           order, group_start, group_prefix, n_groups, out, heads, kvh, d,    \
-                           scale, n_threads);                                                 \
+#define BANYAN_PAGED_ATTENTION(NAME, C, K)                                                     \
+    void NAME(const C::T* q, const K::T* k, const K::T* v, const float* kscale,               \
+              const float* vscale, const int32_t* table, int64_t table_stride,                \
+              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,         \
+              const int64_t* n_new, const int64_t* order, const int64_t* group_start,         \
+              const int64_t* group_prefix, int64_t n_groups, C::T* out, int64_t heads,        \
+              int64_t kvh, int64_t d, float scale, int64_t n_threads) {                       \
+        paged_attention<C, K>(q, k, v, kscale, vscale, table, table_stride, req_row, req_len, \
+                              q_start, n_new, order, group_start, group_prefix, n_groups,     \
+                              out, heads, kvh, d, scale, n_threads);                          \
     }
 
-BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32, F32)
-BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16, BF16)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_f32, F32, F32)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_bf16, BF16, BF16)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_int8, F32, I8)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_int8, BF16, I8)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_fp8_e4m3, F32, E4M3)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_fp8_e4m3, BF16, E4M3)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_fp8_e5m2, F32, E5M2)
+BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_fp8_e5m2, BF16, E5M2)
 
 // 512 when this build has the AVX-512 paths, else 0 (the portable loops: AVX2 CPUs).
 int64_t banyan_vector_bits() {

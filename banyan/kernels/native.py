@@ -48,6 +48,10 @@ FLAGS = (
     "-std=c++17",
 )
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Quantized KV codes the attention kernel reads (each row with a float32 scale).
+_KV_CODE_SUFFIX = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3",
+                   torch.float8_e5m2: "fp8_e5m2"}
 
 
 def cpu_flags() -> str:
@@ -107,11 +111,12 @@ def load() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels failed to build, PyTorch ops in use: %s", detail)
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    for name in ("banyan_paged_attention_f32", "banyan_paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
-        fn.argtypes += [i64, i64, i64, f32, i64]
-        fn.restype = None
+    for q_sfx in _DTYPE_SUFFIX.values():
+        for kv_sfx in (q_sfx, *_KV_CODE_SUFFIX.values()):
+            fn = getattr(lib, f"banyan_paged_attention_{q_sfx}_{kv_sfx}")
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+            fn.argtypes += [i64, ptr, i64, i64, i64, f32, i64]
+            fn.restype = None
     for sfx in ("f32", "bf16"):
         signatures = {
             "banyan_add_rms_norm_": [ptr, ptr, ptr, ptr, i64, i64, f32],
@@ -182,12 +187,13 @@ def remembered(question: str, measure: Callable[[], bool]) -> bool:
         return answers[key]
 
 
-_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel can serve a pool on this device with this dtype."""
-    return device.type == "cpu" and dtype in _DTYPE_SUFFIX and load() is not None
+def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+             ) -> bool:
+    """Whether the kernel can serve a pool on this device with this compute dtype and these
+    K/V codes (None: the compute dtype itself)."""
+    return (device.type == "cpu" and dtype in _DTYPE_SUFFIX and
+            (kv_dtype is None or kv_dtype == dtype or kv_dtype in _KV_CODE_SUFFIX) and
+            load() is not None)
 
 
 def paged_attention(
@@ -204,6 +210,8 @@ def paged_attention(
     group_prefix: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the given requests' new tokens over their whole context, read in place
     from the pool. q, out: [T, H, D] contiguous (the step's flat tokens; only the listed requests'
@@ -211,17 +219,26 @@ def paged_attention(
     int32. Per request (int64 [R]): req_row, req_len (context with its new tokens, all stored),
     q_start (its first token in q), n_new (1 for a decode). order: [R] request indices grouped;
     group_start: [G + 1]; group_prefix: [G] slots every member of the group shares (0 alone).
+    A quantized pool (int8 / fp8 codes) comes with k_scale, v_scale: [slots, KVH] float32.
     Returns out."""
     lib = load()
     assert lib is not None, "native kernels unavailable: check supports() first"
-    fn = getattr(lib, f"banyan_paged_attention_{_DTYPE_SUFFIX[q.dtype]}")
+    quantized = pool_k.dtype != q.dtype
+    kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
+    fn = getattr(lib, f"banyan_paged_attention_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}")
     tensors = (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new, order,
                group_start, group_prefix)
+    if quantized:
+        assert k_scale is not None and v_scale is not None
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        tensors += (k_scale, v_scale)
     for t in tensors:
         assert t.is_contiguous()
     _, H, D = q.shape
     fn(
-        q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), table.data_ptr(), table.shape[1],
+        q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
+        k_scale.data_ptr() if quantized else None, v_scale.data_ptr() if quantized else None,
+        table.data_ptr(), table.shape[1],
         req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
         order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
         group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,

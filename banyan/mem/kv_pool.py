@@ -4,34 +4,111 @@ Slot s of every layer holds the K/V of one token; the scheduler's `SlotAllocator
 out and the request-to-token table says which slots hold a request's positions. Slot 0
 (`PAD_SLOT`) is never handed out: padded tokens may write there, and masked-out positions of a
 gather read it, so it must only ever hold finite values (the pool starts zeroed).
+
+A quantized pool (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`) keeps codes of one byte per value
+and a float32 scale per (slot, head) row: value = code x scale, the scale being the row's
+largest magnitude over the code's largest (127, or the fp8 format's largest finite). Rows are
+quantized on store; the native attention kernel reads the codes in place, the SDPA paths
+dequantize what they gather. Every reader sees the same dequantized values, fresh tokens
+included (`store` hands them back), so chunking and caching do not change what is attended.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from banyan.args import check_kv_cache_dtype
 from banyan.mem.allocator import PAD_SLOT
 
+# --kv-cache-dtype names (args.KV_CACHE_DTYPES) -> the code dtype (None: unquantized)
+CODE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+SCALE_BYTES = 4  # one float32 scale per (slot, head) row of K and of V
 
-def kv_bytes_per_slot(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one token's K and V take over all layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return layers * 2 * kv_heads * head_dim * elem
+
+def kv_code_dtype(name: str) -> torch.dtype | None:
+    """The code dtype of a --kv-cache-dtype name (None for auto); ValueError naming the field."""
+    check_kv_cache_dtype(name)
+    return CODE_DTYPES[name]
+
+
+def _code_max(code_dtype: torch.dtype) -> float:
+    return 127.0 if code_dtype == torch.int8 else float(torch.finfo(code_dtype).max)
+
+
+def kv_bytes_per_slot(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      code_dtype: torch.dtype | None = None) -> int:
+    """Bytes one token's K and V take over all layers (codes and scales when quantized)."""
+    if code_dtype is None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return layers * 2 * kv_heads * head_dim * elem
+    return layers * 2 * kv_heads * (head_dim + SCALE_BYTES)
 
 
 def num_slots_for_bytes(
-    budget: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    budget: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    code_dtype: torch.dtype | None = None,
 ) -> int:
     """Slots (including the padding slot) that fit in `budget` bytes."""
-    slots = budget // kv_bytes_per_slot(layers, kv_heads, head_dim, dtype)
+    per_slot = kv_bytes_per_slot(layers, kv_heads, head_dim, dtype, code_dtype)
+    slots = budget // per_slot
     if slots < 2:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds {slots} slots; at least 2 are needed "
-            f"({kv_bytes_per_slot(layers, kv_heads, head_dim, dtype)} bytes per token)"
+            f"({per_slot} bytes per token)"
         )
     return slots
+
+
+def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] float -> (codes [..., D] code_dtype, scale [...] float32), row-wise."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_(min=1e-30).div_(_code_max(code_dtype))
+    scaled = xf / scale.unsqueeze(-1)
+    if code_dtype == torch.int8:
+        return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
+    return scaled.to(code_dtype), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_rows`, in float32 then rounded to `dtype` once."""
+    return codes.float().mul_(scale.unsqueeze(-1)).to(dtype)
+
+
+@dataclass(slots=True)
+class LayerKV:
+    """One layer of the pool: K, V [slots, KVH, D] (codes when quantized) and, for a quantized
+    pool, their scales [slots, KVH] float32."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def select(self, which: int, index: torch.Tensor, out: torch.Tensor,
+               head_rows: bool = False) -> torch.Tensor:
+        """Rows of K (which 0) or V (1) into `out` (its first n rows), dequantized to out's
+        dtype. index: slots ([n] -> out [n, KVH, D]) or, head_rows, rows of the [slots * KVH]
+        head-split view ([n] -> out [n, D])."""
+        codes = self.k if which == 0 else self.v
+        scale = self.k_scale if which == 0 else self.v_scale
+        n, d = index.shape[0], codes.shape[-1]
+        if head_rows:
+            codes = codes.view(-1, d)
+            scale = None if scale is None else scale.view(-1)
+        dest = out[:n]
+        if scale is None:
+            return torch.index_select(codes, 0, index, out=dest)
+        return dest.copy_(dequantize_rows(codes.index_select(0, index),
+                                          scale.index_select(0, index), torch.float32))
 
 
 class KVPool:
@@ -43,7 +120,12 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        code_dtype: torch.dtype | None = None,
     ) -> None:
+        """dtype: the model's (what attention computes in); code_dtype: int8 / fp8 codes of a
+        quantized pool, None to store `dtype` as it is."""
+        if code_dtype not in CODE_DTYPES.values():
+            raise ValueError(f"kv_cache_dtype: the pool cannot store {code_dtype} codes")
         if num_slots < 2:
             raise ValueError(
                 f"KV pool needs at least 2 slots (slot {PAD_SLOT} is padding), got {num_slots}"
@@ -54,50 +136,124 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.code_dtype = code_dtype
+        stored = dtype if code_dtype is None else code_dtype
         # Zeroed, not empty: gathers read slot 0 (and stale slots) under a mask, and a NaN in
         # garbage memory would survive the mask (0 * NaN = NaN in the weighted sum of V).
         shape = (num_slots, kv_heads, head_dim)
-        self.k: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)
-        ]
-        self.v: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)
-        ]
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+
+        self.k: list[torch.Tensor] = zeros(shape, stored)
+        self.v: list[torch.Tensor] = zeros(shape, stored)
+        scaled = code_dtype is not None
+        self.k_scale: list[torch.Tensor] = zeros(shape[:2], torch.float32) if scaled else []
+        self.v_scale: list[torch.Tensor] = zeros(shape[:2], torch.float32) if scaled else []
+
+    @property
+    def quantized(self) -> bool:
+        return self.code_dtype is not None
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The --kv-cache-dtype name of this pool's storage."""
+        return next(n for n, d in CODE_DTYPES.items() if d == self.code_dtype)
 
     @property
     def bytes_per_slot(self) -> int:
-        return kv_bytes_per_slot(self.layers, self.kv_heads, self.head_dim, self.dtype)
+        return kv_bytes_per_slot(self.layers, self.kv_heads, self.head_dim, self.dtype,
+                                 self.code_dtype)
+
+    def layer(self, layer_id: int) -> LayerKV:
+        if not self.quantized:
+            return LayerKV(self.k[layer_id], self.v[layer_id], None, None)
+        return LayerKV(self.k[layer_id], self.v[layer_id], self.k_scale[layer_id],
+                       self.v_scale[layer_id])
 
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_slot * self.num_slots
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots: [T] int64; k/v: [T, kv_heads, head_dim] -> written to layer `layer_id`."""
-        self.k[layer_id].index_copy_(0, slots, k)
-        self.v[layer_id].index_copy_(0, slots, v)
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: [T] int64; k/v: [T, kv_heads, head_dim] -> written to layer `layer_id`.
+        Returns k, v as readers of the pool will see them (dequantized when quantized)."""
+        if self.code_dtype is None:
+            self.k[layer_id].index_copy_(0, slots, k)
+            self.v[layer_id].index_copy_(0, slots, v)
+            return k, v
+        seen = []
+        for x, codes, scales in ((k, self.k[layer_id], self.k_scale[layer_id]),
+                                 (v, self.v[layer_id], self.v_scale[layer_id])):
+            c, sc = quantize_rows(x, self.code_dtype)
+            codes.view(torch.uint8).index_copy_(0, slots, c.view(torch.uint8))  # fp8: no op
+            scales.index_copy_(0, slots, sc)
+            seen.append(dequantize_rows(c, sc, x.dtype))
+        return seen[0], seen[1]
+
+    # ---- copies in and out (the KV tier, the P/D transfer): raw bytes, codes with scales
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer, as `gather` lays them out."""
+        return self.bytes_per_slot // (self.layers * 2)
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
-        """The K/V of `slots`, copied out: [layers, 2 (k, v), n, kv_heads, head_dim] on the CPU
-        (what the KV tier and the P/D transfer send)."""
+        """The K/V of `slots`, copied out: uint8 [layers, 2 (k, v), n, row_bytes] on the CPU,
+        a row being the heads' values (codes, then the heads' float32 scales when quantized).
+        What the KV tier stores and the P/D transfer sends; `scatter` takes it back."""
         index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        out = torch.empty((self.layers, 2, len(index), self.kv_heads, self.head_dim),
-                          dtype=self.dtype)
+        n, hd = len(index), self.kv_heads * self.head_dim
+        out = torch.empty((self.layers, 2, n, self.row_bytes), dtype=torch.uint8)
         for layer in range(self.layers):
-            out[layer, 0] = self.k[layer].index_select(0, index).cpu()
-            out[layer, 1] = self.v[layer].index_select(0, index).cpu()
+            for which, (codes, scales) in enumerate(self._parts(layer)):
+                part = codes.index_select(0, index).cpu().view(n, hd).view(torch.uint8)
+                out[layer, which, :, :part.shape[1]] = part
+                if scales is not None:
+                    out[layer, which, :, part.shape[1]:] = \
+                        scales.index_select(0, index).cpu().view(torch.uint8)
         return out
 
+    def unpack(self, data: bytes | bytearray | memoryview | torch.Tensor, count: int
+               ) -> torch.Tensor:
+        """Bytes `gather` made (for `count` tokens) -> the tensor `scatter` takes."""
+        if isinstance(data, torch.Tensor):
+            return data.view(self.layers, 2, count, self.row_bytes)
+        with warnings.catch_warnings():  # a read-only buffer: it is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        return raw.view(self.layers, 2, count, self.row_bytes)
+
     def scatter(self, kv: torch.Tensor, slots: Sequence[int]) -> None:
-        """kv [layers, 2, n, kv_heads, head_dim] into `slots`: a plain copy when the slots are
-        one ascending run (the allocator hands out lowest-first, so they usually are), else an
-        index copy."""
+        """kv uint8 [layers, 2, n, row_bytes] (from `gather`/`unpack`) into `slots`: a plain
+        copy when the slots are one ascending run (the allocator hands out lowest-first, so
+        they usually are), else an index copy."""
         first, n = slots[0], len(slots)
         run = slots[-1] - first == n - 1 and list(slots) == list(range(first, first + n))
         index = None if run else torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        kv = kv.to(self.device)
         for layer in range(self.layers):
-            for which, dest in enumerate((self.k[layer], self.v[layer])):
-                if index is None:
-                    dest[first:first + n].copy_(kv[layer, which])
-                else:
-                    dest.index_copy_(0, index, kv[layer, which])
+            for which, parts in enumerate(self._parts(layer)):
+                row, at = kv[layer, which], 0
+                for dest in parts:  # as raw bytes per slot: any dtype, fp8 included
+                    if dest is None:
+                        continue
+                    dest_bytes = dest.view(torch.uint8).view(self.num_slots, -1)
+                    width = dest_bytes.shape[1]
+                    src = row[:, at:at + width]
+                    at += width
+                    if index is None:
+                        dest_bytes[first:first + n].copy_(src)
+                    else:
+                        dest_bytes.index_copy_(0, index, src.contiguous())
+
+    def regions(self) -> list[torch.Tensor]:
+        """Every tensor of the pool, each indexed by slot: K and V codes per layer, then K and
+        V scales when quantized (the P/D Mooncake backend writes into them in place)."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
+    def _parts(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(K codes, K scales), (V codes, V scales) of a layer; scales None when unquantized."""
+        lk = self.layer(layer)
+        return (lk.k, lk.k_scale), (lk.v, lk.v_scale)

@@ -24,7 +24,7 @@ from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
 from banyan.layers.quant import check_quantization, quantized_method
-from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
+from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
@@ -100,16 +100,19 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str = "none",
         linear_kernel: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
         at max_rows * max_context + 1 slots).
         max_context: longest sequence a table row holds (default max_position_embeddings).
         quantization: none | int8 | int4 weight-only linears (layers/quant.py).
-        linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel)."""
+        linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
+        kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
+        code_dtype = kv_code_dtype(kv_cache_dtype)
         self.model_config = ModelConfig.from_pretrained(model_path)
         cfg = self.model_config
         self.model = load_model(
@@ -122,13 +125,13 @@ class ModelRunner:
         self.max_context = max_context or cfg.max_position_embeddings
         if num_slots is None and kv_cache_bytes is not None:
             num_slots = num_slots_for_bytes(
-                kv_cache_bytes, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype
+                kv_cache_bytes, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype
             )
         elif num_slots is None:
             assert mem_fraction is not None
             budget = int(available_memory(self.device) * mem_fraction)
             num_slots = num_slots_for_bytes(
-                budget, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype
+                budget, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype
             )
             # The implicit default is bounded by what running rows can reference at once, so a
             # CPU host does not zero a quarter of its RAM for a small model. An explicit size
@@ -142,15 +145,17 @@ class ModelRunner:
                 )
                 num_slots = useful
         self.pool = KVPool(
-            cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device
+            cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device,
+            code_dtype,
         )
         self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
         self.backend = create_backend(attention_backend, self.pool, self.table)
         self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
         logger.info(
-            "KV cache: %d slots (%.1f MiB, %d bytes per token), table %d rows x %d positions; "
-            "attention: %s", 
+            "KV cache: %d slots (%s, %.1f MiB, %d bytes per token), table %d rows x %d "
+            "positions; attention: %s",
             num_slots,
+            kv_cache_dtype if code_dtype is not None else str(self.dtype).removeprefix("torch."),
             self.pool.total_bytes / 2**20,
             self.pool.bytes_per_slot,
             self.max_rows,
@@ -213,6 +218,7 @@ class ModelRunner:
             attention_backend=args.attention_backend,
             quantization=args.quantization,
             linear_kernel=args.linear_kernel,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
 
     # ------------------------------------------------------------------ public surface
@@ -227,12 +233,7 @@ class ModelRunner:
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_slot(
-            self.model_config.layers,
-            self.model_config.kv_heads,
-            self.model_config.head_dim,
-            self.dtype,
-        )
+        return self.pool.bytes_per_slot
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Prepare and run one step -> logits [logit rows, vocab] float32 (see `prepare`)."""

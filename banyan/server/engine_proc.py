@@ -281,6 +281,8 @@ class EngineLoop:
             "max_model_len": self.core.max_model_len,
             "vocab_size": self.core.vocab_size,
             "kv_capacity": stats.kv_capacity,
+            "kv_cache_dtype": self.core.args.kv_cache_dtype,
+            "kv_bytes_per_token": self.core.kv_bytes_per_token,
             "kv_free": stats.kv_free,
             "kv_evictable": stats.kv_evictable,
             "kv_protected": stats.kv_protected,

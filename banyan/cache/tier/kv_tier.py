@@ -126,7 +126,6 @@ class KVTier:
         self.block_tokens = block_tokens
         self.identity = identity
         self.stats = TierStats()
-        self.block_shape = (pool.layers, 2, block_tokens, pool.kv_heads, pool.head_dim)
         self.block_bytes = pool.bytes_per_slot * block_tokens
         self.costs = LoadCostModel(pool.bytes_per_slot)
         self._pending: set[str] = set()  # keys queued for writing
@@ -174,8 +173,7 @@ class KVTier:
             data = self.store.get(key, tokens[j * B:(j + 1) * B], self.block_bytes)
             if data is None:
                 break
-            block = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.dtype)
-            block = block.view(self.block_shape).to(self.pool.device)  # [L, 2, B, H, D]
+            block = self.pool.unpack(data, B)  # [L, 2, B, row bytes]
             lo, hi = max(start, j * B) - j * B, min(end, (j + 1) * B) - j * B
             self.pool.scatter(block[:, :, lo:hi], slots[loaded:loaded + hi - lo])
             loaded += hi - lo

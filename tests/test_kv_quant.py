@@ -1,0 +1,107 @@
+"""The quantized KV cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`) at the engine level: the
+same memory holds more tokens, outputs do not depend on how the work is batched, chunked or
+cached, quality stays close to the unquantized cache, and bad names are refused. (The kernel
+against float64 attention over the codes x scales: test_native_attention.py; the cascade:
+test_cascade_attention.py; the P/D transfer and the KV tier: test_disagg.py, test_kv_tier.py.)"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from banyan import Engine, SamplingParams
+from banyan.args import EngineArgs
+from banyan.mem.kv_pool import KVPool, dequantize_rows, quantize_rows
+
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def _engine(model: Path, **kw: object) -> Engine:
+    args: dict[str, object] = dict(dtype="float32", device="cpu", disable_tqdm=True,
+                                   kv_cache_memory="2MiB")
+    args.update(kw)
+    return Engine(str(model), **args)
+
+
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rows_round_trip_within_the_format_step(code_dtype: torch.dtype) -> None:
+    """Each row keeps its largest magnitude (up to the scale's rounding) and every value within
+    half a code step (int8) or the format's relative precision (fp8) of that magnitude."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-4, 3, 50)[:, None, None]
+    codes, scale = quantize_rows(x, code_dtype)
+    assert codes.dtype == code_dtype and scale.shape == (50, 3)
+    back = dequantize_rows(codes, scale, torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    step = {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
+    assert ((back - x).abs() <= amax * step[code_dtype] * 1.001).all()
+    torch.testing.assert_close(back.abs().amax(-1), amax.squeeze(-1), rtol=1e-6, atol=0)
+
+
+def test_the_same_memory_holds_more_tokens(llama_dir: Path) -> None:
+    with _engine(llama_dir, kv_cache_dtype="auto") as plain:
+        base = plain.core.kv_capacity
+        per_token = plain.core.kv_bytes_per_token
+    for name in QUANTIZED:
+        with _engine(llama_dir, kv_cache_dtype=name) as quant:
+            pool = quant.core.scheduler.runner.model_runner.pool
+            assert pool.quantized and pool.k[0].element_size() == 1
+            head_dim = pool.head_dim
+            # float32 values (4 bytes) become a byte each plus a 4-byte scale per head
+            assert quant.core.kv_bytes_per_token * 4 * head_dim == per_token * (head_dim + 4)
+            assert quant.core.kv_capacity + 1 == (base + 1) * 4 * head_dim // (head_dim + 4)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_outputs_do_not_depend_on_batching_chunking_or_caching(llama_dir: Path,
+                                                               name: str) -> None:
+    """Every reader sees the dequantized values, fresh tokens included: a prompt computed in
+    one chunk, in small chunks, beside others, or over a cached prefix gives the same text."""
+    rng = random.Random(11)
+    system = [rng.randrange(3, 500) for _ in range(150)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 90)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = []
+    for p in prompts:  # a fresh engine each: nothing cached, one chunk
+        with _engine(llama_dir, kv_cache_dtype=name, no_prefix_cache=True) as engine:
+            alone.append(engine.generate(input_ids=[p], sampling_params=params,
+                                         use_tqdm=False)[0].outputs[0].output_ids)
+    with _engine(llama_dir, kv_cache_dtype=name, chunked_prefill_size=32) as engine:
+        together = [o.outputs[0].output_ids for o in engine.generate(
+            input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        again = [o.outputs[0].output_ids for o in engine.generate(  # the system prompt cached
+            input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        assert engine.core.stats().prefix_hit > 0
+    assert together == alone and again == alone
+
+
+def test_quality_stays_close_to_the_unquantized_cache(llama_dir: Path) -> None:
+    """Teacher-forced log-probabilities of a prompt: int8 within 0.02 of the float32 cache on
+    average, fp8 (fewer mantissa bits) within 0.1."""
+    rng = random.Random(12)
+    prompt = [rng.randrange(3, 500) for _ in range(200)]
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def logprobs(name: str) -> torch.Tensor:
+        found = []
+        with _engine(llama_dir, kv_cache_dtype=name) as engine:
+            engine.add_request(input_ids=prompt, params=params)
+            while engine.core.has_work:
+                found += [e.logprob for u in engine.step() for e in u.prompt_logprobs or ()]
+        assert len(found) == len(prompt) - 1
+        return torch.tensor(found)
+
+    plain = logprobs("auto")
+    for name, bound in (("int8", 0.02), ("fp8_e4m3", 0.1), ("fp8_e5m2", 0.1)):
+        diff = (logprobs(name) - plain).abs()
+        assert 0 < diff.mean() < bound, name  # 0 would mean the codes were never read
+
+
+def test_unknown_kv_cache_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVPool(1, 4, 1, 8, torch.float32, "cpu", torch.float16)
