@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
-from banyan.attention.native_plan import MAX_NATIVE_EXTEND
+from banyan.attention.native_plan import MAX_NATIVE_EXTEND, native_attention
 from banyan.kernels import native
 from tests.test_cascade_attention import Req, Scene, fresh, greedy_plans_match_transformers
 
@@ -149,16 +149,43 @@ def test_quantized_pool_matches_naive_over_its_dequantized_values(
     grouped decodes, plain decodes and extends over a cached prefix against naive attention
     over the codes x scales; the SDPA paths (a long chunk) dequantize what they gather."""
     c = [1]
-    shared = fresh(c, 40)
+    shared = fresh(c, 150)  # past one chunk of dequantized keys (QCHUNK, 128)
     reqs = [
         Req(shared + fresh(c, 3)), Req(shared + fresh(c, 9)),  # one decode group
         Req(fresh(c, 33)),  # a plain decode
         Req(fresh(c, 20 + 17), extend=17),  # an extend over a cached prefix
+        Req(fresh(c, 200 + 60), extend=60),  # causal rows across a chunk boundary
         Req(fresh(c, 5 + 300), extend=300),  # too long for the kernel: SDPA, dequantized
     ]
     scene = Scene(reqs, heads, kv_heads, dim=64, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     assert scene.pool.k[0].element_size() == 1 and scene.pool.quantized
     # values up to 2x the other tests': float32 rounding grows with them
     meta = scene.check(native_backend(scene), atol=5e-5 if dtype == torch.float32 else 4e-2)
-    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 1, 1, 17]
+    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 1, 1, 17, 60]
     assert [e.length for e in meta.extends] == [300]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_finite_fp8_code_decodes_as_torch_does(kv_cache_dtype: str) -> None:
+    """A request with one key attends only to it, so its output is that key's V row: rows of
+    V hold every finite fp8 code (subnormals included) with scale 1, and the kernel's outputs
+    must equal torch's conversion of those codes exactly."""
+    from banyan.mem.kv_pool import kv_code_dtype
+
+    code_dtype = kv_code_dtype(kv_cache_dtype)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes.view(code_dtype).float().isfinite()
+    codes = torch.where(finite, codes, torch.zeros_like(codes)).view(4, 1, 64)  # 4 rows, 1 head
+    scene = Scene([Req([s]) for s in (1, 2, 3, 4)], 1, 1, dim=64, layers=1,
+                  kv_cache_dtype=kv_cache_dtype)
+    layer = scene.pool.layer(0)
+    layer.v.view(torch.uint8)[1:5] = codes
+    layer.v_scale[1:5] = 1.0
+    backend = native_backend(scene)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    q = torch.randn(4, 1, 64)
+    out = torch.empty_like(q)
+    assert meta.native is not None
+    native_attention(q, layer, scene.table.table, meta.native, 0.125, out)
+    # request i (batch position i) has slot i + 1, whose V row is codes[i]
+    assert torch.equal(out, codes.view(code_dtype).float())

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import zmq
 
 from banyan.cache.base import MatchResult
@@ -212,10 +210,7 @@ class KVSink:
             count = 0
         if count and self.mooncake is None:
             t0 = time.perf_counter()
-            with warnings.catch_warnings():  # read-only: it is only copied from
-                warnings.simplefilter("ignore", UserWarning)
-                kv = self.pool.unpack(payload, count)
-            self.pool.scatter(kv, transfer.slots[:count])
+            self.pool.scatter(self.pool.unpack(payload, count), transfer.slots[:count])
             self.stats.copy_seconds += time.perf_counter() - t0
         self.stats.received_bytes += count * self.pool.bytes_per_slot
         self._end(transfer, count)

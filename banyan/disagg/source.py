@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import zmq
 
 from banyan.cache.base import PrefixCache

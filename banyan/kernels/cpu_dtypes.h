@@ -47,40 +47,33 @@ struct I8 {
     static constexpr bool kScaled = true;
 };
 
-// fp8 as torch's float8_e4m3fn (bias 7, no infinities, 0x7f/0xff NaN) and float8_e5m2 (bias
-// 15, IEEE-like): decoded through a 256-entry table, built once.
-struct Fp8Table {
-    float v[256];
-    Fp8Table(int mant_bits, int bias, bool ieee_specials) {
-        const int exp_max = (1 << (7 - mant_bits)) - 1;
-        for (int b = 0; b < 256; ++b) {
-            const int e = (b & 0x7f) >> mant_bits, m = b & ((1 << mant_bits) - 1);
-            const float frac = static_cast<float>(m) / static_cast<float>(1 << mant_bits);
-            float x;
-            if (e == 0)
-                x = std::ldexp(frac, 1 - bias);
-            else if (e == exp_max && ieee_specials)
-                x = m == 0 ? INFINITY : NAN;
-            else if (e == exp_max && m == (1 << mant_bits) - 1)
-                x = NAN;  // e4m3fn's only NaN
-            else
-                x = std::ldexp(1.0f + frac, e - bias);
-            v[b] = (b & 0x80) ? -x : x;
-        }
-    }
-};
-inline const Fp8Table kE4M3Table(3, 7, false);
-inline const Fp8Table kE5M2Table(2, 15, true);
+// fp8 as torch's float8_e4m3fn (bias 7) and float8_e5m2 (bias 15), decoded with integer and
+// float arithmetic that vectorises (a table lookup measured 1.8x slower than bf16 attention):
+// a normal code's exponent and mantissa bits move into float32's fields with the bias
+// adjusted; a subnormal one (exponent 0) is its mantissa times 2^(1 - bias - mantissa bits),
+// computed from an integer so no float32 denormal is ever touched. The codes the pool holds
+// are finite (quantize_rows scales into range), so infinities and NaN need no case.
+template <int kMant, int kBias>
+inline float fp8_decode(uint8_t code) {
+    const uint32_t mag = code & 0x7fu;
+    const uint32_t bits = (mag << (23 - kMant)) + (static_cast<uint32_t>(127 - kBias) << 23);
+    float normal;
+    std::memcpy(&normal, &bits, 4);
+    const float sub = static_cast<float>(static_cast<int32_t>(mag)) *
+                      (1.0f / static_cast<float>(1u << (kBias + kMant - 1)));
+    const float v = (mag >> kMant) == 0 ? sub : normal;
+    return (code & 0x80u) ? -v : v;
+}
 
 struct E4M3 {
     using T = uint8_t;
-    static float load(T x) { return kE4M3Table.v[x]; }
+    static float load(T x) { return fp8_decode<3, 7>(x); }
     static constexpr bool kScaled = true;
 };
 
 struct E5M2 {
     using T = uint8_t;
-    static float load(T x) { return kE5M2Table.v[x]; }
+    static float load(T x) { return fp8_decode<2, 15>(x); }
     static constexpr bool kScaled = true;
 };
 
