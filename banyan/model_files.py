@@ -36,6 +36,17 @@ def resolve_model_dir(model: str | None, show_progress: bool = True) -> Path:
     return path
 
 
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file a --model value loads from (None: the default model's file), or None when
+    it names a Hugging Face folder or the demo model."""
+    from banyan.models.gguf_loader import default_model_file, find_gguf
+
+    if model == DEMO_MODEL and not Path(model).exists():
+        return None
+    path = default_model_file() if model is None else Path(model).expanduser()
+    return find_gguf(path)
+
+
 def default_served_name(model: str | None) -> str:
     """The name the server answers to when --served-model-name is not given."""
     from banyan.models.gguf_loader import DEFAULT_MODEL_NAME

@@ -114,7 +114,7 @@ def add_quality_parser(modes: Any) -> None:
     q.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     q.add_argument("--text-file", type=Path, default=None,
                    help="text to score (default: a fixed ~600-token English text)")
-    q.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    q.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
                    help="weight format of the linears (as for serve)")
     q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="storage of the KV cache (as for serve)")
@@ -125,7 +125,7 @@ def add_quality_parser(modes: Any) -> None:
 
 
 def run_quality(ns: argparse.Namespace) -> int:
-    from banyan.model_files import load_tokenizer, resolve_model_dir
+    from banyan.model_files import gguf_source, load_tokenizer, resolve_model_dir
     from banyan.runner.model_runner import ModelRunner
 
     folder = resolve_model_dir(ns.model)
@@ -133,7 +133,8 @@ def run_quality(ns: argparse.Namespace) -> int:
     ids = list(load_tokenizer(folder).encode(text))
     runner = ModelRunner(folder, dtype=ns.dtype, num_slots=len(ids) + 1, max_rows=1,
                          max_context=len(ids), quantization=ns.quantization,
-                         kv_cache_dtype=ns.kv_cache_dtype)
+                         kv_cache_dtype=ns.kv_cache_dtype,
+                         gguf_file=gguf_source(ns.model) if ns.quantization == "gguf" else None)
     ours = banyan_perplexity(runner, ids, ns.chunk)
     report: dict[str, Any] = {"model": str(folder), "dtype": str(runner.dtype),
                               "quantization": ns.quantization,

@@ -13,36 +13,11 @@
 // AVX-512F/BW (no VNNI, BF16 or AMX needed), or AVX2 with FMA and F16C (a panel as two 8-lane
 // halves: AMD Zen 2/3, Intel Haswell to Skylake client); a plain-loop path builds elsewhere.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-#endif
+#include "cpu_quant_common.h"
 
 namespace {
 
-constexpr int PANEL = 16;
-constexpr int MAX_TB = 8;  // tokens sharing one pass over a panel
-
-inline int threads_for(int64_t panels, int64_t n_threads) {
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(panels, n_threads)));
-}
-
-// Store 16 results of panel `p` for one token: only the rows below n_out exist.
-inline void store_rows(float* out_row, const float* vals, int64_t p, int64_t n_out) {
-    const int64_t base = p * PANEL;
-    const int64_t count = std::min<int64_t>(PANEL, n_out - base);
-    std::memcpy(out_row + base, vals, static_cast<size_t>(count) * sizeof(float));
-}
-
 #if defined(__AVX512F__)
-
-inline __m512 load_i8x16(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 
 // TB tokens x one int8 panel; U independent accumulators per token hide the FMA latency when
 // TB is small (decode).
@@ -127,10 +102,6 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-
-inline __m256 load_i8x8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 
 inline __m256 load_f16x8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -287,13 +258,6 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
 }
 
 #endif  // __AVX512F__, AVX2
-
-// Run `body(t0, tb)` over the tokens in blocks of MAX_TB, dispatching the block size to a
-// template instance (a decode step is one block of 1).
-template <typename Int8OrInt4>
-void for_token_blocks(int64_t T, Int8OrInt4 body) {
-    for (int64_t t0 = 0; t0 < T; t0 += MAX_TB) body(t0, std::min<int64_t>(MAX_TB, T - t0));
-}
 
 }  // namespace
 

@@ -20,7 +20,7 @@ from banyan.layers.linear import Linear, LinearMethod
 
 PANEL = 16
 INT4_GROUP_SIZES = (32, 64, 128)
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gguf: layers/gguf_linear.py
 
 
 def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -155,18 +155,30 @@ class Int8Method(_QuantMethod):
 
 
 class Int4Method(_QuantMethod):
-    """4-bit codes with a float16 scale and minimum per group of `group` inputs."""
+    """4-bit codes with a float16 scale and minimum per group of `group` inputs: quantized from
+    the layer's dense weight, or `given` (codes uint8 [out, in], scale and min float16
+    [out, in / group]: a GGUF file's Q4_0 / Q4_1 blocks, layers/gguf_linear.py)."""
 
-    def __init__(self, group: int = INT4_GROUP_SIZES[0]) -> None:
+    def __init__(self, group: int = INT4_GROUP_SIZES[0],
+                 given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         if group not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group must be one of {INT4_GROUP_SIZES}, got {group}")
         self.group = group
+        self._given = given
 
     def adopt(self, layer: Linear) -> None:
         if layer.in_features % self.group:
             raise ValueError(f"int4 groups of {self.group} need in_features divisible by it, "
                              f"got {layer.in_features}")
-        codes, scale, low = quantize_int4(self._take_dense(layer), self.group)
+        dense = self._take_dense(layer)
+        if self._given is None:
+            codes, scale, low = quantize_int4(dense, self.group)
+        else:
+            codes, scale, low = self._given
+            self._given = None
+            if codes.shape != dense.shape:
+                raise ValueError(f"codes of shape {tuple(codes.shape)} for a layer of "
+                                 f"{tuple(dense.shape)}")
         codes = _pad_rows(codes)
         pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # input k even in the low nibble
         layer.codes = _to_panels(pairs)
@@ -200,8 +212,9 @@ class Int4Method(_QuantMethod):
 
 
 def quantized_method(quantization: str) -> type[LinearMethod] | None:
-    """The linear method class for a --quantization value (None for 'none')."""
-    return {"none": None, "int8": Int8Method, "int4": Int4Method}[quantization]
+    """The linear method class quantizing at load for a --quantization value (None for 'none'
+    and for 'gguf', whose methods are made from the file's blocks)."""
+    return {"none": None, "int8": Int8Method, "int4": Int4Method, "gguf": None}[quantization]
 
 
 def dequantize_in_place(model: nn.Module) -> int:

@@ -23,6 +23,7 @@ from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
+from banyan.layers.gguf_linear import repack_gguf_linears
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
@@ -101,12 +102,15 @@ class ModelRunner:
         quantization: str = "none",
         linear_kernel: str = "auto",
         kv_cache_dtype: str = "auto",
+        gguf_file: Path | None = None,
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
         at max_rows * max_context + 1 slots).
         max_context: longest sequence a table row holds (default max_position_embeddings).
-        quantization: none | int8 | int4 weight-only linears (layers/quant.py).
+        quantization: none | int8 | int4 weight-only linears (layers/quant.py), or gguf: the
+        linears of `gguf_file` (the file model_path was converted from) computed from its own
+        blocks (layers/gguf_linear.py).
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
         kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
@@ -120,7 +124,7 @@ class ModelRunner:
         )
         self.dtype = self.model.embed_tokens.weight.dtype
         self.quantization = quantization
-        self._convert_linears(quantization, linear_kernel)
+        self._convert_linears(quantization, linear_kernel, gguf_file)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
         if num_slots is None and kv_cache_bytes is not None:
@@ -163,13 +167,26 @@ class ModelRunner:
             self.backend.name,
         )
 
-    def _convert_linears(self, quantization: str, linear_kernel: str) -> None:
+    def _convert_linears(self, quantization: str, linear_kernel: str,
+                         gguf_file: Path | None) -> None:
         """Quantize the linears (the tied head too: a quantized copy beside the embedding,
         which lookups keep reading), or else pick their kernel: oneDNN-prepacked bf16 where it
         can, the native skinny float32 kernel where asked or measured faster here."""
         check_quantization(quantization, self.device, self.dtype,
                            [m.in_features for m in self.model.modules() if isinstance(m, Linear)])
         check_linear_kernel(linear_kernel)
+        if quantization == "gguf":
+            if gguf_file is None:
+                raise ValueError("--quantization gguf computes with a GGUF file's blocks: "
+                                 "--model must be a .gguf file (or a folder holding one)")
+            if self.model.lm_head is None:
+                self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
+            repacked, dense = repack_gguf_linears(self.model, gguf_file)
+            logger.info("%d linear layers compute from %s's blocks (%d stay dense)", repacked,
+                        gguf_file.name, len(dense))
+            if dense and linear_kernel != "auto":
+                logger.info("--linear-kernel %s does not apply to them", linear_kernel)
+            return
         skinny = SkinnyF32Method.available(self.device, self.dtype)
         if linear_kernel == "native" and (quantization != "none" or not skinny):
             raise ValueError("linear_kernel native needs float32 on CPU, unquantized, with the "
@@ -202,7 +219,7 @@ class ModelRunner:
         """The runner EngineArgs describe. max_rows defaults to max_running_requests; the
         model to args.model as resolve_model_dir reads it (a GGUF file, the default model)."""
         from banyan.args import parse_bytes
-        from banyan.model_files import resolve_model_dir
+        from banyan.model_files import gguf_source, resolve_model_dir
 
         path = model_path or resolve_model_dir(args.model, show_progress=not args.disable_tqdm)
         kv_bytes = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None else None
@@ -219,6 +236,7 @@ class ModelRunner:
             quantization=args.quantization,
             linear_kernel=args.linear_kernel,
             kv_cache_dtype=args.kv_cache_dtype,
+            gguf_file=gguf_source(args.model) if args.quantization == "gguf" else None,
         )
 
     # ------------------------------------------------------------------ public surface
