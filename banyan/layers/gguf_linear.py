@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from banyan.kernels import native
 from banyan.layers.linear import Linear
 from banyan.layers.quant import Int4Method, _from_panels, _pad_rows, _QuantMethod, _to_panels
 
@@ -83,15 +82,16 @@ class GroupInt8Method(_QuantMethod):
         layer.codes = _to_panels(_pad_rows(codes))
         layer.scale = _to_panels(_pad_rows(scale.float()))
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        flat, out = self._io(layer, x)
-        lib = native.load()
-        assert lib is not None, "checked at startup (check_quantization)"
-        lib.banyan_int8g_linear_f32(
+    def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
+        self._lib().banyan_int8g_linear_f32(
             flat.data_ptr(), flat.shape[0], layer.in_features, self.group,
             layer.codes.data_ptr(), layer.scale.data_ptr(), self._bias_ptr(layer),
             out.data_ptr(), layer.out_features, torch.get_num_threads())
-        return self._finish(layer, out, x)
+
+    def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
+        self._lib().banyan_int8g_dequant_f32(
+            layer.codes.data_ptr(), layer.scale.data_ptr(), layer.in_features, self.group, p0,
+            p1, out.data_ptr(), torch.get_num_threads())
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.out_features * (layer.in_features + 4 * (layer.in_features // self.group))

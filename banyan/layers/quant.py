@@ -12,6 +12,8 @@ against (in float64) and what a torch reference model uses.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -19,6 +21,10 @@ from banyan.kernels import native
 from banyan.layers.linear import Linear, LinearMethod
 
 PANEL = 16
+# Steps of at least this many tokens go through torch's GEMM on dequantized slabs of at most
+# SLAB_BYTES (measured on Zen 3: the native kernels win below ~128 tokens, GEMM above).
+DEQUANT_MIN_TOKENS = 128
+SLAB_BYTES = 8 << 20
 INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gguf: layers/gguf_linear.py
 
@@ -111,14 +117,47 @@ class _QuantMethod(LinearMethod):
             layer.bias = bias.detach().float().contiguous()
         return weight
 
-    def _io(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
-        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.float32)
-        return flat, out
-
-    def _finish(self, layer: Linear, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The result in the activations' dtype and leading shape."""
+        if flat.shape[0] >= DEQUANT_MIN_TOKENS:
+            out = self._through_gemm(layer, flat)
+        else:
+            out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.float32)
+            self._kernel(layer, flat, out)
         return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+    def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, N] float32 = flat [T, K] float32 x the layer's weight (+ bias), natively."""
+        raise NotImplementedError
+
+    def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
+        """Panels [p0, p1) as float32 rows into out [(p1 - p0) * 16, K]."""
+        raise NotImplementedError
+
+    def _through_gemm(self, layer: Linear, flat: torch.Tensor) -> torch.Tensor:
+        """A long step: slabs of the weight dequantized into a buffer that stays in cache, each
+        multiplied by torch's GEMM (which beats the GEMV-style kernels from ~128 tokens)."""
+        n, k = layer.out_features, layer.in_features
+        panels = -(-n // PANEL)
+        per = max(1, SLAB_BYTES // (PANEL * k * 4))
+        buf = torch.empty(min(per, panels) * PANEL, k)
+        out = torch.empty(flat.shape[0], n)
+        for p0 in range(0, panels, per):
+            p1 = min(panels, p0 + per)
+            r0, r1 = p0 * PANEL, min(n, p1 * PANEL)
+            weight = buf[: (p1 - p0) * PANEL]
+            self._dequantize(layer, p0, p1, weight)
+            part = torch.mm(flat, weight[: r1 - r0].t())
+            if layer.bias is not None:
+                part += layer.bias[r0:r1]
+            out[:, r0:r1] = part
+        return out
+
+    @staticmethod
+    def _lib() -> Any:
+        lib = native.load()
+        assert lib is not None, "checked at startup (check_quantization)"
+        return lib
 
     @staticmethod
     def _bias_ptr(layer: Linear) -> int | None:
@@ -136,15 +175,16 @@ class Int8Method(_QuantMethod):
         layer.codes = _to_panels(_pad_rows(codes))
         layer.scale = _pad_rows(scale[:, None])[:, 0].contiguous()
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        flat, out = self._io(layer, x)
-        lib = native.load()
-        assert lib is not None, "checked at startup (check_quantization)"
-        lib.banyan_int8_linear_f32(
+    def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
+        self._lib().banyan_int8_linear_f32(
             flat.data_ptr(), flat.shape[0], layer.in_features, layer.codes.data_ptr(),
             layer.scale.data_ptr(), self._bias_ptr(layer), out.data_ptr(), layer.out_features,
             torch.get_num_threads())
-        return self._finish(layer, out, x)
+
+    def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
+        self._lib().banyan_int8_dequant_f32(layer.codes.data_ptr(), layer.scale.data_ptr(),
+                                            layer.in_features, p0, p1, out.data_ptr(),
+                                            torch.get_num_threads())
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.out_features * (layer.in_features + 4)
@@ -185,17 +225,18 @@ class Int4Method(_QuantMethod):
         layer.scale = _to_panels(_pad_rows(scale))
         layer.mins = _to_panels(_pad_rows(low))
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        flat, out = self._io(layer, x)
+    def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
-        lib = native.load()
-        assert lib is not None, "checked at startup (check_quantization)"
-        lib.banyan_int4_linear_f32(
+        self._lib().banyan_int4_linear_f32(
             flat.data_ptr(), flat.shape[0], layer.in_features, self.group,
             layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
             self._bias_ptr(layer), out.data_ptr(), layer.out_features, group_sums.data_ptr(),
             torch.get_num_threads())
-        return self._finish(layer, out, x)
+
+    def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
+        self._lib().banyan_int4_dequant_f32(
+            layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
+            layer.in_features, self.group, p0, p1, out.data_ptr(), torch.get_num_threads())
 
     def weight_bytes(self, layer: Linear) -> int:
         groups = layer.in_features // self.group
