@@ -130,13 +130,14 @@ class EngineArgs:
         "draft: weight format of the draft's linears (as --quantization). The target's own "
         "checkpoint quantized to int4 is a draft that shares its tokenizer by construction.",
         choices=["none", "int8", "int4"]))
-    quantization: str = field(default="none", metadata=_doc(
+    quantization: str = field(default="auto", metadata=_doc(
         "Weight format of the linear layers: none (the dtype's), int8 (weight-only, one scale "
         "per output channel), int4 (weight-only, 4-bit with a float16 scale and minimum per 32 "
         "inputs), both quantized once at load; gguf (a GGUF model's Q8_0 / Q4_0 / Q4_1 blocks "
-        "as the file has them, other types dense). CPU only; activations stay in --dtype "
-        "(float32 is the fast one on CPUs without AVX512_BF16).",
-        choices=["none", "int8", "int4", "gguf"]))
+        "as the file has them, other types dense); auto (gguf for a GGUF model on CPU, none "
+        "otherwise). CPU only; activations stay in --dtype (float32 is the fast one on CPUs "
+        "without AVX512_BF16).",
+        choices=["auto", "none", "int8", "int4", "gguf"]))
     linear_kernel: str = field(default="auto", metadata=_doc(
         "Kernel of the unquantized linear layers: torch (F.linear; bfloat16 weights prepacked "
         "by oneDNN where it can), native (the C++ skinny kernel for steps of up to 16 tokens, "
@@ -195,7 +196,7 @@ class EngineArgs:
             if self.hicache_block_tokens < 1 or self.hicache_block_tokens % self.page_size:
                 raise ValueError(f"hicache_block_tokens ({self.hicache_block_tokens}) must be a "
                                  f"positive multiple of page_size ({self.page_size})")
-        for name, allowed in (("quantization", ("none", "int8", "int4", "gguf")),
+        for name, allowed in (("quantization", ("auto", "none", "int8", "int4", "gguf")),
                               ("spec_draft_quantization", ("none", "int8", "int4"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, "

@@ -116,3 +116,14 @@ def test_a_model_that_is_not_gguf_is_refused(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--quantization gguf .* GGUF file"):
         ModelRunner(llama_dir, dtype="float32", num_slots=16, max_rows=1, show_progress=False,
                     quantization="gguf")
+
+
+def test_auto_is_gguf_for_a_gguf_model_and_none_otherwise(tmp_path: Path, tokenizer_dir: Path,
+                                                          llama_dir: Path) -> None:
+    from banyan import Engine
+
+    path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, wtype="Q4_0")
+    for model, want in ((path, "gguf"), (llama_dir, "none")):
+        with Engine(str(model), dtype="float32", disable_tqdm=True,
+                    kv_cache_memory="4MiB") as engine:  # --quantization left at auto
+            assert engine.core.scheduler.runner.model_runner.quantization == want

@@ -189,3 +189,13 @@ def test_every_finite_fp8_code_decodes_as_torch_does(kv_cache_dtype: str) -> Non
     native_attention(q, layer, scene.table.table, meta.native, 0.125, out)
     # request i (batch position i) has slot i + 1, whose V row is codes[i]
     assert torch.equal(out, codes.view(code_dtype).float())
+
+
+@pytest.mark.parametrize("extend", [1, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_request_shares_its_heads_between_threads(extend: int, dtype: torch.dtype) -> None:
+    """One request is one slice: with fewer slices than threads, its KV heads are separate
+    work items (one per thread), and the result is the same attention."""
+    scene = Scene([Req(fresh([1], 300 + extend), extend=extend)], 6, 3, dim=64, dtype=dtype)
+    meta = scene.check(native_backend(scene), atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert meta.native is not None and meta.native.n_new.tolist() == [extend]

@@ -23,6 +23,7 @@ from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
+from banyan.kernels import native
 from banyan.layers.gguf_linear import repack_gguf_linears
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
@@ -110,7 +111,7 @@ class ModelRunner:
         max_context: longest sequence a table row holds (default max_position_embeddings).
         quantization: none | int8 | int4 weight-only linears (layers/quant.py), or gguf: the
         linears of `gguf_file` (the file model_path was converted from) computed from its own
-        blocks (layers/gguf_linear.py).
+        blocks (layers/gguf_linear.py); auto: gguf where that can run, else none.
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
         kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
@@ -123,6 +124,10 @@ class ModelRunner:
             model_path, dtype=dtype, device=self.device, show_progress=show_progress, config=cfg
         )
         self.dtype = self.model.embed_tokens.weight.dtype
+        if quantization == "auto":  # a GGUF model computes from its blocks where it can
+            runnable = (gguf_file is not None and self.device.type == "cpu" and
+                        self.dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
+            quantization = "gguf" if runnable else "none"
         self.quantization = quantization
         self._convert_linears(quantization, linear_kernel, gguf_file)
         self.max_rows = max_rows
@@ -236,7 +241,7 @@ class ModelRunner:
             quantization=args.quantization,
             linear_kernel=args.linear_kernel,
             kv_cache_dtype=args.kv_cache_dtype,
-            gguf_file=gguf_source(args.model) if args.quantization == "gguf" else None,
+            gguf_file=gguf_source(args.model) if args.quantization in ("auto", "gguf") else None,
         )
 
     # ------------------------------------------------------------------ public surface
