@@ -9,6 +9,7 @@ computes the same values.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -18,13 +19,18 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 512  # the RoPE kernel's per-head scratch
 
 
+@functools.cache
+def _lookup(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+    lib = native.load()
+    return None if lib is None else getattr(lib, f"banyan_{name}_{_SUFFIX[dtype]}")
+
+
 def _kernel(name: str, x: torch.Tensor) -> ctypes._CFuncPtr | None:
+    # called several times a layer per step: the lookup is cached (the string and getattr
+    # cost about as much as a small kernel)
     if x.device.type != "cpu" or x.dtype not in _SUFFIX:
         return None
-    lib = native.load()
-    if lib is None:
-        return None
-    return getattr(lib, f"banyan_{name}_{_SUFFIX[x.dtype]}")
+    return _lookup(name, x.dtype)
 
 
 def add_rms_norm(

@@ -118,13 +118,16 @@ class _QuantMethod(LinearMethod):
         return weight
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
+        # A decode calls this ~120 times a token: the common case (2-D float32, contiguous)
+        # skips the conversions, whose dispatches cost as much as a small layer's kernel.
+        plain = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+        flat = x if plain else x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
         if flat.shape[0] >= DEQUANT_MIN_TOKENS:
             out = self._through_gemm(layer, flat)
         else:
-            out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.float32)
+            out = torch.empty(flat.shape[0], layer.out_features)
             self._kernel(layer, flat, out)
-        return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+        return out if plain else out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, N] float32 = flat [T, K] float32 x the layer's weight (+ bias), natively."""
