@@ -1,5 +1,5 @@
-"""`--quantization gguf`: linear layers computed from a GGUF file's own Q8_0 / Q4_0 / Q4_1
-blocks. Every repacked layer holds exactly the values transformers dequantizes from the file
+"""`--quantization gguf`: linear layers computed from a GGUF file's own Q8_0 / Q4_0 / Q4_1 /
+Q4_K / Q6_K blocks. Every repacked layer holds exactly the values transformers dequantizes from the file
 (bit for bit), the grouped int8 kernel matches float64 over them (odd shapes, every token-block
 size), other types stay dense, the engine's greedy output equals transformers' on the
 dequantized model, and a non-GGUF model is refused at startup."""
@@ -41,14 +41,15 @@ def _linears(runner: ModelRunner) -> dict[str, Linear]:
 
 
 @pytest.mark.parametrize("wtype,arch,tied", [("Q8_0", "llama", True), ("Q4_0", "qwen2", False),
-                                             ("Q4_1", "llama", False)])
+                                             ("Q4_1", "llama", False), ("Q4_K", "llama", True),
+                                             ("Q6_K", "qwen2", False)])
 def test_repacked_layers_hold_the_files_values(tmp_path: Path, tokenizer_dir: Path, wtype: str,
                                                arch: str, tied: bool) -> None:
     """llama's q/k rows are permuted back and qwen2 keeps its biases; a tied head takes the
     embedding's blocks. Dequantized, every layer equals the dense load of the same file."""
     path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=tied)
     dense, packed = _runner(path, "none"), _runner(path, "gguf")
-    method = GroupInt8Method if wtype == "Q8_0" else Int4Method
+    method = GroupInt8Method if wtype in ("Q8_0", "Q6_K") else Int4Method
     layers = _linears(packed)
     assert ("tied_head" in layers) == tied
     for name, layer in layers.items():
@@ -81,7 +82,7 @@ def test_grouped_int8_kernel_matches_float64(rows: int, cols: int, tokens: int) 
 
 def test_other_types_stay_dense(tmp_path: Path, tokenizer_dir: Path,
                                 caplog: pytest.LogCaptureFixture) -> None:
-    path = write_gguf(tmp_path / "k.gguf", tokenizer_dir, wtype="Q4_K", embed_type="Q8_0",
+    path = write_gguf(tmp_path / "k.gguf", tokenizer_dir, wtype="Q5_K", embed_type="Q8_0",
                       tied=True)
     with caplog.at_level(logging.INFO):
         packed = _runner(path, "gguf")
@@ -89,10 +90,10 @@ def test_other_types_stay_dense(tmp_path: Path, tokenizer_dir: Path,
     assert isinstance(layers["tied_head"].method, GroupInt8Method)  # the Q8_0 embedding
     others = [n for n, m in layers.items() if n != "tied_head"]
     assert others and not any(isinstance(layers[n].method, _QuantMethod) for n in others)
-    assert "keep dense weights" in caplog.text and "Q4_K" in caplog.text
+    assert "keep dense weights" in caplog.text and "Q5_K" in caplog.text
 
 
-@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_1", "Q4_K"])
 def test_greedy_equals_transformers_on_the_dequantized_model(tmp_path: Path,
                                                              tokenizer_dir: Path,
                                                              wtype: str) -> None:

@@ -54,7 +54,7 @@ def test_int8_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, token
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["int8", "int4", "int8g"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int8g", "int4-float32-scales"])
 def test_long_steps_go_through_gemm_on_exactly_dequantized_slabs(
         method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """From DEQUANT_MIN_TOKENS tokens the weight is dequantized natively, slab by slab (small
@@ -69,6 +69,12 @@ def test_long_steps_go_through_gemm_on_exactly_dequantized_slabs(
     if method == "int8g":
         layer.convert(GroupInt8Method(torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8),
                                       torch.rand(out_f, in_f // 32)))
+    elif method == "int4-float32-scales":  # GGUF's Q4_K
+        given = (torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8),
+                 torch.rand(out_f, in_f // 32) * 0.1, -torch.rand(out_f, in_f // 32))
+        layer.convert(Int4Method(32, given=given))
+        for tokens in (1, 9):  # the panel kernel too
+            _check_against_float64(layer, tokens, torch.float32)
     else:
         layer.convert(Int8Method() if method == "int8" else Int4Method(32))
     panels = layer.codes.shape[0]

@@ -22,6 +22,31 @@ inline float half_to_float(uint16_t h) {  // IEEE half -> float, subnormals incl
     return mag;
 }
 
+inline float scale_value(uint16_t h) { return half_to_float(h); }
+inline float scale_value(float f) { return f; }
+
+template <typename S>
+void int4_dequant(const uint8_t* w, const S* scale, const S* mins, int64_t K, int64_t group,
+                  int64_t p0, int64_t p1, float* out, int64_t n_threads) {
+    const int64_t groups = K / group;
+#pragma omp parallel for num_threads(threads_for(p1 - p0, n_threads)) schedule(static)
+    for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* wp = w + p * (K / 2) * PANEL;
+        for (int l = 0; l < PANEL; ++l) {
+            float* row = out + ((p - p0) * PANEL + l) * K;
+            for (int64_t g = 0; g < groups; ++g) {
+                const float s = scale_value(scale[(p * groups + g) * PANEL + l]);
+                const float m = scale_value(mins[(p * groups + g) * PANEL + l]);
+                for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
+                    const uint8_t b = wp[j * PANEL + l];
+                    row[2 * j] = static_cast<float>(b & 0xF) * s + m;
+                    row[2 * j + 1] = static_cast<float>(b >> 4) * s + m;
+                }
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -58,28 +83,18 @@ void banyan_int8g_dequant_f32(const int8_t* w, const float* scale, int64_t K, in
     }
 }
 
-// int4 pairs (input k even in the low nibble) with float16 scale and min per group
-// (scale, mins [panels, K / group, 16]).
+// int4 pairs (input k even in the low nibble) with a scale and min per group (scale, mins
+// [panels, K / group, 16]): float16 (banyan_int4_dequant_f32) or float32 (the _s variant).
 void banyan_int4_dequant_f32(const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
                              int64_t K, int64_t group, int64_t p0, int64_t p1, float* out,
                              int64_t n_threads) {
-    const int64_t groups = K / group;
-#pragma omp parallel for num_threads(threads_for(p1 - p0, n_threads)) schedule(static)
-    for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* wp = w + p * (K / 2) * PANEL;
-        for (int l = 0; l < PANEL; ++l) {
-            float* row = out + ((p - p0) * PANEL + l) * K;
-            for (int64_t g = 0; g < groups; ++g) {
-                const float s = half_to_float(scale[(p * groups + g) * PANEL + l]);
-                const float m = half_to_float(mins[(p * groups + g) * PANEL + l]);
-                for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
-                    const uint8_t b = wp[j * PANEL + l];
-                    row[2 * j] = static_cast<float>(b & 0xF) * s + m;
-                    row[2 * j + 1] = static_cast<float>(b >> 4) * s + m;
-                }
-            }
-        }
-    }
+    int4_dequant(w, scale, mins, K, group, p0, p1, out, n_threads);
+}
+
+void banyan_int4s_dequant_f32(const uint8_t* w, const float* scale, const float* mins,
+                              int64_t K, int64_t group, int64_t p0, int64_t p1, float* out,
+                              int64_t n_threads) {
+    int4_dequant(w, scale, mins, K, group, p0, p1, out, n_threads);
 }
 
 }  // extern "C"

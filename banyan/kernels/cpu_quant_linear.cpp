@@ -54,12 +54,15 @@ void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, 
 inline __m512 load_f16x16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// int4 scales and minimums: float16 (made at load, Q4_0/Q4_1) or float32 (GGUF's K-quants)
+inline __m512 load_scale16(const uint16_t* p) { return load_f16x16(p); }
+inline __m512 load_scale16(const float* p) { return _mm512_loadu_ps(p); }
 
 // TB tokens x one int4 panel. Per group: codes times x summed (lo/hi nibbles in separate
 // accumulators), then acc += qsum * scale + xsum * min.
-template <int TB, int U>
+template <int TB, int U, typename S>
 void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
-                const uint16_t* scale, const uint16_t* mins, const float* bias, float* out,
+                const S* scale, const S* mins, const float* bias, float* out,
                 int64_t n_out, int64_t p) {
     const int64_t groups = K / group;
     const __m512i low4 = _mm512_set1_epi32(0xF);
@@ -84,8 +87,8 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
                 }
             }
         }
-        const __m512 s = load_f16x16(scale + (p * groups + g) * PANEL);
-        const __m512 m = load_f16x16(mins + (p * groups + g) * PANEL);
+        const __m512 s = load_scale16(scale + (p * groups + g) * PANEL);
+        const __m512 m = load_scale16(mins + (p * groups + g) * PANEL);
         for (int i = 0; i < TB; ++i) {
             __m512 sum = _mm512_add_ps(q[0][0][i], q[0][1][i]);
             for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, _mm512_add_ps(q[u][0][i], q[u][1][i]));
@@ -106,6 +109,8 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
 inline __m256 load_f16x8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline __m256 load_scale8(const uint16_t* p) { return load_f16x8(p); }
+inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
 
 // As the AVX-512 int8_panel, each 16-row step as two 8-lane halves (h).
 template <int TB, int U>
@@ -148,9 +153,9 @@ void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, 
 
 // As the AVX-512 int4_panel, in two halves, with both nibbles of a byte summed into one
 // accumulator (AVX2 has 16 vector registers, not 32).
-template <int TB, int U>
+template <int TB, int U, typename S>
 void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
-                const uint16_t* scale, const uint16_t* mins, const float* bias, float* out,
+                const S* scale, const S* mins, const float* bias, float* out,
                 int64_t n_out, int64_t p) {
     const int64_t groups = K / group;
     const __m256i low4 = _mm256_set1_epi32(0xF);
@@ -178,8 +183,8 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
             }
         }
         for (int h = 0; h < 2; ++h) {
-            const __m256 sc = load_f16x8(scale + (p * groups + g) * PANEL + 8 * h);
-            const __m256 m = load_f16x8(mins + (p * groups + g) * PANEL + 8 * h);
+            const __m256 sc = load_scale8(scale + (p * groups + g) * PANEL + 8 * h);
+            const __m256 m = load_scale8(mins + (p * groups + g) * PANEL + 8 * h);
             for (int i = 0; i < TB; ++i) {
                 __m256 sum = q[0][i][h];
                 for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, q[u][i][h]);
@@ -214,6 +219,9 @@ inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, subnormals include
     return mag;
 }
 
+inline float scale_value(uint16_t h) { return f16_to_f32(h); }
+inline float scale_value(float f) { return f; }
+
 template <int TB, int U>
 void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, const float* bias,
                 float* out, int64_t n_out, int64_t p) {
@@ -229,9 +237,9 @@ void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, 
     }
 }
 
-template <int TB, int U>
+template <int TB, int U, typename S>
 void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
-                const uint16_t* scale, const uint16_t* mins, const float* bias, float* out,
+                const S* scale, const S* mins, const float* bias, float* out,
                 int64_t n_out, int64_t p) {
     const int64_t groups = K / group;
     float acc[TB][PANEL] = {};
@@ -244,11 +252,11 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
                 for (int l = 0; l < PANEL; ++l)
                     q[i][l] += x[i * K + k] * (b[l] & 0xF) + x[i * K + k + 1] * (b[l] >> 4);
         }
-        const uint16_t* s = scale + (p * groups + g) * PANEL;
-        const uint16_t* m = mins + (p * groups + g) * PANEL;
+        const S* s = scale + (p * groups + g) * PANEL;
+        const S* m = mins + (p * groups + g) * PANEL;
         for (int i = 0; i < TB; ++i)
             for (int l = 0; l < PANEL; ++l)
-                acc[i][l] += q[i][l] * f16_to_f32(s[l]) + xsum[i * groups + g] * f16_to_f32(m[l]);
+                acc[i][l] += q[i][l] * scale_value(s[l]) + xsum[i * groups + g] * scale_value(m[l]);
     }
     float vals[PANEL];
     for (int i = 0; i < TB; ++i) {
@@ -258,6 +266,41 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
 }
 
 #endif  // __AVX512F__, AVX2
+
+// The int4 driver over panels and token blocks, for float16 or float32 scales (S).
+template <typename S>
+void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
+                 const S* scale, const S* mins, const float* bias, float* out, int64_t N,
+                 float* xsum, int64_t n_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t groups = K / group;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < group; ++k) s += x[t * K + g * group + k];
+            xsum[t * groups + g] = s;
+        }
+#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const uint8_t* wp = w + p * (K / 2) * PANEL;
+        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
+            const float* xt = x + t0 * K;
+            const float* st = xsum + t0 * groups;
+            float* ot = out + t0 * N;
+            switch (tb) {
+                case 1: int4_panel<1, 4>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 2: int4_panel<2, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 3: int4_panel<3, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 4: int4_panel<4, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 5: int4_panel<5, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 6: int4_panel<6, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                case 7: int4_panel<7, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+                default: int4_panel<8, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
+            }
+        });
+    }
+}
+
 
 }  // namespace
 
@@ -289,38 +332,20 @@ void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* 
 }
 
 // x [T, K] float32 (K % group == 0, group even), w [panels, K / 2, 16] bytes, scale and mins
-// [panels, K / group, 16] float16, bias [N] or null, out [T, N]; xsum: scratch [T, K / group].
+// [panels, K / group, 16] (float16, or float32 for the _s variant), bias [N] or null,
+// out [T, N]; xsum: scratch [T, K / group].
 void banyan_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                             const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
                             const float* bias, float* out, int64_t N, float* xsum,
                             int64_t n_threads) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-    const int64_t groups = K / group;
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t g = 0; g < groups; ++g) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < group; ++k) s += x[t * K + g * group + k];
-            xsum[t * groups + g] = s;
-        }
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        const uint8_t* wp = w + p * (K / 2) * PANEL;
-        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
-            const float* xt = x + t0 * K;
-            const float* st = xsum + t0 * groups;
-            float* ot = out + t0 * N;
-            switch (tb) {
-                case 1: int4_panel<1, 4>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 2: int4_panel<2, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 3: int4_panel<3, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 4: int4_panel<4, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 5: int4_panel<5, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 6: int4_panel<6, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 7: int4_panel<7, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                default: int4_panel<8, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-            }
-        });
-    }
+    int4_linear(x, T, K, group, w, scale, mins, bias, out, N, xsum, n_threads);
+}
+
+void banyan_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                             const uint8_t* w, const float* scale, const float* mins,
+                             const float* bias, float* out, int64_t N, float* xsum,
+                             int64_t n_threads) {
+    int4_linear(x, T, K, group, w, scale, mins, bias, out, N, xsum, n_threads);
 }
 
 }  // extern "C"

@@ -132,12 +132,15 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                            ptr, i64]
     lib.banyan_int4_linear_f32.restype = None
+    lib.banyan_int4s_linear_f32.argtypes = lib.banyan_int4_linear_f32.argtypes
+    lib.banyan_int4s_linear_f32.restype = None
     lib.banyan_int8g_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_int8g_linear_f32.restype = None
     lib.banyan_int8_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64]
     lib.banyan_int8g_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64]
     lib.banyan_int4_dequant_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64]
-    for name in ("int8", "int8g", "int4"):
+    lib.banyan_int4s_dequant_f32.argtypes = lib.banyan_int4_dequant_f32.argtypes
+    for name in ("int8", "int8g", "int4", "int4s"):
         getattr(lib, f"banyan_{name}_dequant_f32").restype = None
     lib.banyan_skinny_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
     lib.banyan_skinny_linear_f32.restype = None

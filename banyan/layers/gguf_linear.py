@@ -1,7 +1,7 @@
 """`--quantization gguf`: the linear layers of a GGUF model computed from the file's own blocks.
 
 A GGUF model loads dequantized (models/gguf_loader.py converts it once into a float checkpoint);
-with this mode each linear layer whose file tensor is Q8_0, Q4_0 or Q4_1 then swaps its dense
+with this mode each linear layer whose file tensor is Q8_0, Q4_0, Q4_1, Q4_K or Q6_K then swaps its dense
 weight for those blocks, repacked into the CPU kernels' panel layout without changing a value:
 
 - Q4_1 (32 inputs: float16 d and m, 4-bit q): value = q * d + m, which is exactly `Int4Method`'s
@@ -9,13 +9,16 @@ weight for those blocks, repacked into the CPU kernels' panel layout without cha
 - Q4_0 (float16 d, 4-bit q): value = (q - 8) * d = q * d + (-8 d), the same with minimum -8 d
   (exact in float16: a power-of-two multiple);
 - Q8_0 (float16 d, int8 q): value = q * d, `GroupInt8Method` (cpu_int8g_linear.cpp) with the
-  scale widened to float32.
+  scale widened to float32;
+- Q4_K and Q6_K (super-blocks of 256 with sub-block scales): the products of the two scales,
+  exact in float32, become a float32 scale (and minimum) per 32 (int4) or per 16 (int8) inputs
+  (`decode_k_quant`).
 
 So the repacked layer computes with exactly the values transformers dequantizes (tested bit for
-bit), reading 0.56-1.13 bytes per weight instead of 4. A tied LM head takes the embedding's
+bit), reading 0.56-1.25 bytes per weight instead of 4. A tied LM head takes the embedding's
 blocks; the embedding itself stays dense for lookups (a step reads a few of its rows). Tensors
-of other types (the K-quants, Q5_*) and fused layers whose parts differ in type stay dense, and
-the log says which.
+of other types (Q5_*, Q2_K, Q3_K, Q5_K) and fused layers whose parts differ in type stay dense,
+and the log says which.
 """
 
 from __future__ import annotations
@@ -33,16 +36,59 @@ from banyan.layers.quant import Int4Method, _from_panels, _pad_rows, _QuantMetho
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 32  # inputs per block of Q8_0, Q4_0, Q4_1
-REPACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK = 32  # inputs per block of Q8_0, Q4_0, Q4_1 (and per scale of Q4_K)
+SUPER = 256  # inputs per super-block of the K-quants
+REPACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GROUP = {"Q6_K": 16}  # inputs per scale, where not BLOCK
+
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def decode_blocks(raw: np.ndarray, ggml_type: str, cols: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block, as float32."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def decode_k_quant(raw: np.ndarray, ggml_type: str, cols: int) -> Decoded:
+    """Q4_K: per 256 inputs float16 d and dmin, 8 six-bit scales and mins, 4-bit q; value =
+    (d sc) q - (dmin m) -> int4 codes with float32 scale d sc and min -dmin m per 32 (both
+    products exact in float32). Q6_K: 6-bit q in 4 + 2 bits, int8 scales per 16, float16 d;
+    value = (d sc)(q - 32) -> int8 codes q - 32 with a float32 scale per 16."""
+    rows, nb = raw.shape[0], cols // SUPER
+    if ggml_type == "Q4_K":
+        blocks = np.ascontiguousarray(raw).reshape(rows, nb, 144)
+        d, dmin, packed = _f16(blocks, 0), _f16(blocks, 2), blocks[..., 4:16]
+        sc = np.concatenate([packed[..., 0:4] & 63,
+                             (packed[..., 8:12] & 0xF) | ((packed[..., 0:4] >> 6) << 4)], -1)
+        mn = np.concatenate([packed[..., 4:8] & 63,
+                             (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
+        q = blocks[..., 16:144].reshape(rows, nb, 4, 32)  # 64 inputs each: low, then high
+        codes = np.stack([q & 0xF, q >> 4], axis=3).reshape(rows, cols)
+        scale = (d[..., None] * sc).reshape(rows, -1)
+        low = -(dmin[..., None] * mn).reshape(rows, -1)
+        return (torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale),
+                torch.from_numpy(low))
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, 210)
+    ql = blocks[..., :128].reshape(rows, nb, 2, 64)
+    qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32)
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = _f16(blocks, 208)
+    low4 = np.concatenate([ql & 0xF, ql >> 4], axis=-1).reshape(rows, nb, 2, 4, 32)
+    high2 = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
+    codes = (low4 | (high2 << 4)).astype(np.int16) - 32
+    scale = (d[..., None] * scales).reshape(rows, -1)
+    return torch.from_numpy(codes.reshape(rows, cols).astype(np.int8)), \
+        torch.from_numpy(scale), None
+
+
+def decode_blocks(raw: np.ndarray, ggml_type: str, cols: int) -> Decoded:
     """raw uint8 [rows, bytes] blocks of one tensor -> (codes [rows, cols], scale
-    [rows, cols / 32], min [rows, cols / 32] or None): Q4_x codes uint8 0..15 with float16
-    scale and min; Q8_0 codes int8 with a float32 scale and no min."""
+    [rows, cols / group], min [rows, cols / group] or None): Q4_x codes uint8 0..15 with
+    float16 scale and min (float32 for Q4_K); Q8_0 / Q6_K codes int8 with a float32 scale
+    and no min."""
     rows, nb = raw.shape[0], cols // BLOCK
+    if ggml_type in ("Q4_K", "Q6_K"):
+        return decode_k_quant(raw, ggml_type, cols)
     if ggml_type == "Q8_0":
         blocks = np.ascontiguousarray(raw).reshape(rows, nb, 34)
         d = blocks[..., :2].copy().view(np.float16)[..., 0]
@@ -102,13 +148,12 @@ class GroupInt8Method(_QuantMethod):
         return codes * scale.repeat_interleave(self.group, dim=1)
 
 
-def method_for_blocks(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-                      ) -> _QuantMethod:
+def method_for_blocks(pieces: list[Decoded], group: int = BLOCK) -> _QuantMethod:
     """The method computing with these decoded blocks (the parts of one layer, in row order)."""
     codes = torch.cat([p[0] for p in pieces])
     scale = torch.cat([p[1] for p in pieces])
     if pieces[0][2] is None:
-        return GroupInt8Method(codes, scale)
+        return GroupInt8Method(codes, scale, group)
     low = torch.cat([p[2] for p in pieces if p[2] is not None])
     return Int4Method(BLOCK, given=(codes, scale, low))
 
@@ -141,13 +186,14 @@ def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[st
         kinds = {t.ggml_type.name for _, t in found}  # type: ignore[attr-defined]
         kind = next(iter(kinds))
         rows = sum(t.shape[0] for _, t in found)  # type: ignore[attr-defined]
+        whole = SUPER if kind.endswith("_K") else BLOCK
         if len(kinds) != 1 or kind not in REPACKED_TYPES or rows != layer.out_features or \
-                layer.in_features % BLOCK:
+                layer.in_features % whole:
             dense.append(f"{owner} ({'/'.join(sorted(kinds))})")
             continue
         pieces = [decode_blocks(t.raw, kind, layer.in_features)  # type: ignore[attr-defined]
                   for _, t in found]
-        layer.convert(method_for_blocks(pieces))
+        layer.convert(method_for_blocks(pieces, GROUP.get(kind, BLOCK)))
         repacked += 1
     if dense:
         logger.info("--quantization gguf: %d linear layers keep dense weights (types without "

@@ -199,8 +199,9 @@ class Int8Method(_QuantMethod):
 
 class Int4Method(_QuantMethod):
     """4-bit codes with a float16 scale and minimum per group of `group` inputs: quantized from
-    the layer's dense weight, or `given` (codes uint8 [out, in], scale and min float16
-    [out, in / group]: a GGUF file's Q4_0 / Q4_1 blocks, layers/gguf_linear.py)."""
+    the layer's dense weight, or `given` (codes uint8 [out, in], scale and min [out, in / group]:
+    a GGUF file's blocks, layers/gguf_linear.py; float16 for Q4_0 / Q4_1, float32 for Q4_K,
+    whose products of two scales need more bits)."""
 
     def __init__(self, group: int = INT4_GROUP_SIZES[0],
                  given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -230,20 +231,30 @@ class Int4Method(_QuantMethod):
 
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
-        self._lib().banyan_int4_linear_f32(
+        lib = self._lib()
+        fn = lib.banyan_int4s_linear_f32 if self._wide(layer) else lib.banyan_int4_linear_f32
+        fn(
             flat.data_ptr(), flat.shape[0], layer.in_features, self.group,
             layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
             self._bias_ptr(layer), out.data_ptr(), layer.out_features, group_sums.data_ptr(),
             torch.get_num_threads())
 
     def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
-        self._lib().banyan_int4_dequant_f32(
+        lib = self._lib()
+        fn = lib.banyan_int4s_dequant_f32 if self._wide(layer) else lib.banyan_int4_dequant_f32
+        fn(
             layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
             layer.in_features, self.group, p0, p1, out.data_ptr(), torch.get_num_threads())
 
+    @staticmethod
+    def _wide(layer: Linear) -> bool:
+        """float32 scales and minimums (GGUF's K-quants) rather than float16."""
+        return layer.scale.dtype == torch.float32
+
     def weight_bytes(self, layer: Linear) -> int:
         groups = layer.in_features // self.group
-        return layer.out_features * (layer.in_features // 2 + 4 * groups)
+        per_group = 8 if self._wide(layer) else 4
+        return layer.out_features * (layer.in_features // 2 + per_group * groups)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         pairs = _from_panels(layer.codes, layer.out_features)
