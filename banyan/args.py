@@ -133,10 +133,10 @@ class EngineArgs:
     quantization: str = field(default="auto", metadata=_doc(
         "Weight format of the linear layers: none (the dtype's), int8 (weight-only, one scale "
         "per output channel), int4 (weight-only, 4-bit with a float16 scale and minimum per 32 "
-        "inputs), both quantized once at load; gguf (a GGUF model's Q8_0 / Q4_0 / Q4_1 / Q4_K / "
-        "Q6_K blocks as the file has them, other types dense); auto (gguf for a GGUF model on CPU, none "
-        "otherwise). CPU only; activations stay in --dtype (float32 is the fast one on CPUs "
-        "without AVX512_BF16).",
+        "inputs), both quantized once at load; gguf (a GGUF model's Q8_0 / Q4_0 / Q4_1 / Q5_0 / "
+        "Q4_K / Q6_K blocks as the file has them, other types dense); auto (gguf for a GGUF "
+        "model on CPU, none otherwise). CPU only; activations stay in --dtype (float32 is the "
+        "fast one on CPUs without AVX512_BF16).",
         choices=["auto", "none", "int8", "int4", "gguf"]))
     linear_kernel: str = field(default="auto", metadata=_doc(
         "Kernel of the unquantized linear layers: torch (F.linear; bfloat16 weights prepacked "

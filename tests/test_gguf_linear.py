@@ -1,5 +1,5 @@
 """`--quantization gguf`: linear layers computed from a GGUF file's own Q8_0 / Q4_0 / Q4_1 /
-Q4_K / Q6_K blocks. Every repacked layer holds exactly the values transformers dequantizes from the file
+Q5_0 / Q4_K / Q6_K blocks. Every repacked layer holds exactly the values transformers dequantizes from the file
 (bit for bit), the grouped int8 kernel matches float64 over them (odd shapes, every token-block
 size), other types stay dense, the engine's greedy output equals transformers' on the
 dequantized model, and a non-GGUF model is refused at startup."""
@@ -42,14 +42,14 @@ def _linears(runner: ModelRunner) -> dict[str, Linear]:
 
 @pytest.mark.parametrize("wtype,arch,tied", [("Q8_0", "llama", True), ("Q4_0", "qwen2", False),
                                              ("Q4_1", "llama", False), ("Q4_K", "llama", True),
-                                             ("Q6_K", "qwen2", False)])
+                                             ("Q6_K", "qwen2", False), ("Q5_0", "llama", True)])
 def test_repacked_layers_hold_the_files_values(tmp_path: Path, tokenizer_dir: Path, wtype: str,
                                                arch: str, tied: bool) -> None:
     """llama's q/k rows are permuted back and qwen2 keeps its biases; a tied head takes the
     embedding's blocks. Dequantized, every layer equals the dense load of the same file."""
     path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=tied)
     dense, packed = _runner(path, "none"), _runner(path, "gguf")
-    method = GroupInt8Method if wtype in ("Q8_0", "Q6_K") else Int4Method
+    method = GroupInt8Method if wtype in ("Q8_0", "Q6_K", "Q5_0") else Int4Method
     layers = _linears(packed)
     assert ("tied_head" in layers) == tied
     for name, layer in layers.items():

@@ -1,15 +1,16 @@
 """`--quantization gguf`: the linear layers of a GGUF model computed from the file's own blocks.
 
 A GGUF model loads dequantized (models/gguf_loader.py converts it once into a float checkpoint);
-with this mode each linear layer whose file tensor is Q8_0, Q4_0, Q4_1, Q4_K or Q6_K then swaps its dense
-weight for those blocks, repacked into the CPU kernels' panel layout without changing a value:
+with this mode each linear layer whose file tensor is Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K then
+swaps its dense weight for those blocks, repacked into the CPU kernels' panel layout without
+changing a value:
 
 - Q4_1 (32 inputs: float16 d and m, 4-bit q): value = q * d + m, which is exactly `Int4Method`'s
   format (codes, a float16 scale and minimum per 32 inputs);
 - Q4_0 (float16 d, 4-bit q): value = (q - 8) * d = q * d + (-8 d), the same with minimum -8 d
   (exact in float16: a power-of-two multiple);
-- Q8_0 (float16 d, int8 q): value = q * d, `GroupInt8Method` (cpu_int8g_linear.cpp) with the
-  scale widened to float32;
+- Q8_0 (float16 d, int8 q): value = q * d, and Q5_0 (5-bit q): value = (q - 16) d, both
+  `GroupInt8Method` (cpu_int8g_linear.cpp) with the scale widened to float32;
 - Q4_K and Q6_K (super-blocks of 256 with sub-block scales): the products of the two scales,
   exact in float32, become a float32 scale (and minimum) per 32 (int4) or per 16 (int8) inputs
   (`decode_k_quant`).
@@ -17,7 +18,7 @@ weight for those blocks, repacked into the CPU kernels' panel layout without cha
 So the repacked layer computes with exactly the values transformers dequantizes (tested bit for
 bit), reading 0.56-1.25 bytes per weight instead of 4. A tied LM head takes the embedding's
 blocks; the embedding itself stays dense for lookups (a step reads a few of its rows). Tensors
-of other types (Q5_*, Q2_K, Q3_K, Q5_K) and fused layers whose parts differ in type stay dense,
+of other types (Q5_1, Q2_K, Q3_K, Q5_K) and fused layers whose parts differ in type stay dense,
 and the log says which.
 """
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 32  # inputs per block of Q8_0, Q4_0, Q4_1 (and per scale of Q4_K)
 SUPER = 256  # inputs per super-block of the K-quants
-REPACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+REPACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
 GROUP = {"Q6_K": 16}  # inputs per scale, where not BLOCK
 
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -89,6 +90,14 @@ def decode_blocks(raw: np.ndarray, ggml_type: str, cols: int) -> Decoded:
     rows, nb = raw.shape[0], cols // BLOCK
     if ggml_type in ("Q4_K", "Q6_K"):
         return decode_k_quant(raw, ggml_type, cols)
+    if ggml_type == "Q5_0":  # float16 d, 32 high bits, 4-bit q: value = (q | h << 4) - 16) d
+        blocks = np.ascontiguousarray(raw).reshape(rows, nb, 22)
+        high = blocks[..., 2:6].copy().view("<u4")  # [rows, nb, 1]
+        bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        qs = blocks[..., 6:22]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1) | (bits << 4)
+        codes = (q.astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
+        return torch.from_numpy(codes), torch.from_numpy(_f16(blocks, 0)), None
     if ggml_type == "Q8_0":
         blocks = np.ascontiguousarray(raw).reshape(rows, nb, 34)
         d = blocks[..., :2].copy().view(np.float16)[..., 0]
