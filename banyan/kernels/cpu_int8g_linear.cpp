@@ -36,12 +36,7 @@ void int8g_panel(const float* x, int64_t K, int64_t group, const int8_t* w, cons
             acc[i] = _mm512_fmadd_ps(sum, s, acc[i]);
         }
     }
-    const __m512 b = bias ? _mm512_loadu_ps(bias + p * PANEL) : _mm512_setzero_ps();
-    alignas(64) float vals[PANEL];
-    for (int i = 0; i < TB; ++i) {
-        _mm512_store_ps(vals, _mm512_add_ps(acc[i], b));
-        store_rows(out + i * n_out, vals, p, n_out);
-    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -79,14 +74,7 @@ void int8g_panel(const float* x, int64_t K, int64_t group, const int8_t* w, cons
             }
         }
     }
-    alignas(32) float vals[PANEL];
-    for (int i = 0; i < TB; ++i) {
-        for (int h = 0; h < 2; ++h) {
-            const __m256 b = bias ? _mm256_loadu_ps(bias + p * PANEL + 8 * h) : _mm256_setzero_ps();
-            _mm256_store_ps(vals + 8 * h, _mm256_add_ps(acc[i][h], b));
-        }
-        store_rows(out + i * n_out, vals, p, n_out);
-    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
 #else  // portable loops, same layout and order of operations per lane
@@ -107,11 +95,7 @@ void int8g_panel(const float* x, int64_t K, int64_t group, const int8_t* w, cons
         for (int i = 0; i < TB; ++i)
             for (int l = 0; l < PANEL; ++l) acc[i][l] += q[i][l] * s[l];
     }
-    float vals[PANEL];
-    for (int i = 0; i < TB; ++i) {
-        for (int l = 0; l < PANEL; ++l) vals[l] = acc[i][l] + (bias ? bias[p * PANEL + l] : 0.0f);
-        store_rows(out + i * n_out, vals, p, n_out);
-    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
 #endif  // __AVX512F__, AVX2

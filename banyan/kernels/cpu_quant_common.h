@@ -35,15 +35,70 @@ void for_token_blocks(int64_t T, Body body) {
     for (int64_t t0 = 0; t0 < T; t0 += MAX_TB) body(t0, std::min<int64_t>(MAX_TB, T - t0));
 }
 
+inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, subnormals included
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    float mag;
+    if (exp == 0) mag = std::ldexp(static_cast<float>(mant), -24);
+    else if (exp == 31) mag = mant ? NAN : INFINITY;
+    else mag = std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
+    uint32_t u;
+    std::memcpy(&u, &mag, 4);
+    u |= sign;
+    std::memcpy(&mag, &u, 4);
+    return mag;
+}
+
+// int4 scales and minimums: float16 (made at load, Q4_0/Q4_1) or float32 (GGUF's K-quants)
+inline float scale_value(uint16_t h) { return f16_to_f32(h); }
+inline float scale_value(float f) { return f; }
+
+// The end of a panel for one token: its 16 sums plus the bias, stored (rows below n_out only).
+inline void store_biased(const float* acc, const float* bias, float* out_row, int64_t p,
+                         int64_t n_out) {
+    float vals[PANEL];
+    for (int l = 0; l < PANEL; ++l) vals[l] = acc[l] + (bias ? bias[p * PANEL + l] : 0.0f);
+    store_rows(out_row, vals, p, n_out);
+}
+
 #if defined(__AVX512F__)
 inline __m512 load_i8x16(const int8_t* p) {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+
+inline __m512 load_scale16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_scale16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline void store_biased(__m512 acc, const float* bias, float* out_row, int64_t p,
+                         int64_t n_out) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + p * PANEL) : _mm512_setzero_ps();
+    alignas(64) float vals[PANEL];
+    _mm512_store_ps(vals, _mm512_add_ps(acc, b));
+    store_rows(out_row, vals, p, n_out);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 inline __m256 load_i8x8(const int8_t* p) {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 load_scale8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
+
+// acc: the panel's two 8-lane halves.
+inline void store_biased(const __m256* acc, const float* bias, float* out_row, int64_t p,
+                         int64_t n_out) {
+    alignas(32) float vals[PANEL];
+    for (int h = 0; h < 2; ++h) {
+        const __m256 b = bias ? _mm256_loadu_ps(bias + p * PANEL + 8 * h) : _mm256_setzero_ps();
+        _mm256_store_ps(vals + 8 * h, _mm256_add_ps(acc[h], b));
+    }
+    store_rows(out_row, vals, p, n_out);
 }
 #endif
 

@@ -8,23 +8,6 @@
 
 namespace {
 
-inline float half_to_float(uint16_t h) {  // IEEE half -> float, subnormals included
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    float mag;
-    if (exp == 0) mag = std::ldexp(static_cast<float>(mant), -24);
-    else if (exp == 31) mag = mant ? NAN : INFINITY;
-    else mag = std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
-    uint32_t u;
-    std::memcpy(&u, &mag, 4);
-    u |= sign;
-    std::memcpy(&mag, &u, 4);
-    return mag;
-}
-
-inline float scale_value(uint16_t h) { return half_to_float(h); }
-inline float scale_value(float f) { return f; }
-
 template <typename S>
 void int4_dequant(const uint8_t* w, const S* scale, const S* mins, int64_t K, int64_t group,
                   int64_t p0, int64_t p1, float* out, int64_t n_threads) {

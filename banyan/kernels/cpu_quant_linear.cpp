@@ -51,13 +51,6 @@ void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, 
     }
 }
 
-inline __m512 load_f16x16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-// int4 scales and minimums: float16 (made at load, Q4_0/Q4_1) or float32 (GGUF's K-quants)
-inline __m512 load_scale16(const uint16_t* p) { return load_f16x16(p); }
-inline __m512 load_scale16(const float* p) { return _mm512_loadu_ps(p); }
-
 // TB tokens x one int4 panel. Per group: codes times x summed (lo/hi nibbles in separate
 // accumulators), then acc += qsum * scale + xsum * min.
 template <int TB, int U, typename S>
@@ -96,21 +89,10 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
             acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * groups + g]), m, acc[i]);
         }
     }
-    const __m512 b = bias ? _mm512_loadu_ps(bias + p * PANEL) : _mm512_setzero_ps();
-    alignas(64) float vals[PANEL];
-    for (int i = 0; i < TB; ++i) {
-        _mm512_store_ps(vals, _mm512_add_ps(acc[i], b));
-        store_rows(out + i * n_out, vals, p, n_out);
-    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-
-inline __m256 load_f16x8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load_scale8(const uint16_t* p) { return load_f16x8(p); }
-inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
 
 // As the AVX-512 int8_panel, each 16-row step as two 8-lane halves (h).
 template <int TB, int U>
@@ -193,34 +175,10 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
             }
         }
     }
-    alignas(32) float vals[PANEL];
-    for (int i = 0; i < TB; ++i) {
-        for (int h = 0; h < 2; ++h) {
-            const __m256 b = bias ? _mm256_loadu_ps(bias + p * PANEL + 8 * h) : _mm256_setzero_ps();
-            _mm256_store_ps(vals + 8 * h, _mm256_add_ps(acc[i][h], b));
-        }
-        store_rows(out + i * n_out, vals, p, n_out);
-    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
 #else  // portable loops, same layout and order of operations per lane
-
-inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, subnormals included
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    float mag;
-    if (exp == 0) mag = std::ldexp(static_cast<float>(mant), -24);
-    else if (exp == 31) mag = mant ? NAN : INFINITY;
-    else mag = std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
-    uint32_t u;
-    std::memcpy(&u, &mag, 4);
-    u |= sign;
-    std::memcpy(&mag, &u, 4);
-    return mag;
-}
-
-inline float scale_value(uint16_t h) { return f16_to_f32(h); }
-inline float scale_value(float f) { return f; }
 
 template <int TB, int U>
 void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, const float* bias,
@@ -258,11 +216,7 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
             for (int l = 0; l < PANEL; ++l)
                 acc[i][l] += q[i][l] * scale_value(s[l]) + xsum[i * groups + g] * scale_value(m[l]);
     }
-    float vals[PANEL];
-    for (int i = 0; i < TB; ++i) {
-        for (int l = 0; l < PANEL; ++l) vals[l] = acc[i][l] + (bias ? bias[p * PANEL + l] : 0.0f);
-        store_rows(out + i * n_out, vals, p, n_out);
-    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
 #endif  // __AVX512F__, AVX2
