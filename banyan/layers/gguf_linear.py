@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from torch import nn
 
 from banyan.layers.linear import Linear
 from banyan.layers.quant import Int4Method, _from_panels, _pad_rows, _QuantMethod, _to_panels
+
+if TYPE_CHECKING:
+    from banyan.models.gguf_loader import GGUFTensor
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +178,7 @@ def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[st
 
     modules = dict(model.named_modules())
     layout = model.checkpoint_layout()
-    parts: dict[str, list[tuple[int, object]]] = defaultdict(list)
+    parts: dict[str, list[tuple[int, GGUFTensor]]] = defaultdict(list)
     reader, arch = open_gguf(gguf_file)
     for tensor in iter_gguf_tensors(reader, arch):
         if tensor.name == "model.embed_tokens.weight" and \
@@ -192,16 +196,15 @@ def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[st
         layer = modules[owner]
         assert isinstance(layer, Linear)
         found.sort(key=lambda p: p[0])
-        kinds = {t.ggml_type.name for _, t in found}  # type: ignore[attr-defined]
+        kinds = {t.ggml_type.name for _, t in found}
         kind = next(iter(kinds))
-        rows = sum(t.shape[0] for _, t in found)  # type: ignore[attr-defined]
+        rows = sum(t.shape[0] for _, t in found)
         whole = SUPER if kind.endswith("_K") else BLOCK
         if len(kinds) != 1 or kind not in REPACKED_TYPES or rows != layer.out_features or \
                 layer.in_features % whole:
             dense.append(f"{owner} ({'/'.join(sorted(kinds))})")
             continue
-        pieces = [decode_blocks(t.raw, kind, layer.in_features)  # type: ignore[attr-defined]
-                  for _, t in found]
+        pieces = [decode_blocks(t.raw, kind, layer.in_features) for _, t in found]
         layer.convert(method_for_blocks(pieces, GROUP.get(kind, BLOCK)))
         repacked += 1
     if dense:

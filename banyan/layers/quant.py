@@ -101,6 +101,16 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
                              f"linear layers with {bad} inputs")
 
 
+def quantization_runs(quantization: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether check_quantization accepts the format on this machine and dtype (what
+    --quantization auto asks before it picks gguf)."""
+    try:
+        check_quantization(quantization, device, dtype, [])
+    except ValueError:
+        return False
+    return True
+
+
 class _QuantMethod(LinearMethod):
     """Shared by the int8/int4 methods: no weights of their own at build (they adopt a loaded
     dense layer), float32 activations into the kernel, the input's dtype out."""

@@ -150,6 +150,9 @@ class KVPool:
         scaled = code_dtype is not None
         self.k_scale: list[torch.Tensor] = zeros(shape[:2], torch.float32) if scaled else []
         self.v_scale: list[torch.Tensor] = zeros(shape[:2], torch.float32) if scaled else []
+        # made once: every layer of every step asks for its view
+        self._layers = [LayerKV(self.k[i], self.v[i], self.k_scale[i] if scaled else None,
+                                self.v_scale[i] if scaled else None) for i in range(layers)]
 
     @property
     def quantized(self) -> bool:
@@ -166,10 +169,7 @@ class KVPool:
                                  self.code_dtype)
 
     def layer(self, layer_id: int) -> LayerKV:
-        if not self.quantized:
-            return LayerKV(self.k[layer_id], self.v[layer_id], None, None)
-        return LayerKV(self.k[layer_id], self.v[layer_id], self.k_scale[layer_id],
-                       self.v_scale[layer_id])
+        return self._layers[layer_id]
 
     @property
     def total_bytes(self) -> int:

@@ -23,9 +23,8 @@ from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
-from banyan.kernels import native
 from banyan.layers.gguf_linear import repack_gguf_linears
-from banyan.layers.quant import check_quantization, quantized_method
+from banyan.layers.quant import check_quantization, quantization_runs, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
@@ -125,8 +124,7 @@ class ModelRunner:
         )
         self.dtype = self.model.embed_tokens.weight.dtype
         if quantization == "auto":  # a GGUF model computes from its blocks where it can
-            runnable = (gguf_file is not None and self.device.type == "cpu" and
-                        self.dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
+            runnable = gguf_file is not None and quantization_runs("gguf", self.device, self.dtype)
             quantization = "gguf" if runnable else "none"
         self.quantization = quantization
         self._convert_linears(quantization, linear_kernel, gguf_file)
@@ -184,8 +182,7 @@ class ModelRunner:
             if gguf_file is None:
                 raise ValueError("--quantization gguf computes with a GGUF file's blocks: "
                                  "--model must be a .gguf file (or a folder holding one)")
-            if self.model.lm_head is None:
-                self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
+            self._split_tied_head()
             repacked, dense = repack_gguf_linears(self.model, gguf_file)
             logger.info("%d linear layers compute from %s's blocks (%d stay dense)", repacked,
                         gguf_file.name, len(dense))
@@ -206,10 +203,15 @@ class ModelRunner:
                 method = SkinnyF32Method
             else:
                 return
-        if self.model.lm_head is None:
-            self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
+        self._split_tied_head()
         converted = convert_linears(self.model, method)
         logger.info("%d linear weights converted to %s", converted, method.__name__)
+
+    def _split_tied_head(self) -> None:
+        """A tied LM head in a layout of its own (packed or quantized): a Linear beside the
+        embedding, which lookups keep reading."""
+        if self.model.lm_head is None:
+            self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
 
     def _largest_linear_weight(self) -> torch.Tensor:
         """The biggest projection weight (the LM head, tied or not, in small models)."""
