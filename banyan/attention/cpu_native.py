@@ -64,8 +64,9 @@ class CpuNativeBackend(SdpaBackend):
         nat = meta.native
         if nat is None:
             return super().forward(q, k, v, layer_id, meta)
-        k, v = self.pool.store(layer_id, meta.out_slots, k, v)
         T, H, D = q.shape
+        # the kernel reads the pool; only the SDPA paths (longer chunks) read k, v
+        k, v = self.pool.store(layer_id, meta.out_slots, k, v, seen=nat.num_tokens < T)
         q = q.contiguous()
         out = q.new_empty((T, H, D))
         native_attention(q, self.pool.layer(layer_id), self.table.table, nat, self.scale, out)

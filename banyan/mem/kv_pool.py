@@ -175,22 +175,23 @@ class KVPool:
     def total_bytes(self) -> int:
         return self.bytes_per_slot * self.num_slots
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              seen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: [T] int64; k/v: [T, kv_heads, head_dim] -> written to layer `layer_id`.
-        Returns k, v as readers of the pool will see them (dequantized when quantized)."""
+        Returns k, v as readers of the pool will see them (dequantized when quantized; a
+        caller that reads only the pool passes seen=False and gets k, v back unchanged)."""
         if self.code_dtype is None:
             self.k[layer_id].index_copy_(0, slots, k)
             self.v[layer_id].index_copy_(0, slots, v)
             return k, v
-        seen = []
+        out = []
         for x, codes, scales in ((k, self.k[layer_id], self.k_scale[layer_id]),
                                  (v, self.v[layer_id], self.v_scale[layer_id])):
             c, sc = quantize_rows(x, self.code_dtype)
             codes.view(torch.uint8).index_copy_(0, slots, c.view(torch.uint8))  # fp8: no op
             scales.index_copy_(0, slots, sc)
-            seen.append(dequantize_rows(c, sc, x.dtype))
-        return seen[0], seen[1]
+            out.append(dequantize_rows(c, sc, x.dtype) if seen else x)
+        return out[0], out[1]
 
     # ---- copies in and out (the KV tier, the P/D transfer): raw bytes, codes with scales
 
