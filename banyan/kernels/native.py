@@ -33,7 +33,8 @@ import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
-           "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp")
+           "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
+           "cpu_layer_stack.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -144,6 +145,8 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"banyan_{name}_dequant_f32").restype = None
     lib.banyan_skinny_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
     lib.banyan_skinny_linear_f32.restype = None
+    lib.banyan_layer_stack_f32.argtypes = [ptr, ptr]  # models/native_stack.py
+    lib.banyan_layer_stack_f32.restype = None
     lib.banyan_vector_bits.argtypes = []
     lib.banyan_vector_bits.restype = i64
     return lib

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from banyan.layers.linear import Linear
+from banyan.layers.linear import Linear, NativeLinear
 from banyan.layers.quant import Int4Method, _from_panels, _pad_rows, _QuantMethod, _to_panels
 
 if TYPE_CHECKING:
@@ -146,6 +146,9 @@ class GroupInt8Method(_QuantMethod):
             flat.data_ptr(), flat.shape[0], layer.in_features, self.group,
             layer.codes.data_ptr(), layer.scale.data_ptr(), self._bias_ptr(layer),
             out.data_ptr(), layer.out_features, torch.get_num_threads())
+
+    def native(self, layer: Linear) -> NativeLinear:
+        return NativeLinear("int8_groups", layer.codes, layer.scale, group=self.group)
 
     def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
         self._lib().banyan_int8g_dequant_f32(

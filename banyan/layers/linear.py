@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,6 +24,19 @@ from torch import nn
 from banyan.kernels import native
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLinear:
+    """What the native layer stack (kernels/cpu_layer_stack.cpp) needs to run a projection with
+    the same kernel its method's `apply` uses for a few tokens: the kernel's name
+    (models/native_stack.py: LINEAR_KINDS) and the tensors it reads."""
+
+    kind: str
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    group: int = 0
 
 
 def dense_weight_loader(param: nn.Parameter, loaded: torch.Tensor, start: int = 0,
@@ -54,6 +68,11 @@ class LinearMethod(ABC):
     def adopt(self, layer: Linear) -> None:
         """Take over a layer loaded with another method (its dense weight), in place."""
         raise NotImplementedError(f"{type(self).__name__} cannot convert a loaded layer")
+
+    def native(self, layer: Linear) -> NativeLinear | None:
+        """The native kernel `apply` runs for steps of a few tokens (up to the layer stack's
+        MAX_TOKENS), or None (a library GEMM, which the layer stack cannot call)."""
+        return None
 
 
 class DenseMethod(LinearMethod):
@@ -141,6 +160,9 @@ class SkinnyF32Method(DenseMethod):
 
     def adopt(self, layer: Linear) -> None:
         layer.weight.data = layer.weight.data.contiguous()
+
+    def native(self, layer: Linear) -> NativeLinear | None:
+        return NativeLinear("skinny_f32", layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from banyan.kernels import native
-from banyan.layers.linear import Linear, LinearMethod
+from banyan.layers.linear import Linear, LinearMethod, NativeLinear
 
 PANEL = 16
 # Steps of at least this many tokens go through torch's GEMM on dequantized slabs of at most
@@ -194,6 +194,9 @@ class Int8Method(_QuantMethod):
             layer.scale.data_ptr(), self._bias_ptr(layer), out.data_ptr(), layer.out_features,
             torch.get_num_threads())
 
+    def native(self, layer: Linear) -> NativeLinear:
+        return NativeLinear("int8_rows", layer.codes, layer.scale)
+
     def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
         self._lib().banyan_int8_dequant_f32(layer.codes.data_ptr(), layer.scale.data_ptr(),
                                             layer.in_features, p0, p1, out.data_ptr(),
@@ -248,6 +251,10 @@ class Int4Method(_QuantMethod):
             layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
             self._bias_ptr(layer), out.data_ptr(), layer.out_features, group_sums.data_ptr(),
             torch.get_num_threads())
+
+    def native(self, layer: Linear) -> NativeLinear:
+        kind = "int4_wide" if self._wide(layer) else "int4"
+        return NativeLinear(kind, layer.codes, layer.scale, layer.mins, self.group)
 
     def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
         lib = self._lib()

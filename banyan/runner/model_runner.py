@@ -29,6 +29,7 @@ from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
+from banyan.models.native_stack import NativeLayerStack
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
     compute_prompt_logprobs,
@@ -157,10 +158,12 @@ class ModelRunner:
         )
         self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
         self.backend = create_backend(attention_backend, self.pool, self.table)
+        # small steps' decoder layers in one native call where every piece has a kernel
+        self.stack = NativeLayerStack.build(self.model, self.pool, self.backend)
         self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
         logger.info(
             "KV cache: %d slots (%s, %.1f MiB, %d bytes per token), table %d rows x %d "
-            "positions; attention: %s",
+            "positions; attention: %s%s",
             num_slots,
             kv_cache_dtype if code_dtype is not None else str(self.dtype).removeprefix("torch."),
             self.pool.total_bytes / 2**20,
@@ -168,6 +171,7 @@ class ModelRunner:
             self.max_rows,
             self.max_context,
             self.backend.name,
+            "; small steps: one native call" if self.stack is not None else "",
         )
 
     def _convert_linears(self, quantization: str, linear_kernel: str,
@@ -278,7 +282,10 @@ class ModelRunner:
         """The model over a prepared step -> (logits at `inputs.logit_tokens`, float32; the
         prompt logprobs of each ForwardBatch.prompt_logprobs span, empty when none)."""
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+            hidden = None if self.stack is None else self.stack.forward(
+                inputs.input_ids, inputs.positions, inputs.attn_meta)
+            if hidden is None:  # [T, hidden]
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
             prompt = ([] if inputs.prompt is None else
                       compute_prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt))
             if inputs.logit_tokens is None:

@@ -1,0 +1,175 @@
+"""The Llama decoder stack as one native call for steps of a few tokens
+(kernels/cpu_layer_stack.cpp).
+
+At batch 1 the per-op path spends about as long in Python (~40 dispatches a layer, each
+allocating its output and checking its inputs) as in its kernels. The stack calls the same
+kernels in the same order with the same threads, so its hidden states equal the per-op path's
+bit for bit (tested); it runs when every piece has a native kernel:
+
+- float32 activations on CPU, the K/V pool in float32 (not quantized),
+- every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
+  int8, int4 and GGUF-block methods; a library GEMM has none),
+- the step has at most MAX_TOKENS tokens and the native attention plan covers all of them.
+
+Anything else returns None and the model's own forward runs. The structures hold raw pointers
+into the model's weights and the pool; the stack keeps those tensors referenced, and checks
+each step that no projection changed its method since (a test that dequantizes a model).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_double, c_int64, c_void_p
+
+import torch
+
+from banyan.attention.base import AttentionMetadata
+from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
+from banyan.kernels import native
+from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyF32Method
+from banyan.layers.quant import DEQUANT_MIN_TOKENS
+from banyan.mem.kv_pool import KVPool
+from banyan.models.llama import LlamaForCausalLM
+
+# The kernels' own switches: skinny float32 up to SKINNY_ROWS tokens, quantized GEMV-style
+# kernels below DEQUANT_MIN_TOKENS; the stack runs only where every one of them applies.
+MAX_TOKENS = min(SkinnyF32Method.SKINNY_ROWS, DEQUANT_MIN_TOKENS - 1)
+LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class StackLinear(ctypes.Structure):
+    _fields_ = [("kind", c_int64), ("weight", c_void_p), ("scale", c_void_p),
+                ("mins", c_void_p), ("bias", c_void_p), ("in_features", c_int64),
+                ("out_features", c_int64), ("group", c_int64)]
+
+
+class StackLayer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p),
+                ("k_norm", c_void_p), ("qkv", StackLinear), ("o", StackLinear),
+                ("gate_up", StackLinear), ("down", StackLinear), ("k_pool", c_void_p),
+                ("v_pool", c_void_p)]
+
+
+class StackModel(ctypes.Structure):
+    _fields_ = [("layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
+                ("kv_heads", c_int64), ("head_dim", c_int64), ("intermediate", c_int64),
+                ("eps", c_double), ("scale", c_double), ("layer", POINTER(StackLayer)),
+                ("final_norm", c_void_p)]
+
+
+class StackStep(ctypes.Structure):
+    _fields_ = [("tokens", c_int64), ("hidden", c_void_p), ("out", c_void_p), ("cos", c_void_p),
+                ("sin", c_void_p), ("slots", c_void_p), ("table", c_void_p),
+                ("table_stride", c_int64), ("req_row", c_void_p), ("req_len", c_void_p),
+                ("q_start", c_void_p), ("n_new", c_void_p), ("order", c_void_p),
+                ("group_start", c_void_p), ("group_prefix", c_void_p), ("n_groups", c_int64),
+                ("n_threads", c_int64)]
+
+
+def _float32_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.shape == (n,) and t.is_contiguous())
+
+
+class NativeLayerStack:
+    """One call per step for the decoder layers of a loaded Llama-family model (see module)."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: CpuNativeBackend,
+                 layers: list[StackLayer], keep: list[torch.Tensor],
+                 methods: list[tuple[Linear, LinearMethod]]) -> None:
+        cfg = model.config
+        self.model, self.backend = model, backend
+        self._keep = keep  # every tensor a pointer below refers to
+        self._methods = methods
+        self._layers = (StackLayer * len(layers))(*layers)
+        self._struct = StackModel(
+            cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate,
+            cfg.rms_eps, backend.scale, self._layers, model.norm.weight.data_ptr())
+        self._step = StackStep()
+        lib = native.load()
+        assert lib is not None
+        self._call = lib.banyan_layer_stack_f32
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, pool: KVPool,
+              backend: object) -> NativeLayerStack | None:
+        """The stack for this model, pool and attention backend, or None where a piece has no
+        native kernel (then the model's forward runs every step)."""
+        if not (isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuNativeBackend)
+                and native.load() is not None and pool.device.type == "cpu"
+                and pool.dtype == torch.float32 and pool.code_dtype is None
+                and model.embed_tokens.weight.dtype == torch.float32):
+            return None
+        cfg = model.config
+        keep: list[torch.Tensor] = []
+        methods: list[tuple[Linear, LinearMethod]] = []
+
+        def linear(layer: Linear) -> StackLinear | None:
+            spec: NativeLinear | None = layer.method.native(layer)
+            if spec is None or not _float32_vector(layer.bias, layer.out_features):
+                return None
+            methods.append((layer, layer.method))
+            parts = [t for t in (spec.weight, spec.scale, spec.mins, layer.bias) if t is not None]
+            if not all(t.is_contiguous() for t in parts):
+                return None
+            keep.extend(parts)
+            return StackLinear(LINEAR_KINDS[spec.kind], _ptr(spec.weight), _ptr(spec.scale),
+                               _ptr(spec.mins), _ptr(layer.bias), layer.in_features,
+                               layer.out_features, spec.group)
+
+        layers = []
+        for i, block in enumerate(model.layers):
+            attn = block.self_attn
+            norms = (block.input_layernorm, block.post_attention_layernorm, attn.q_norm,
+                     attn.k_norm)
+            for norm, width in zip(norms, (cfg.hidden, cfg.hidden, cfg.head_dim, cfg.head_dim)):
+                if norm is not None and (norm.eps != cfg.rms_eps or
+                                         not _float32_vector(norm.weight, width)):
+                    return None
+            projections = [linear(p) for p in (attn.qkv_proj, attn.o_proj,
+                                               block.mlp.gate_up_proj, block.mlp.down_proj)]
+            if any(p is None for p in projections):
+                return None
+            kv = pool.layer(i)
+            keep += [kv.k, kv.v, *(n.weight for n in norms if n is not None)]
+            layers.append(StackLayer(
+                *(_ptr(n.weight) if n is not None else None for n in norms), *projections,
+                kv.k.data_ptr(), kv.v.data_ptr()))
+        if not _float32_vector(model.norm.weight, cfg.hidden):
+            return None
+        keep.append(model.norm.weight)
+        return cls(model, backend, layers, keep, methods)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor | None:
+        """The model's forward (final-normed hidden states [T, hidden]) in one native call, or
+        None when this step is not one the stack runs."""
+        T = input_ids.shape[0]
+        plan = meta.native if isinstance(meta, NativeMetadata) else None
+        if (T > MAX_TOKENS or plan is None or plan.num_tokens != T
+                or meta.backend is not self.backend):
+            return None
+        if any(layer.method is not method for layer, method in self._methods):
+            return None  # a projection was converted after the stack was built
+        assert isinstance(meta, NativeMetadata)
+        h = self.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: the stream
+        cos, sin = self.model.rotary(positions, h.dtype)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty_like(h)
+        table = self.backend.table.table
+        s = self._step
+        s.tokens, s.hidden, s.out, s.cos, s.sin = T, h.data_ptr(), out.data_ptr(), \
+            cos.data_ptr(), sin.data_ptr()
+        s.slots, s.table, s.table_stride = meta.out_slots.data_ptr(), table.data_ptr(), \
+            table.shape[1]
+        s.req_row, s.req_len, s.q_start = plan.req_row.data_ptr(), plan.req_len.data_ptr(), \
+            plan.q_start.data_ptr()
+        s.n_new, s.order, s.group_start = plan.n_new.data_ptr(), plan.order.data_ptr(), \
+            plan.group_start.data_ptr()
+        s.group_prefix, s.n_groups = plan.group_prefix.data_ptr(), plan.group_prefix.shape[0]
+        s.n_threads = torch.get_num_threads()
+        self._call(ctypes.byref(self._struct), ctypes.byref(s))
+        return out

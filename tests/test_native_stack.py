@@ -1,0 +1,122 @@
+"""The native layer stack (models/native_stack.py): a small step's decoder layers in one call give
+bit for bit the hidden states of the model's own per-op forward, on every test architecture
+(bias, q/k norms, MQA, tied heads), for every projection kernel (skinny float32, int8, int4,
+GGUF Q8_0 / Q4_1 / Q4_K blocks), for decodes alone, grouped by a shared prefix, and mixed with
+short extends; and it stands aside where a piece has no native kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from banyan.attention.cpu_native import CpuNativeBackend
+from banyan.attention.native_plan import MAX_NATIVE_EXTEND
+from banyan.batch import ForwardBatch, RowPrefix
+from banyan.kernels import native
+from banyan.layers.quant import dequantize_in_place
+from banyan.mem.allocator import SlotAllocator
+from banyan.model_files import resolve_model_dir
+from banyan.models.native_stack import MAX_TOKENS, NativeLayerStack
+from banyan.runner.model_runner import ModelRunner
+from tests.model_helpers import ARCHS, Seq, make_runner, random_ids
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU kernels unavailable")
+
+
+def _every_extend_native(runner: ModelRunner) -> NativeLayerStack:
+    """The runner with the kernel taking extends too (on AVX2 CPUs it takes only decodes),
+    so short extends go through the stack here as they do on AVX-512 machines."""
+    runner.backend = CpuNativeBackend(runner.pool, runner.table, max_extend=MAX_NATIVE_EXTEND)
+    stack = NativeLayerStack.build(runner.model, runner.pool, runner.backend)
+    assert stack is not None
+    runner.stack = stack
+    return stack
+
+
+def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]],
+          prefixes: list[RowPrefix] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One step of `n` new tokens per Seq -> (the model's hidden states, the stack's or None).
+    Both write the same K/V to the same slots, so running both is safe."""
+    batch = ForwardBatch(row_prefixes=list(prefixes or []))
+    for seq, n in work:
+        p = len(seq.slots)
+        new = alloc.alloc(n)
+        assert new is not None
+        batch.rows.append(seq.row)
+        batch.prefix_lens.append(p)
+        batch.extend_lens.append(n)
+        batch.input_ids.extend(seq.tokens[p: p + n])
+        batch.out_slots.extend(new)
+        seq.slots.extend(new)
+    assert runner.stack is not None
+    with torch.inference_mode():
+        inputs = runner.prepare(batch)
+        want = runner.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        got = runner.stack.forward(inputs.input_ids, inputs.positions, inputs.attn_meta)
+    return want, got
+
+
+def _check_steps(runner: ModelRunner) -> None:
+    """Prefills (too long for the stack), then decodes, a grouped decode over a shared prefix,
+    and decodes mixed with short extends: the stack's output equals the model's."""
+    _every_extend_native(runner)
+    alloc = SlotAllocator(runner.num_slots)
+    shared = random_ids(40, 1)
+    seqs = [Seq(0, random_ids(30, 2) + random_ids(20, 12)), Seq(1, shared + random_ids(20, 3)),
+            Seq(2, random_ids(7, 4) + random_ids(20, 14))]
+    want, got = _step(runner, alloc, [(seqs[0], 30), (seqs[1], 40), (seqs[2], 7)])
+    assert got is None  # 77 tokens: the model's path
+    # a fourth request reusing the second one's 40 cached tokens (a prefix-cache hit)
+    fourth = Seq(3, shared + random_ids(20, 5), slots=list(seqs[1].slots))
+    prefix = [RowPrefix(3, list(fourth.slots))]
+    want, got = _step(runner, alloc, [(fourth, 1)], prefix)
+    assert got is not None and torch.equal(got, want)
+    for work in ([(s, 1) for s in (*seqs, fourth)],  # decodes: 1 and 3 grouped (40 shared)
+                 [(seqs[0], 1), (seqs[1], 3), (seqs[2], 1), (fourth, 5)],  # mixed with extends
+                 [(seqs[2], MAX_TOKENS)]):  # the largest step the stack takes
+        want, got = _step(runner, alloc, work)
+        assert got is not None and torch.equal(got, want), work
+    want, got = _step(runner, alloc, [(seqs[0], MAX_TOKENS - 1), (seqs[1], 2)])
+    assert got is None  # one token too many
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_stack_equals_the_model(model_dirs: dict[str, Path], arch: str,
+                                quantization: str) -> None:
+    runner = make_runner(model_dirs[arch], dtype="float32", quantization=quantization,
+                         linear_kernel="native" if quantization == "none" else "auto")
+    _check_steps(runner)
+
+
+@pytest.mark.parametrize("wtype,arch", [("Q8_0", "llama"), ("Q4_1", "qwen2"), ("Q4_K", "llama")])
+def test_stack_equals_the_model_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Path, wtype: str,
+                                               arch: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("gguf")
+    from tests.gguf_helpers import write_gguf
+
+    monkeypatch.setenv("BANYAN_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=True)
+    runner = make_runner(resolve_model_dir(str(path), show_progress=False), dtype="float32",
+                         quantization="gguf", gguf_file=path)
+    _check_steps(runner)
+
+
+def test_stack_stands_aside_without_native_pieces(llama_dir: Path) -> None:
+    assert make_runner(llama_dir, dtype="bfloat16").stack is None  # oneDNN's bf16 GEMM
+    assert make_runner(llama_dir, dtype="float32", linear_kernel="torch").stack is None
+    assert make_runner(llama_dir, dtype="float32", quantization="int8",
+                       kv_cache_dtype="int8").stack is None  # quantized K/V: stored by torch
+    assert make_runner(llama_dir, dtype="float32", quantization="int8",
+                       attention_backend="sdpa").stack is None
+    runner = make_runner(llama_dir, dtype="float32", quantization="int8")
+    assert runner.stack is not None
+    alloc = SlotAllocator(runner.num_slots)
+    seq = Seq(0, random_ids(9, 6))
+    _step(runner, alloc, [(seq, 8)])
+    dequantize_in_place(runner.model)  # projections changed under the stack: it must not run
+    want, got = _step(runner, alloc, [(seq, 1)])
+    assert got is None
