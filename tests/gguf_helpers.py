@@ -40,10 +40,12 @@ def encode(x: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarra
 
 
 def write_gguf(path: Path, tokenizer_dir: Path, arch: str = "llama", wtype: str = "Q8_0",
-               seed: int = 0, tied: bool = False, embed_type: str | None = None) -> Path:
+               seed: int = 0, tied: bool = False, embed_type: str | None = None,
+               types: dict[str, str] | None = None) -> Path:
     """A 2-layer `arch` model whose matrices are all of ggml type `wtype` (the embedding of
-    `embed_type` when given), with the tests' BPE tokenizer and a ChatML template in its
-    metadata; tied: no output.weight (the LM head is the embedding, as in SmolLM2's file)."""
+    `embed_type` when given; a layer tensor named in `types`, e.g. {"attn_v": "Q8_0"}, of
+    that type, as llama.cpp's mixes do), with the tests' BPE tokenizer and a ChatML template
+    in its metadata; tied: no output.weight (the LM head is the embedding, as in SmolLM2's)."""
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -76,6 +78,7 @@ def write_gguf(path: Path, tokenizer_dir: Path, arch: str = "llama", wtype: str 
     rng = np.random.default_rng(seed)
 
     def matrix(name: str, rows: int, cols: int, kind: str = wtype) -> None:
+        kind = (types or {}).get(name.split(".")[-2], kind)
         x = rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
         data = encode(x, kind, rng)
         if kind in ("F32", "F16"):

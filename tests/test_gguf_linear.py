@@ -40,14 +40,22 @@ def _linears(runner: ModelRunner) -> dict[str, Linear]:
     return {n: m for n, m in runner.model.named_modules() if isinstance(m, Linear)}
 
 
-@pytest.mark.parametrize("wtype,arch,tied", [("Q8_0", "llama", True), ("Q4_0", "qwen2", False),
-                                             ("Q4_1", "llama", False), ("Q4_K", "llama", True),
-                                             ("Q6_K", "qwen2", False), ("Q5_0", "llama", True)])
+MIXES = {"Q5_0": {"attn_v": "Q8_0"}, "Q4_1": {"attn_k": "Q4_K", "ffn_up": "Q4_0"}}
+
+
+@pytest.mark.parametrize("wtype,arch,tied,mixed", [
+    ("Q8_0", "llama", True, False), ("Q4_0", "qwen2", False, False),
+    ("Q4_1", "llama", False, False), ("Q4_K", "llama", True, False),
+    ("Q6_K", "qwen2", False, False), ("Q5_0", "llama", True, False),
+    ("Q5_0", "llama", True, True), ("Q4_1", "qwen2", False, True)])
 def test_repacked_layers_hold_the_files_values(tmp_path: Path, tokenizer_dir: Path, wtype: str,
-                                               arch: str, tied: bool) -> None:
+                                               arch: str, tied: bool, mixed: bool) -> None:
     """llama's q/k rows are permuted back and qwen2 keeps its biases; a tied head takes the
-    embedding's blocks. Dequantized, every layer equals the dense load of the same file."""
-    path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=tied)
+    embedding's blocks; a fused projection may mix types that decode alike (MIXES, as
+    llama.cpp's Q4_K_M keeps v in Q8_0 beside Q5_0 q and k). Dequantized, every layer equals
+    the dense load of the same file."""
+    path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=tied,
+                      types=MIXES[wtype] if mixed else None)
     dense, packed = _runner(path, "none"), _runner(path, "gguf")
     method = GroupInt8Method if wtype in ("Q8_0", "Q6_K", "Q5_0") else Int4Method
     layers = _linears(packed)

@@ -45,6 +45,7 @@ BLOCK = 32  # inputs per block of Q8_0, Q4_0, Q4_1 (and per scale of Q4_K)
 SUPER = 256  # inputs per super-block of the K-quants
 REPACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
 GROUP = {"Q6_K": 16}  # inputs per scale, where not BLOCK
+WITH_MIN = ("Q4_0", "Q4_1", "Q4_K")  # decoded with a minimum per group (the int4 method)
 
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -167,7 +168,7 @@ class GroupInt8Method(_QuantMethod):
 def method_for_blocks(pieces: list[Decoded], group: int = BLOCK) -> _QuantMethod:
     """The method computing with these decoded blocks (the parts of one layer, in row order)."""
     codes = torch.cat([p[0] for p in pieces])
-    scale = torch.cat([p[1] for p in pieces])
+    scale = torch.cat([p[1] for p in pieces])  # float16 beside float32 parts: widened, exactly
     if pieces[0][2] is None:
         return GroupInt8Method(codes, scale, group)
     low = torch.cat([p[2] for p in pieces if p[2] is not None])
@@ -199,16 +200,19 @@ def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[st
         layer = modules[owner]
         assert isinstance(layer, Linear)
         found.sort(key=lambda p: p[0])
-        kinds = {t.ggml_type.name for _, t in found}
-        kind = next(iter(kinds))
+        kinds = [t.ggml_type.name for _, t in found]
         rows = sum(t.shape[0] for _, t in found)
-        whole = SUPER if kind.endswith("_K") else BLOCK
-        if len(kinds) != 1 or kind not in REPACKED_TYPES or rows != layer.out_features or \
-                layer.in_features % whole:
-            dense.append(f"{owner} ({'/'.join(sorted(kinds))})")
+        groups = {GROUP.get(kind, BLOCK) for kind in kinds}
+        # a fused projection may mix types (Q4_K_M files keep q, k as Q5_0 and v as Q8_0):
+        # fine when the parts decode to one method, i.e. the same group and min or no min
+        if any(k not in REPACKED_TYPES or layer.in_features % (SUPER if k.endswith("_K")
+                                                                 else BLOCK) for k in kinds) \
+                or rows != layer.out_features or len(groups) != 1 \
+                or len({k in WITH_MIN for k in kinds}) != 1:
+            dense.append(f"{owner} ({'/'.join(sorted(set(kinds)))})")
             continue
-        pieces = [decode_blocks(t.raw, kind, layer.in_features) for _, t in found]
-        layer.convert(method_for_blocks(pieces, GROUP.get(kind, BLOCK)))
+        pieces = [decode_blocks(t.raw, t.ggml_type.name, layer.in_features) for _, t in found]
+        layer.convert(method_for_blocks(pieces, groups.pop()))
         repacked += 1
     if dense:
         logger.info("--quantization gguf: %d linear layers keep dense weights (types without "
