@@ -149,6 +149,15 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
             };
             auto segment = [&](int r0, int nrows, const int32_t* slots, int64_t n, bool causal) {
                 if (!wide) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+                    if constexpr (std::is_same<K, F32>::value) {
+                        if (d % 8 == 0) {
+                            attend256(sc, r0, nrows, slots, n, kpool, vpool, kvh, h,
+                                      static_cast<int>(d), causal);
+                            return;
+                        }
+                    }
+#endif
                     attend<K>(sc, r0, nrows, slots, n, kpool, vpool, kscale, vscale, kvh, h,
                               static_cast<int>(d), causal);
                 } else if constexpr (!K::kScaled) {
