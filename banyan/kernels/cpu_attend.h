@@ -112,6 +112,26 @@ void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 
+// exp(x) for x <= 0 (clamped at -87): exp512's polynomial in 8 lanes.
+inline __m256 exp256_nonpos(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 fx = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    const __m256 z = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
 // The 8 lane sums of 8 vectors, as one vector (lane j = the sum of a[j]).
 inline __m256 sum8x8(const __m256* a) {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -138,6 +158,15 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
             kr[j] = kpool + row * d;
             vr[j] = vpool + row * d;
         }
+        // the block after next into cache while this one computes (one block ahead arrives
+        // too late on Zen 3: the rows of one head are 4 lines in every KVH x 4)
+        for (int64_t j = j0 + 2 * B; j < std::min(n, j0 + 3 * B); ++j) {
+            const int64_t row = static_cast<int64_t>(slots[j]) * kvh + h;
+            for (int off = 0; off < d; off += 16) {
+                _mm_prefetch(reinterpret_cast<const char*>(kpool + row * d + off), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vpool + row * d + off), _MM_HINT_T0);
+            }
+        }
         for (int r = r0; r < r0 + rows; ++r) {
             int nbr = nb;  // keys of the block this row sees
             if (causal) {
@@ -153,20 +182,25 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
                 for (int j = 0; j < B; ++j)
                     part[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + e), part[j]);
             }
-            alignas(32) float sv[B];
-            _mm256_store_ps(sv, sum8x8(part));
-            float mx = sc.m[r];
-            for (int j = 0; j < nbr; ++j) mx = std::max(mx, sv[j]);
+            // keys past the row's last (padding, or later tokens of a causal extend): -inf
+            const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32(nbr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            const __m256 sv =
+                _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8x8(part), seen);
+            __m256 top = _mm256_max_ps(sv, _mm256_permute2f128_ps(sv, sv, 1));
+            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0x4e));
+            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0xb1));
+            const float mx = std::max(sc.m[r], _mm256_cvtss_f32(top));
             // m starts at -inf: exp_nonpos clamps, so the first correction is ~0, never NaN.
             const float corr = mx > sc.m[r] ? exp_nonpos(std::max(sc.m[r] - mx, -87.0f)) : 1.0f;
+            const __m256 pv = _mm256_and_ps(
+                exp256_nonpos(_mm256_sub_ps(sv, _mm256_set1_ps(mx))), seen);
             alignas(32) float p[B];
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < B; ++j) {
-                p[j] = j < nbr ? exp_nonpos(sv[j] - mx) : 0.0f;
-                sum += p[j];
-            }
-            sc.l[r] = sc.l[r] * corr + sum;
+            _mm256_store_ps(p, pv);
+            __m256 s4 = _mm256_add_ps(pv, _mm256_permute2f128_ps(pv, pv, 1));
+            s4 = _mm256_add_ps(s4, _mm256_shuffle_ps(s4, s4, 0x4e));
+            s4 = _mm256_add_ps(s4, _mm256_shuffle_ps(s4, s4, 0xb1));
+            sc.l[r] = sc.l[r] * corr + _mm256_cvtss_f32(s4);
             sc.m[r] = mx;
             float* ar = sc.acc.data() + static_cast<size_t>(r) * d;
             const __m256 cv = _mm256_set1_ps(corr);
