@@ -195,7 +195,25 @@ def test_every_finite_fp8_code_decodes_as_torch_does(kv_cache_dtype: str) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_lone_request_shares_its_heads_between_threads(extend: int, dtype: torch.dtype) -> None:
     """One request is one slice: with fewer slices than threads, its KV heads are separate
-    work items (one per thread), and the result is the same attention."""
+    work items (one per thread) or, for a lone decode, its keys are split between the threads
+    and the partial softmax states merged; the result is the same attention."""
     scene = Scene([Req(fresh([1], 300 + extend), extend=extend)], 6, 3, dim=64, dtype=dtype)
     meta = scene.check(native_backend(scene), atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert meta.native is not None and meta.native.n_new.tolist() == [extend]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("context", [127, 128, 129, 1000])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_lone_decode_split_by_keys(threads: int, context: int, kv_cache_dtype: str) -> None:
+    """A lone decode of at least 64 keys per thread is split by keys (flash-decoding): shares
+    of unequal and single-block sizes, a context just under the bar (split by head instead),
+    a quantized pool; the merged result equals naive attention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        scene = Scene([Req(fresh([1], context))], 6, 2, dim=64, kv_cache_dtype=kv_cache_dtype)
+        meta = scene.check(native_backend(scene), atol=5e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert meta.native is not None and meta.native.n_new.tolist() == [1]

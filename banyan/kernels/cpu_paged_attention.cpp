@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #include "cpu_attend.h"
 
 namespace {
@@ -52,7 +54,160 @@ void dequantize(const int32_t* slots, int64_t n, const typename K::T* pool, cons
     }
 }
 
+// One thread's attention state and the dispatch to the block loops of cpu_attend.h: rows of
+// queries (scaled, with their online-softmax state in `sc`) attended to segments of keys.
 // C: the queries' and outputs' type; K: the pool's (C's own, or a quantized one with scales).
+template <typename C, typename K>
+struct Attender {
+    const typename K::T* kpool;
+    const typename K::T* vpool;
+    const float* kscale;
+    const float* vscale;
+    int64_t kvh, d;
+    float scale;
+    Scratch sc;
+    std::vector<typename C::T> qraw;  // the rows unscaled, for the AVX-512 paths
+    // a quantized pool's keys and values of one chunk, dequantized, and their "slots"
+    std::vector<typename C::T> kq, vq;
+    std::vector<int32_t> iota;
+    bool wide = false;
+
+    Attender(const typename K::T* k, const typename K::T* v, const float* ks, const float* vs,
+             int64_t kv_heads, int64_t dim, float sm_scale)
+        : kpool(k), vpool(v), kscale(ks), vscale(vs), kvh(kv_heads), d(dim), scale(sm_scale) {
+        if (K::kScaled && has_wide_paths) {
+            kq.resize(QCHUNK * d);
+            vq.resize(QCHUNK * d);
+            iota.resize(QCHUNK);
+            for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
+        }
+    }
+
+    void fit(int rows) {
+        sc.fit(rows, static_cast<int>(d));
+        wide = has_wide_paths && d % 32 == 0;
+        if (wide) qraw.resize(static_cast<size_t>(rows) * d);
+    }
+
+    // Row r: query qs (d values), no keys seen yet, causal limit lim.
+    void start_row(int64_t r, const typename C::T* qs, int64_t lim) {
+        if (wide) std::copy_n(qs, d, qraw.data() + r * d);
+        float* qd = sc.q.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) qd[e] = C::load(qs[e]) * scale;
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.0f;
+        sc.lim[r] = lim;
+        std::fill_n(sc.acc.data() + r * d, d, 0.0f);
+    }
+
+    // Attend rows [r0, r0 + nrows) to keys slots[0, n) of KV head h of an unquantized pool
+    // (or of dequantized rows: kvh 1, head 0) on the AVX-512 paths.
+    void wide_plain(int r0, int nrows, const int32_t* slots, int64_t n, bool causal,
+                    const typename C::T* kp, const typename C::T* vp, int64_t kv_heads,
+                    int64_t head) {
+#if defined(__AVX512F__)
+        attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0, nrows,
+                                 slots, n, kp, vp, kv_heads, head, static_cast<int>(d), scale,
+                                 causal);
+#else  // never called: `wide` is false without AVX-512
+        (void)r0, (void)nrows, (void)slots, (void)n, (void)causal, (void)kp, (void)vp;
+        (void)kv_heads, (void)head;
+#endif
+    }
+
+    void segment(int r0, int nrows, const int32_t* slots, int64_t n, bool causal, int64_t h) {
+        if (!wide) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            if constexpr (std::is_same<K, F32>::value) {
+                if (d % 8 == 0) {
+                    attend256(sc, r0, nrows, slots, n, kpool, vpool, kvh, h,
+                              static_cast<int>(d), causal);
+                    return;
+                }
+            }
+#endif
+            attend<K>(sc, r0, nrows, slots, n, kpool, vpool, kscale, vscale, kvh, h,
+                      static_cast<int>(d), causal);
+        } else if constexpr (!K::kScaled) {
+            wide_plain(r0, nrows, slots, n, causal, kpool, vpool, kvh, h);
+        } else {
+            // Chunk by chunk; the causal limits count keys from the chunk's start.
+            for (int64_t c0 = 0; c0 < n; c0 += QCHUNK) {
+                const int64_t cn = std::min(QCHUNK, n - c0);
+                const int di = static_cast<int>(d);
+                dequantize<C, K>(slots + c0, cn, kpool, kscale, kvh, h, di, kq.data());
+                dequantize<C, K>(slots + c0, cn, vpool, vscale, kvh, h, di, vq.data());
+                wide_plain(r0, nrows, iota.data(), cn, causal, kq.data(), vq.data(), 1, 0);
+                if (causal)
+                    for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] -= cn;
+            }
+            if (causal)
+                for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] += n;
+        }
+    }
+
+    // Row r's output: its accumulated values over its softmax sum.
+    void finish_row(int64_t r, typename C::T* os) const {
+        const float inv = 1.0f / sc.l[r];
+        const float* ar = sc.acc.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
+    }
+};
+
+// A lone decode of a long context (one request, one token; the batch-1 case): its keys are
+// split across the threads (flash-decoding), each thread attends every KV head over its share,
+// one contiguous run of slots (a slot's heads side by side: the memory streams in order), and
+// the partial softmax states are merged at the end. Splitting by KV head instead left one
+// thread two of SmolLM2's three heads and read each head's rows with a stride.
+constexpr int64_t kSplitMinKeys = 64;  // per thread: shorter contexts split by head
+
+template <typename C, typename K>
+void split_decode(const typename C::T* q, const typename K::T* kpool, const typename K::T* vpool,
+                  const float* kscale, const float* vscale, const int32_t* slots, int64_t n,
+                  typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
+                  int64_t n_threads) {
+    const int64_t g_heads = heads / kvh;
+    std::vector<float> part_m(n_threads * heads), part_l(part_m.size());
+    std::vector<float> part_acc(part_m.size() * d);
+    int64_t used = n_threads;
+#pragma omp parallel num_threads(static_cast<int>(n_threads))
+    {
+        const int64_t team = omp_get_num_threads(), c = omp_get_thread_num();
+#pragma omp single
+        used = team;
+        const int64_t k0 = n * c / team, k1 = n * (c + 1) / team;
+        Attender<C, K> at(kpool, vpool, kscale, vscale, kvh, d, scale);
+        at.fit(static_cast<int>(g_heads));
+        for (int64_t h = 0; h < kvh; ++h) {
+            for (int64_t gh = 0; gh < g_heads; ++gh) at.start_row(gh, q + (h * g_heads + gh) * d, n);
+            if (k1 > k0) at.segment(0, static_cast<int>(g_heads), slots + k0, k1 - k0, false, h);
+            for (int64_t gh = 0; gh < g_heads; ++gh) {
+                const int64_t row = c * heads + h * g_heads + gh;
+                part_m[row] = at.sc.m[gh];
+                part_l[row] = at.sc.l[gh];
+                std::copy_n(at.sc.acc.data() + gh * d, d, part_acc.data() + row * d);
+            }
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t hr = 0; hr < heads; ++hr) {  // merge: rescale each share to the top max
+            float top = -INFINITY;
+            for (int64_t t = 0; t < used; ++t) top = std::max(top, part_m[t * heads + hr]);
+            std::vector<float> acc(d, 0.0f);
+            float l = 0.0f;
+            for (int64_t t = 0; t < used; ++t) {
+                const int64_t row = t * heads + hr;
+                if (part_m[row] == -INFINITY) continue;  // an empty share
+                const float w = exp_nonpos(std::max(part_m[row] - top, -87.0f));
+                l += part_l[row] * w;
+                for (int64_t e = 0; e < d; ++e) acc[e] += part_acc[row * d + e] * w;
+            }
+            typename C::T* os = out + hr * d;
+            for (int64_t e = 0; e < d; ++e) os[e] = C::store(acc[e] * (1.0f / l));
+        }
+    }
+}
+
 template <typename C, typename K>
 void paged_attention(const typename C::T* q, const typename K::T* kpool,
                      const typename K::T* vpool, const float* kscale, const float* vscale,
@@ -62,6 +217,14 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                      const int64_t* group_prefix, int64_t n_groups, typename C::T* out,
                      int64_t heads, int64_t kvh, int64_t d, float scale, int64_t n_threads) {
     const int64_t g_heads = heads / kvh;  // query heads per KV head
+    if (n_groups == 1 && group_start[1] - group_start[0] == 1 && n_new[order[0]] == 1 &&
+        n_threads > 1 && req_len[order[0]] >= kSplitMinKeys * n_threads) {
+        const int64_t b = order[0];
+        split_decode<C, K>(q + q_start[b] * heads * d, kpool, vpool, kscale, vscale,
+                           table + req_row[b] * table_stride, req_len[b],
+                           out + q_start[b] * heads * d, heads, kvh, d, scale, n_threads);
+        return;
+    }
     // Work items: slices of a group's members of about 48 query rows per KV head (a member has
     // n_new x G rows), the KV heads one after the other. A big group is sliced so the cores
     // share it; each slice re-reads the shared prefix, from cache.
@@ -81,18 +244,12 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
         }
     }
     const int64_t slices = static_cast<int64_t>(item_group.size());
-    // Fewer slices than threads (one long decode, say): each KV head of a slice is a work
-    // item of its own, so the threads share them (a lone decode: 2.2x faster on 2 Zen 3 cores).
+    // Fewer slices than threads (a few short decodes): each KV head of a slice is a work item
+    // of its own, so the threads share them.
     const int64_t split = slices < n_threads ? kvh : 1;
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
-        Scratch sc;
-        std::vector<typename C::T> qraw;
-        // a quantized pool's keys and values of one chunk, dequantized, and their "slots"
-        const bool chunked = K::kScaled && has_wide_paths;
-        std::vector<typename C::T> kq(chunked ? QCHUNK * d : 0), vq(kq.size());
-        std::vector<int32_t> iota(chunked ? QCHUNK : 0);
-        for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
+        Attender<C, K> at(kpool, vpool, kscale, vscale, kvh, d, scale);
         std::vector<int64_t> offset;  // first state row of each member of the slice
 #pragma omp for schedule(dynamic, 1)
         // Otherwise a slice's KV heads run one after the other on one thread: a slot's K (V)
@@ -107,93 +264,29 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
             offset.assign(1, 0);
             for (int64_t i = 0; i < members; ++i)
                 offset.push_back(offset.back() + n_new[order[first + i]] * g_heads);
-            const int rows = static_cast<int>(offset.back());
-            sc.fit(rows, static_cast<int>(d));
-#if defined(__AVX512F__)
-            const bool wide = d % 32 == 0;
-            if (wide) qraw.resize(static_cast<size_t>(rows) * d);
-#else
-            const bool wide = false;
-#endif
+            at.fit(static_cast<int>(offset.back()));
             for (int64_t i = 0; i < members; ++i) {
                 const int64_t b = order[first + i];
                 const int64_t own = req_len[b] - prefix;  // keys of its own segment
-                for (int64_t t = 0; t < n_new[b]; ++t) {
-                    const typename C::T* qs = q + ((q_start[b] + t) * heads + h * g_heads) * d;
-                    const int64_t r0 = offset[i] + t * g_heads;
-                    if (wide) std::copy_n(qs, g_heads * d, qraw.data() + r0 * d);
-                    for (int64_t gh = 0; gh < g_heads; ++gh) {
-                        const int64_t r = r0 + gh;
-                        float* qd = sc.q.data() + r * d;
-                        for (int64_t e = 0; e < d; ++e) qd[e] = C::load(qs[gh * d + e]) * scale;
-                        sc.m[r] = -INFINITY;
-                        sc.l[r] = 0.0f;
-                        sc.lim[r] = own - n_new[b] + t + 1;  // causal: its own position
-                        std::fill_n(sc.acc.data() + r * d, d, 0.0f);
-                    }
-                }
+                for (int64_t t = 0; t < n_new[b]; ++t)
+                    for (int64_t gh = 0; gh < g_heads; ++gh)  // causal: up to its own position
+                        at.start_row(offset[i] + t * g_heads + gh,
+                                     q + ((q_start[b] + t) * heads + h * g_heads + gh) * d,
+                                     own - n_new[b] + t + 1);
             }
-            // Attend rows [r0, r0 + nrows) to keys slots[0, n) of an unquantized pool (or of
-            // dequantized rows: kvh 1, head 0) on the AVX-512 paths.
-            auto wide_plain = [&](int r0, int nrows, const int32_t* slots, int64_t n, bool causal,
-                                  const typename C::T* kp, const typename C::T* vp,
-                                  int64_t kv_heads, int64_t head) {
-#if defined(__AVX512F__)
-                attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0,
-                                         nrows, slots, n, kp, vp, kv_heads, head,
-                                         static_cast<int>(d), scale, causal);
-#else  // never called: `wide` is false without AVX-512
-                (void)r0, (void)nrows, (void)slots, (void)n, (void)causal, (void)kp, (void)vp;
-                (void)kv_heads, (void)head;
-#endif
-            };
-            auto segment = [&](int r0, int nrows, const int32_t* slots, int64_t n, bool causal) {
-                if (!wide) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-                    if constexpr (std::is_same<K, F32>::value) {
-                        if (d % 8 == 0) {
-                            attend256(sc, r0, nrows, slots, n, kpool, vpool, kvh, h,
-                                      static_cast<int>(d), causal);
-                            return;
-                        }
-                    }
-#endif
-                    attend<K>(sc, r0, nrows, slots, n, kpool, vpool, kscale, vscale, kvh, h,
-                              static_cast<int>(d), causal);
-                } else if constexpr (!K::kScaled) {
-                    wide_plain(r0, nrows, slots, n, causal, kpool, vpool, kvh, h);
-                } else {
-                    // Chunk by chunk; the causal limits count keys from the chunk's start.
-                    for (int64_t c0 = 0; c0 < n; c0 += QCHUNK) {
-                        const int64_t cn = std::min(QCHUNK, n - c0);
-                        const int di = static_cast<int>(d);
-                        dequantize<C, K>(slots + c0, cn, kpool, kscale, kvh, h, di, kq.data());
-                        dequantize<C, K>(slots + c0, cn, vpool, vscale, kvh, h, di, vq.data());
-                        wide_plain(r0, nrows, iota.data(), cn, causal, kq.data(), vq.data(), 1,
-                                   0);
-                        if (causal)
-                            for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] -= cn;
-                    }
-                    if (causal)
-                        for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] += n;
-                }
-            };
             if (prefix > 0)  // the shared part, once for all members, seen whole by every row
-                segment(0, rows, table + req_row[order[first]] * table_stride, prefix, false);
+                at.segment(0, static_cast<int>(offset.back()),
+                           table + req_row[order[first]] * table_stride, prefix, false, h);
             for (int64_t i = 0; i < members; ++i) {
                 const int64_t b = order[first + i];
                 const int32_t* slots = table + req_row[b] * table_stride;
-                const int nrows = static_cast<int>(offset[i + 1] - offset[i]);
-                segment(static_cast<int>(offset[i]), nrows, slots + prefix, req_len[b] - prefix,
-                        true);
+                at.segment(static_cast<int>(offset[i]),
+                           static_cast<int>(offset[i + 1] - offset[i]), slots + prefix,
+                           req_len[b] - prefix, true, h);
                 for (int64_t t = 0; t < n_new[b]; ++t)
-                    for (int64_t gh = 0; gh < g_heads; ++gh) {
-                        const int64_t r = offset[i] + t * g_heads + gh;
-                        const float inv = 1.0f / sc.l[r];
-                        const float* ar = sc.acc.data() + r * d;
-                        typename C::T* os = out + ((q_start[b] + t) * heads + h * g_heads + gh) * d;
-                        for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
-                    }
+                    for (int64_t gh = 0; gh < g_heads; ++gh)
+                        at.finish_row(offset[i] + t * g_heads + gh,
+                                      out + ((q_start[b] + t) * heads + h * g_heads + gh) * d);
             }
         }
     }
