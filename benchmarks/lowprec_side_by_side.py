@@ -9,8 +9,8 @@ environment) on that same file, all with the same threads.
 
 Per configuration: batch-1 decode of 128 new tokens after a 128-token prompt (decode tok/s, and
 that as a fraction of the copy-bandwidth bound for the bytes its weights take), and with
---batched the random 64 x 128/128 workload's output tok/s (Banyan only: llama-cpp-python's API
-decodes one sequence). The model is Banyan's default (SmolLM2-135M-Instruct).
+--batched the random 64 x 128/128 workload's output tok/s (llama.cpp through its batched API:
+every sequence in one context, a token per sequence per decode call). The model is Banyan's default (SmolLM2-135M-Instruct).
 """
 
 from __future__ import annotations
@@ -54,6 +54,59 @@ print(json.dumps({"output_tokens": n, "ttft_s": first - t0, "decode_tok_s": (n -
 """
 
 
+# The random 64 x 128/128 workload through llama.cpp's batched API (what llama-batched-bench and
+# llama-server's parallel slots use): one context holding every sequence (a unified KV cache),
+# prompts prefilled 512 tokens a call, then one decode call a step with a token per sequence,
+# greedy over each sequence's logits. Output tok/s = all output tokens / the whole run, as
+# Banyan's offline benchmark counts it.
+LLAMACPP_BATCHED_SCRIPT = r"""
+import json, random, sys, time
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+path, threads, n_req, in_len, out_len = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=64,
+            verbose=False)
+params = llama_cpp.llama_context_default_params()
+params.n_ctx = n_req * (in_len + out_len + 8)
+params.n_batch = params.n_ubatch = 512
+params.n_seq_max = n_req
+params.kv_unified = True
+params.n_threads = params.n_threads_batch = threads
+ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+vocab = llm.n_vocab()
+batch = llama_cpp.llama_batch_init(512, 0, 1)
+rng = random.Random(3)
+prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(n_req)]
+
+def decode(items):  # (token, position, sequence, wants logits) -> the sequences' next tokens
+    out = {}
+    for start in range(0, len(items), 512):
+        part = items[start:start + 512]
+        batch.n_tokens = len(part)
+        for i, (tok, pos, seq, logits) in enumerate(part):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+        for i, (_, _, seq, logits) in enumerate(part):
+            if logits:
+                row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i),
+                                            shape=(vocab,))
+                out[seq] = int(row.argmax())
+    return out
+
+t0 = time.perf_counter()
+nxt = decode([(t, p, s, p == in_len - 1) for s, pr in enumerate(prompts)
+              for p, t in enumerate(pr)])
+made = n_req
+for step in range(1, out_len):
+    nxt = decode([(nxt[s], in_len + step - 1, s, True) for s in range(n_req)])
+    made += n_req
+elapsed = time.perf_counter() - t0
+print(json.dumps({"random_64_output_tok_s": made / elapsed, "elapsed_s": elapsed}))
+"""
+
+
 def banyan_config(model: Path, dtype: str, quantization: str, threads: int,
                   batched: bool, bandwidth: float) -> dict[str, Any]:
     """model: a Hugging Face folder, or the GGUF file itself for --quantization gguf."""
@@ -74,10 +127,17 @@ def banyan_config(model: Path, dtype: str, quantization: str, threads: int,
     return row
 
 
-def llamacpp_config(python: str, path: Path, threads: int, bandwidth: float) -> dict[str, Any]:
-    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(threads), str(IN_LEN),
-                          str(OUT_LEN)], capture_output=True, text=True, timeout=900, check=True)
-    row = json.loads(out.stdout.strip().splitlines()[-1])
+def llamacpp_config(python: str, path: Path, threads: int, bandwidth: float,
+                    batched: bool) -> dict[str, Any]:
+    def run(script: str, *extra: int) -> dict[str, Any]:
+        out = subprocess.run([python, "-c", script, str(path), str(threads), *map(str, extra)],
+                             capture_output=True, text=True, timeout=900, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    row = run(LLAMACPP_SCRIPT, IN_LEN, OUT_LEN)
+    if batched:
+        row["random_64_output_tok_s"] = run(LLAMACPP_BATCHED_SCRIPT, 64, IN_LEN, OUT_LEN)[
+            "random_64_output_tok_s"]
     # the file's tensor bytes: all of them are read per token except the embedding rows
     row["fraction_of_bound"] = row["decode_tok_s"] / (bandwidth * 1e9 / row["file_bytes"])
     return row
@@ -89,6 +149,9 @@ def main() -> None:
     parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batched", action="store_true")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"Banyan runs besides the GGUF files, of {', '.join(CONFIGS)} "
+                             "(empty: none)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--note", default="", help="how the machine was (quiet, shared, ...)")
     args = parser.parse_args()
@@ -96,7 +159,8 @@ def main() -> None:
     model = resolve_model_dir(None, show_progress=False)
     bandwidth = memory_bandwidth_gbs()
     results: dict[str, Any] = {}
-    for name, (dtype, quantization) in CONFIGS.items():
+    for name in filter(None, args.configs.split(",")):
+        dtype, quantization = CONFIGS[name]
         results[f"banyan {name}"] = banyan_config(model, dtype, quantization, args.threads,
                                                   args.batched, bandwidth)
         print(name, results[f"banyan {name}"], flush=True)
@@ -107,7 +171,8 @@ def main() -> None:
         print(f"banyan gguf {name}", results[f"banyan gguf {name}"], flush=True)
         if args.llamacpp_python:
             results[f"llama.cpp {name}"] = llamacpp_config(args.llamacpp_python, Path(file),
-                                                           args.threads, bandwidth)
+                                                           args.threads, bandwidth,
+                                                           args.batched)
             print(f"llama.cpp {name}", results[f"llama.cpp {name}"], flush=True)
     report = {
         "command": "python " + " ".join(["benchmarks/lowprec_side_by_side.py", *sys.argv[1:]]),
