@@ -71,7 +71,7 @@ params = llama_cpp.llama_context_default_params()
 params.n_ctx = n_req * (in_len + out_len + 8)
 params.n_batch = params.n_ubatch = 512
 params.n_seq_max = n_req
-params.kv_unified = True
+params.kv_unified = False  # each sequence its own cache: attention reads only its own
 params.n_threads = params.n_threads_batch = threads
 ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
 vocab = llm.n_vocab()

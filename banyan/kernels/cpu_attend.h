@@ -141,6 +141,21 @@ inline __m256 sum8x8(const __m256* a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// ar[0, 8W) = ar * corr + sum_j p[j] * vr[j][e0, e0 + 8W): W accumulators held in registers
+// (a width known only at run time kept them in memory, a load and a store per product).
+template <int W>
+inline void add_values256(float* ar, const float* const* vr, int e0, const float* p, int nbr,
+                          __m256 corr) {
+    __m256 a[W];
+    for (int c = 0; c < W; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), corr);
+    for (int j = 0; j < nbr; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int c = 0; c < W; ++c)
+            a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr[j] + e0 + 8 * c), a[c]);
+    }
+    for (int c = 0; c < W; ++c) _mm256_storeu_ps(ar + 8 * c, a[c]);
+}
+
 // `attend` for a float32 pool on AVX2 CPUs (Zen 2/3, Intel client): keys read in place, 8 at a
 // time; each row's 8 scores come from 8 lane-parallel dot products summed across lanes at once
 // (no per-key horizontal sum), and the values are added straight from the pool (no block copy).
@@ -204,17 +219,17 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
             sc.m[r] = mx;
             float* ar = sc.acc.data() + static_cast<size_t>(r) * d;
             const __m256 cv = _mm256_set1_ps(corr);
-            for (int e0 = 0; e0 < d; e0 += 64) {  // 8 accumulators of 8 dims in registers
-                const int w = std::min(64, d - e0) / 8;
-                __m256 a[8];
-                for (int c = 0; c < w; ++c)
-                    a[c] = _mm256_mul_ps(_mm256_loadu_ps(ar + e0 + 8 * c), cv);
-                for (int j = 0; j < nbr; ++j) {
-                    const __m256 pj = _mm256_set1_ps(p[j]);
-                    for (int c = 0; c < w; ++c)
-                        a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr[j] + e0 + 8 * c), a[c]);
+            for (int e0 = 0; e0 < d; e0 += 64) {
+                switch (std::min(64, d - e0) / 8) {  // a compile-time width: registers
+                    case 8: add_values256<8>(ar + e0, vr, e0, p, nbr, cv); break;
+                    case 7: add_values256<7>(ar + e0, vr, e0, p, nbr, cv); break;
+                    case 6: add_values256<6>(ar + e0, vr, e0, p, nbr, cv); break;
+                    case 5: add_values256<5>(ar + e0, vr, e0, p, nbr, cv); break;
+                    case 4: add_values256<4>(ar + e0, vr, e0, p, nbr, cv); break;
+                    case 3: add_values256<3>(ar + e0, vr, e0, p, nbr, cv); break;
+                    case 2: add_values256<2>(ar + e0, vr, e0, p, nbr, cv); break;
+                    default: add_values256<1>(ar + e0, vr, e0, p, nbr, cv); break;
                 }
-                for (int c = 0; c < w; ++c) _mm256_storeu_ps(ar + e0 + 8 * c, a[c]);
             }
         }
     }
