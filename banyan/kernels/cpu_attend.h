@@ -24,7 +24,7 @@ constexpr int BLK = 32;  // keys per block
 
 // Per-thread scratch of one work item.
 struct Scratch {
-    std::vector<float> q, m, l, acc, s, kt, vb;
+    std::vector<float> q, m, l, acc, s, kt, vb, corr;
     std::vector<int64_t> lim;  // keys of the current segment each row may see (causal extends)
     void fit(int rows, int d) {
         lim.resize(rows);
@@ -32,6 +32,7 @@ struct Scratch {
         acc.resize(static_cast<size_t>(rows) * d);
         m.resize(rows);
         l.resize(rows);
+        corr.resize(rows);
         s.resize(static_cast<size_t>(rows) * BLK);
         kt.resize(static_cast<size_t>(d) * BLK);
         vb.resize(static_cast<size_t>(BLK) * d);
@@ -182,13 +183,17 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
                 _mm_prefetch(reinterpret_cast<const char*>(vpool + row * d + off), _MM_HINT_T0);
             }
         }
+        auto visible = [&](int r) {  // keys of the block row r sees
+            if (!causal) return nb;
+            const int64_t v = sc.lim[r] - j0;
+            return v <= 0 ? 0 : static_cast<int>(std::min<int64_t>(nb, v));
+        };
+        // Three passes over the rows (scores, softmax, values) rather than one row at a time:
+        // each row's chain (dot products -> sums -> max -> exp -> products) is long, and rows
+        // side by side give the CPU independent work to overlap.
         for (int r = r0; r < r0 + rows; ++r) {
-            int nbr = nb;  // keys of the block this row sees
-            if (causal) {
-                const int64_t visible = sc.lim[r] - j0;
-                if (visible <= 0) continue;
-                nbr = static_cast<int>(std::min<int64_t>(nb, visible));
-            }
+            const int nbr = visible(r);
+            if (nbr == 0) continue;
             const float* qr = sc.q.data() + static_cast<size_t>(r) * d;
             __m256 part[B];
             for (int j = 0; j < B; ++j) part[j] = _mm256_setzero_ps();
@@ -197,11 +202,17 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
                 for (int j = 0; j < B; ++j)
                     part[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + e), part[j]);
             }
+            _mm256_storeu_ps(sc.s.data() + static_cast<size_t>(r) * BLK, sum8x8(part));
+        }
+        for (int r = r0; r < r0 + rows; ++r) {
+            const int nbr = visible(r);
+            if (nbr == 0) continue;
+            float* sr = sc.s.data() + static_cast<size_t>(r) * BLK;
             // keys past the row's last (padding, or later tokens of a causal extend): -inf
             const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
                 _mm256_set1_epi32(nbr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
             const __m256 sv =
-                _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8x8(part), seen);
+                _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr), seen);
             __m256 top = _mm256_max_ps(sv, _mm256_permute2f128_ps(sv, sv, 1));
             top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0x4e));
             top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0xb1));
@@ -210,15 +221,20 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
             const float corr = mx > sc.m[r] ? exp_nonpos(std::max(sc.m[r] - mx, -87.0f)) : 1.0f;
             const __m256 pv = _mm256_and_ps(
                 exp256_nonpos(_mm256_sub_ps(sv, _mm256_set1_ps(mx))), seen);
-            alignas(32) float p[B];
-            _mm256_store_ps(p, pv);
+            _mm256_storeu_ps(sr, pv);
             __m256 s4 = _mm256_add_ps(pv, _mm256_permute2f128_ps(pv, pv, 1));
             s4 = _mm256_add_ps(s4, _mm256_shuffle_ps(s4, s4, 0x4e));
             s4 = _mm256_add_ps(s4, _mm256_shuffle_ps(s4, s4, 0xb1));
             sc.l[r] = sc.l[r] * corr + _mm256_cvtss_f32(s4);
             sc.m[r] = mx;
+            sc.corr[r] = corr;
+        }
+        for (int r = r0; r < r0 + rows; ++r) {
+            const int nbr = visible(r);
+            if (nbr == 0) continue;
+            const float* p = sc.s.data() + static_cast<size_t>(r) * BLK;
             float* ar = sc.acc.data() + static_cast<size_t>(r) * d;
-            const __m256 cv = _mm256_set1_ps(corr);
+            const __m256 cv = _mm256_set1_ps(sc.corr[r]);
             for (int e0 = 0; e0 < d; e0 += 64) {
                 switch (std::min(64, d - e0) / 8) {  // a compile-time width: registers
                     case 8: add_values256<8>(ar + e0, vr, e0, p, nbr, cv); break;
