@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
         break
 end = time.perf_counter()
 import os
+import statistics
 print(json.dumps({"output_tokens": n, "ttft_s": first - t0, "decode_tok_s": (n - 1) / (end - first),
                   "file_bytes": os.path.getsize(path)}))
 """
@@ -143,6 +145,18 @@ def llamacpp_config(python: str, path: Path, threads: int, bandwidth: float,
     return row
 
 
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of the median batch-1 decode speed, with every round's figures beside it."""
+    ranked = sorted(rows, key=lambda r: r["decode_tok_s"])
+    row = dict(ranked[len(ranked) // 2])
+    if len(rows) > 1:
+        for key in ("decode_tok_s", "random_64_output_tok_s"):
+            if key in row:
+                row[f"{key}_runs"] = [r[key] for r in rows]
+                row[key] = statistics.median(row[f"{key}_runs"])
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llamacpp-python", default=None)
@@ -152,28 +166,34 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"Banyan runs besides the GGUF files, of {', '.join(CONFIGS)} "
                              "(empty: none)")
+    parser.add_argument("--reps", type=int, default=1,
+                        help="rounds; each figure is the median over them (all kept)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--note", default="", help="how the machine was (quiet, shared, ...)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model = resolve_model_dir(None, show_progress=False)
     bandwidth = memory_bandwidth_gbs()
-    results: dict[str, Any] = {}
-    for name in filter(None, args.configs.split(",")):
-        dtype, quantization = CONFIGS[name]
-        results[f"banyan {name}"] = banyan_config(model, dtype, quantization, args.threads,
-                                                  args.batched, bandwidth)
-        print(name, results[f"banyan {name}"], flush=True)
-    for spec in args.gguf:
-        name, file = spec.split("=", 1)
-        results[f"banyan gguf {name}"] = banyan_config(Path(file), "float32", "gguf",
-                                                       args.threads, args.batched, bandwidth)
-        print(f"banyan gguf {name}", results[f"banyan gguf {name}"], flush=True)
-        if args.llamacpp_python:
-            results[f"llama.cpp {name}"] = llamacpp_config(args.llamacpp_python, Path(file),
-                                                           args.threads, bandwidth,
-                                                           args.batched)
-            print(f"llama.cpp {name}", results[f"llama.cpp {name}"], flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {}
+
+    def record(key: str, row: dict[str, Any]) -> None:
+        runs.setdefault(key, []).append(row)
+        print(key, row, flush=True)
+
+    for _ in range(args.reps):  # every configuration once per round: drift hits them all
+        for name in filter(None, args.configs.split(",")):
+            dtype, quantization = CONFIGS[name]
+            record(f"banyan {name}", banyan_config(model, dtype, quantization, args.threads,
+                                                   args.batched, bandwidth))
+        for spec in args.gguf:
+            name, file = spec.split("=", 1)
+            record(f"banyan gguf {name}", banyan_config(Path(file), "float32", "gguf",
+                                                        args.threads, args.batched, bandwidth))
+            if args.llamacpp_python:
+                record(f"llama.cpp {name}", llamacpp_config(args.llamacpp_python, Path(file),
+                                                            args.threads, bandwidth,
+                                                            args.batched))
+    results = {key: median_row(rows) for key, rows in runs.items()}
     report = {
         "command": "python " + " ".join(["benchmarks/lowprec_side_by_side.py", *sys.argv[1:]]),
         "machine": machine_info(),
