@@ -296,3 +296,36 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir: Path,
         assert drafts > 0 and accepted > 0 and first <= drafts
         info = wait_idle_and_free(srv.url)
         assert info["speculative"]["num_accepted_tokens"] == accepted
+
+
+def test_guesses_follow_the_measured_step_cost() -> None:
+    """A step takes the number of guesses that gives it the most expected tokens per second at
+    the measured cost of each step size: all of them where checking is nearly free, the likely
+    ones where each token costs, none where a check costs more than it brings; a size never
+    seen is tried; nothing changes before any step is timed."""
+    def planned(cost: dict[int, float], n: int = 1, halved: bool = False) -> list[int]:
+        spec = Speculation(EchoProposer(), SpeculationConfig(num_tokens=4, max_step_tokens=64))
+        for tokens, seconds in cost.items():
+            spec.observe_step(tokens, seconds)
+        reqs = [_req(str(i)) for i in range(n)]
+        if halved:
+            for r in reqs:
+                spec.record(r, 4, 0)  # guesses accepted at rate 0.5 from now on: 2 wanted
+        return [len(g) for g in spec.plan(reqs, free_slots=100)]
+
+    flat = {t: 0.020 for t in range(1, 11)}
+    assert planned(flat, n=2) == [4, 4]
+    assert planned(flat, n=2, halved=True) == [2, 2]
+    # a 1-token step on a fast path, checks slower but each guess nearly free (the f32 case)
+    stepped = {1: 0.025, **{t: 0.035 + 0.001 * t for t in range(2, 6)}}
+    assert planned(stepped) == [4]
+    # rate 0.5 (2 guesses wanted, 0.5 token each): at 4 ms + 1 ms a token both pay (2 tokens
+    # in 7 ms beats 1 in 5 ms); at 4 ms + 4 ms a token neither does (1.5 in 12 ms, 2 in 16 ms
+    # against 1 in 8 ms)
+    assert planned({t: 0.004 + 0.001 * t for t in range(1, 6)}, halved=True) == [2]
+    assert planned({t: 0.004 + 0.004 * t for t in range(1, 6)}, halved=True) == [0]
+    # one guess of two requests pays where a second would not: 2 decodes at 10 ms, 3 tokens
+    # (one guess) 11 ms, 4 tokens 20 ms; rate 0.5 each
+    assert sorted(planned({2: 0.010, 3: 0.011, 4: 0.020}, n=2, halved=True)) == [0, 1]
+    assert planned({1: 0.01}) == [4]  # larger steps never seen: priced as one, so tried
+    assert planned({}) == [4]  # nothing timed yet: as configured

@@ -6,11 +6,16 @@ answers with the accepted ones plus the model's own next token. This module deci
 tokens each request may be given (adaptive) and counts what was proposed and accepted.
 
 Adaptive, because a guess is free only while the forward is memory-bound: at batch 1 on a CPU,
-checking 4-8 tokens costs about what one costs, but a batch of 64 decodes is already
+checking 4-8 tokens often costs about what one costs, but a batch of 64 decodes is already
 compute-bound and every rejected guess is paid in full. So:
 - per step: proposals only fill the step up to `max_step_tokens` tokens of decode work (decodes
   plus guesses); a batch with more decodes than that gets none (the measured knee, see
   docs/performance.md "Speculative decoding");
+- per step: the engine's own decode steps are timed by size (`StepCost`), and the step takes
+  the number of guesses, likeliest first, that gives it the most expected tokens per second.
+  Where the kernels are compute-bound even at one token (4-bit weights on an AVX2 CPU: a
+  5-token check cost ~4x a decode) this turns guessing down or off; where checking is nearly
+  free it changes nothing;
 - per request: an exponential average of the fraction of its guesses accepted sets how many it
   gets (`k * rate`, at least 1); below `min_rate` it gets none for `cooldown` steps, then one
   probe, so a request whose text stopped repeating stops paying for guesses.
@@ -103,6 +108,32 @@ class SpecStats:
 
 
 @dataclass(slots=True)
+class StepCost:
+    """Forward seconds of a decode-only step by its size in tokens (decodes plus guesses): an
+    exponential average per size over the steps the engine ran, i.e. what checking g guesses
+    costs on this machine and model, measured rather than assumed. The cost is no line: on a
+    CPU a 1-token step may take a fused native path that a 5-token check cannot (Zen 3: 25 ms
+    then 35 ms, and ~1 ms per guess after that)."""
+
+    ema: float = 0.3
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        prev = self.seconds.get(tokens)
+        self.seconds[tokens] = seconds if prev is None else prev + self.ema * (seconds - prev)
+
+    def at(self, tokens: int) -> float | None:
+        """A step of `tokens`, priced as the largest size seen that is not larger (a size not
+        seen yet is priced optimistically, so that it gets tried); None: nothing seen."""
+        known = [t for t in self.seconds if t <= tokens]
+        return self.seconds[max(known)] if known else None
+
+
+MARGIN = 1.1  # guesses must raise tokens per second by this much: proposing costs too
+EXPLORE = 32  # every this many steps the guesses are not cut (sizes measured again)
+
+
+@dataclass(slots=True)
 class _RequestState:
     rate: float = 1.0  # optimistic until guesses say otherwise
     paused_for: int = 0
@@ -113,6 +144,8 @@ class Speculation:
         self.proposer = proposer
         self.config = config
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_tokens)
+        self.cost = StepCost()
+        self._steps = 0
         self._state: dict[str, _RequestState] = {}
 
     def plan(self, decoding: Sequence[Request], free_slots: int) -> list[list[int]]:
@@ -131,6 +164,7 @@ class Speculation:
             k = max(k, 0)
             wanted.append(k)
             room -= k
+        wanted = self._worth_it(decoding, wanted)
         asked = [i for i, k in enumerate(wanted) if k > 0]
         out: list[list[int]] = [[] for _ in decoding]
         if asked:
@@ -138,6 +172,36 @@ class Speculation:
             for i, guess in zip(asked, guesses, strict=True):
                 out[i] = list(guess[: wanted[i]])
         return out
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode-only step (decodes plus guesses) took `seconds` of forward."""
+        self.cost.observe(tokens, seconds)
+
+    def _worth_it(self, decoding: Sequence[Request], wanted: list[int]) -> list[int]:
+        """`wanted` cut to the number of guesses that gives the step the most expected tokens
+        per second, by the measured cost of each step size: each guess of a request counts
+        its rate (the fraction of its guesses accepted, measured at the length it is given), the
+        likeliest requests' guesses go first. Every EXPLORE-th step keeps `wanted` as it is, so sizes
+        priced once and never chosen again get measured again."""
+        self._steps += 1
+        base = self.cost.at(len(decoding))
+        if base is None or self._steps % EXPLORE == 0:
+            return wanted
+        rates = [self._state[r.rid].rate if r.rid in self._state else 1.0 for r in decoding]
+        guesses = sorted(((rates[i], i) for i, k in enumerate(wanted) for _ in range(k)),
+                         reverse=True)
+        d = len(decoding)
+        tokens, best, best_rate = float(d), 0, MARGIN * d / base
+        for g, (p, _) in enumerate(guesses, start=1):
+            tokens += p
+            seconds = self.cost.at(d + g)
+            rate = tokens / (seconds if seconds is not None else base)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        kept = [0] * len(wanted)
+        for _, i in guesses[:best]:
+            kept[i] += 1
+        return kept
 
     def _tokens_for(self, req: Request) -> int:
         state = self._state.get(req.rid)
