@@ -7,11 +7,11 @@ a cached prefix are grouped as for the torch cascade (`prefix_groups.find_shared
 with a much lower bar: in the kernel a group costs nothing extra, and each shared key is read
 once and dotted with all the group's query rows. Extends (prefill chunks, causal) each run
 alone: they already reuse every key for n queries. Extends of more than `MAX_NATIVE_EXTEND`
-tokens stay on SDPA, which is as fast there. Without AVX-512 (the kernel's portable loops, on
-AVX2 CPUs such as Zen 3) every extend goes to SDPA: measured on an EPYC Zen 3 (fp32 SmolLM2,
-2,048 cached tokens), an extend of 4 / 16 / 64 / 256 tokens took 156 / 308 / 868 / 3,819 ms
-through the kernel and 112 / 152 / 265 / 1,043 ms through SDPA, while decodes stay faster in
-the kernel (16 x 512/64 random: 35.6 vs 29.1 output tok/s).
+tokens stay on SDPA, which is as fast there. On AVX2 CPUs without AVX-512 (Zen 2/3) the
+kernel's AVX2 loops take extends of up to AVX2_NATIVE_EXTEND tokens (measured below); with the
+portable loops alone (before them, on Zen 3: 4 / 16 / 64 / 256 tokens over 2,048 cached took
+156 / 308 / 868 / 3,819 ms in the kernel and 112 / 152 / 265 / 1,043 ms through SDPA) only
+decodes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from banyan.mem.kv_pool import LayerKV
 
 NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
 MAX_NATIVE_EXTEND = 256
+# On AVX2 CPUs (attend256) extends of up to 16 tokens: whole steps over 2,048 cached tokens on
+# Zen 3 (f32 / gguf SmolLM2), SDPA -> kernel: 4 tokens 56 -> 43 / 54 -> 29 ms, 16 tokens 116 ->
+# 112 / 98 -> 87 ms, 64 tokens 346 -> 375 / 305 -> 307 ms. 16 is also the longest step the
+# native layer stack takes (a speculative check of k + 1 tokens).
+AVX2_NATIVE_EXTEND = 16
 
 
 @dataclass(slots=True)
@@ -44,8 +49,9 @@ class NativePlan:
 
 def default_max_extend() -> int:
     """Longest extend (a prefill chunk, with or without cached tokens) the kernel should take
-    on this machine: MAX_NATIVE_EXTEND with its AVX-512 paths, else none (decodes only)."""
-    return MAX_NATIVE_EXTEND if native.has_avx512() else 1
+    on this machine: MAX_NATIVE_EXTEND with its AVX-512 paths, AVX2_NATIVE_EXTEND with the
+    AVX2 ones, else none (decodes only)."""
+    return {512: MAX_NATIVE_EXTEND, 256: AVX2_NATIVE_EXTEND}.get(native.vector_bits(), 1)
 
 
 def plan_native(

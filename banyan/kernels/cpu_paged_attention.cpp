@@ -324,10 +324,13 @@ BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_fp8_e4m3, BF16, E4M3)
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_fp8_e5m2, F32, E5M2)
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_fp8_e5m2, BF16, E5M2)
 
-// 512 when this build has the AVX-512 paths, else 0 (the portable loops: AVX2 CPUs).
+// 512 when this build has the AVX-512 paths, 256 with the AVX2 + FMA ones (attend256: float32
+// pools), else 0 (the portable loops).
 int64_t banyan_vector_bits() {
 #if defined(__AVX512F__)
     return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
 #else
     return 0;
 #endif

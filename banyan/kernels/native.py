@@ -153,10 +153,15 @@ def load() -> ctypes.CDLL | None:
 
 
 @cache
-def has_avx512() -> bool:
-    """Whether the kernels were built with their AVX-512 paths (else the portable loops)."""
+def vector_bits() -> int:
+    """512 when the kernels were built with their AVX-512 paths, 256 with the AVX2 ones, 0 for
+    the portable loops alone (or no kernels)."""
     lib = load()
-    return lib is not None and lib.banyan_vector_bits() == 512
+    return 0 if lib is None else int(lib.banyan_vector_bits())
+
+
+def has_avx512() -> bool:
+    return vector_bits() == 512
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
