@@ -329,3 +329,12 @@ def test_guesses_follow_the_measured_step_cost() -> None:
     assert sorted(planned({2: 0.010, 3: 0.011, 4: 0.020}, n=2, halved=True)) == [0, 1]
     assert planned({1: 0.01}) == [4]  # larger steps never seen: priced as one, so tried
     assert planned({}) == [4]  # nothing timed yet: as configured
+    # a request whose guesses are cut pauses like a failing one, then probes with one guess
+    # that is not cut (its rate can only be measured by guessing)
+    spec = Speculation(EchoProposer(), SpeculationConfig(num_tokens=4, cooldown=2))
+    for tokens in range(1, 6):
+        spec.observe_step(tokens, 0.004 + 0.004 * tokens)
+    a = _req("a")
+    spec.record(a, 4, 0)
+    # cut (0), paused (0), probe (1); unrecorded, it stays a probe (1)
+    assert [len(spec.plan([a], 100)[0]) for _ in range(4)] == [0, 0, 1, 1]

@@ -201,6 +201,15 @@ class Speculation:
         kept = [0] * len(wanted)
         for _, i in guesses[:best]:
             kept[i] += 1
+        # A request's rate is measured only by guessing: one whose guesses are all cut pauses
+        # as a failing one does and then probes with one guess, which is never cut.
+        cfg = self.config
+        for i, req in enumerate(decoding):
+            state = self._state.setdefault(req.rid, _RequestState())
+            if state.rate <= cfg.min_rate:  # the probe after a pause
+                kept[i] = wanted[i]
+            elif wanted[i] and not kept[i]:
+                state.paused_for, state.rate = cfg.cooldown, cfg.min_rate
         return kept
 
     def _tokens_for(self, req: Request) -> int:
