@@ -179,7 +179,8 @@ void split_decode(const typename C::T* q, const typename K::T* kpool, const type
         Attender<C, K> at(kpool, vpool, kscale, vscale, kvh, d, scale);
         at.fit(static_cast<int>(g_heads));
         for (int64_t h = 0; h < kvh; ++h) {
-            for (int64_t gh = 0; gh < g_heads; ++gh) at.start_row(gh, q + (h * g_heads + gh) * d, n);
+            for (int64_t gh = 0; gh < g_heads; ++gh)
+                at.start_row(gh, q + (h * g_heads + gh) * d, n);
             if (k1 > k0) at.segment(0, static_cast<int>(g_heads), slots + k0, k1 - k0, false, h);
             for (int64_t gh = 0; gh < g_heads; ++gh) {
                 const int64_t row = c * heads + h * g_heads + gh;

@@ -181,8 +181,8 @@ class Speculation:
         """`wanted` cut to the number of guesses that gives the step the most expected tokens
         per second, by the measured cost of each step size: each guess of a request counts
         its rate (the fraction of its guesses accepted, measured at the length it is given), the
-        likeliest requests' guesses go first. Every EXPLORE-th step keeps `wanted` as it is, so sizes
-        priced once and never chosen again get measured again."""
+        likeliest requests' guesses go first. Every EXPLORE-th step keeps `wanted` as it is, so
+        sizes priced once and never chosen again get measured again."""
         self._steps += 1
         base = self.cost.at(len(decoding))
         if base is None or self._steps % EXPLORE == 0:
