@@ -6,7 +6,8 @@
 #   the best same-tokenizer draft this machine has (a layer-truncated one, benchmarks/make_draft.py,
 #   accepted nothing); DRAFT=DIR DRAFT_QUANT=none runs another.
 # - under load: random 64 x 128/128, none / ngram (adaptive turn-off).
-# JSON in benchmarks/results/spec-*.json.
+# JSON in benchmarks/results/${PREFIX}*.json (PREFIX default "spec-"; give another machine's set
+# its own, e.g. PREFIX=spec-zen3-, so the figures the docs cite are not overwritten).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-3}
@@ -15,11 +16,12 @@ DTYPES=${DTYPES:-"float32 bfloat16"}
 TARGET=$(.venv/bin/python -c "from banyan.model_files import resolve_model_dir; print(resolve_model_dir(None))")
 DRAFT=${DRAFT:-$TARGET}
 DRAFT_QUANT=${DRAFT_QUANT:-int4}
+PREFIX=${PREFIX:-spec-}
 
 run() {
   local name=$1; shift
-  .venv/bin/banyan bench offline --disable-tqdm "$@" --out "benchmarks/results/spec-$name.json" >/dev/null 2>&1
-  sed -i "s#$PWD/##g; s#$HOME/#~/#g" "benchmarks/results/spec-$name.json"  # no machine paths
+  .venv/bin/banyan bench offline --disable-tqdm "$@" --out "benchmarks/results/$PREFIX$name.json" >/dev/null 2>&1
+  sed -i "s#$PWD/##g; s#$HOME/#~/#g" "benchmarks/results/$PREFIX$name.json"  # no machine paths
   echo "$name done"
 }
 
