@@ -38,7 +38,7 @@ def _every_extend_native(runner: ModelRunner) -> NativeLayerStack:
 def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]],
           prefixes: list[RowPrefix] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One step of `n` new tokens per Seq -> (the model's hidden states, the stack's or None).
-    Both write the same K/V to the same slots, so running both is safe."""
+    The stack must store the step's K/V (codes and scales too) exactly as the model did."""
     batch = ForwardBatch(row_prefixes=list(prefixes or []))
     for seq, n in work:
         p = len(seq.slots)
@@ -54,7 +54,13 @@ def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]]
     with torch.inference_mode():
         inputs = runner.prepare(batch)
         want = runner.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        stored = runner.pool.gather(batch.out_slots)  # raw bytes: codes and scales as well
+        runner.pool.scatter(torch.zeros_like(stored), batch.out_slots)  # the stack rewrites them
         got = runner.stack.forward(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        if got is not None:
+            assert torch.equal(runner.pool.gather(batch.out_slots), stored)
+        else:
+            runner.pool.scatter(stored, batch.out_slots)
     return want, got
 
 
@@ -91,6 +97,15 @@ def test_stack_equals_the_model(model_dirs: dict[str, Path], arch: str,
     _check_steps(runner)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_stack_equals_the_model_over_an_int8_pool(model_dirs: dict[str, Path], arch: str) -> None:
+    """The stack quantizes the new K/V rows itself: the same codes and scales as the pool's
+    quantize_rows, so the same hidden states (and the same pool) as the per-op path."""
+    runner = make_runner(model_dirs[arch], dtype="float32", quantization="int8",
+                         kv_cache_dtype="int8")
+    _check_steps(runner)
+
+
 @pytest.mark.parametrize("wtype,arch", [("Q8_0", "llama"), ("Q4_1", "qwen2"), ("Q4_K", "llama")])
 def test_stack_equals_the_model_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Path, wtype: str,
                                                arch: str,
@@ -109,7 +124,7 @@ def test_stack_stands_aside_without_native_pieces(llama_dir: Path) -> None:
     assert make_runner(llama_dir, dtype="bfloat16").stack is None  # oneDNN's bf16 GEMM
     assert make_runner(llama_dir, dtype="float32", linear_kernel="torch").stack is None
     assert make_runner(llama_dir, dtype="float32", quantization="int8",
-                       kv_cache_dtype="int8").stack is None  # quantized K/V: stored by torch
+                       kv_cache_dtype="fp8_e4m3").stack is None  # fp8 K/V: stored by torch
     assert make_runner(llama_dir, dtype="float32", quantization="int8",
                        attention_backend="sdpa").stack is None
     runner = make_runner(llama_dir, dtype="float32", quantization="int8")

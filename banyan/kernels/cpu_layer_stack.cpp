@@ -1,6 +1,6 @@
 // A whole float32 decoder-layer stack in one call, for steps of a few tokens (decodes, small
 // batches): for each layer, add + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms),
-// the K/V stored into the pool, paged attention, the o projection, add + RMSNorm, gate/up,
+// the K/V stored into the pool (float32, or int8 codes with scales), paged attention, the o projection, add + RMSNorm, gate/up,
 // SiLU-and-mul, down; then the final add + RMSNorm.
 //
 // Why: at one token the kernels themselves take ~half of a step; the rest was Python dispatch
@@ -12,6 +12,7 @@
 // The structs below are mirrored by ctypes (banyan/models/native_stack.py): 8-byte fields only.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,6 +35,15 @@ void banyan_paged_attention_f32_f32(const float* q, const float* k, const float*
                                     const int64_t* group_prefix, int64_t n_groups, float* out,
                                     int64_t heads, int64_t kvh, int64_t d, float scale,
                                     int64_t n_threads);
+void banyan_paged_attention_f32_int8(const float* q, const int8_t* k, const int8_t* v,
+                                     const float* kscale, const float* vscale,
+                                     const int32_t* table, int64_t table_stride,
+                                     const int64_t* req_row, const int64_t* req_len,
+                                     const int64_t* q_start, const int64_t* n_new,
+                                     const int64_t* order, const int64_t* group_start,
+                                     const int64_t* group_prefix, int64_t n_groups, float* out,
+                                     int64_t heads, int64_t kvh, int64_t d, float scale,
+                                     int64_t n_threads);
 void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
                               const float* bias, float* out, int64_t N, int64_t n_threads);
 void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
@@ -78,8 +88,10 @@ struct StackLayer {
     const float* q_norm;  // Qwen3's per-head norms, or null
     const float* k_norm;
     StackLinear qkv, o, gate_up, down;
-    float* k_pool;  // this layer's [slots, KVH, D]
-    float* v_pool;
+    void* k_pool;  // this layer's [slots, KVH, D]: float32, or int8 codes with scales
+    void* v_pool;
+    float* k_scale;  // [slots, KVH] for an int8 pool, else null
+    float* v_scale;
 };
 
 struct StackModel {
@@ -142,6 +154,28 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
     }
 }
 
+// One token's K (or V) rows into the pool: float32 as they are, or int8 codes with a scale
+// per (slot, head) row exactly as kv_pool.quantize_rows makes them (scale = the row's largest
+// magnitude, at least 1e-30, over 127; codes = x / scale rounded half to even, clamped), so the
+// pool holds what the per-op path would have stored, bit for bit.
+void store_row(const float* x, int64_t slot, int64_t kvh, int64_t d, void* pool, float* scales) {
+    if (scales == nullptr) {
+        std::memcpy(static_cast<float*>(pool) + slot * kvh * d, x, kvh * d * sizeof(float));
+        return;
+    }
+    for (int64_t h = 0; h < kvh; ++h) {
+        const float* xh = x + h * d;
+        float top = 0.0f;
+        for (int64_t e = 0; e < d; ++e) top = std::max(top, std::fabs(xh[e]));
+        const float scale = std::max(top, 1e-30f) / 127.0f;
+        int8_t* codes = static_cast<int8_t*>(pool) + (slot * kvh + h) * d;
+        for (int64_t e = 0; e < d; ++e)
+            codes[e] = static_cast<int8_t>(
+                std::min(127.0f, std::max(-127.0f, std::nearbyint(xh[e] / scale))));
+        scales[slot * kvh + h] = scale;
+    }
+}
+
 // Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
 struct Scratch {
     std::vector<float> x, qkv, q, k, attn, a, gate_up, act, mlp, xsum;
@@ -175,16 +209,26 @@ extern "C" void banyan_layer_stack_f32(const StackModel* m, const StackStep* s) 
         banyan_rope_qk_f32(b.qkv.data(), qkv_n, s->cos, s->sin, L.q_norm, L.k_norm, eps,
                            b.q.data(), b.k.data(), T, m->heads, m->kv_heads, D, nt);
         for (int64_t t = 0; t < T; ++t) {  // rotated k and the untouched v into the pool
-            std::memcpy(L.k_pool + s->slots[t] * kv_size, b.k.data() + t * kv_size,
-                        kv_size * sizeof(float));
-            std::memcpy(L.v_pool + s->slots[t] * kv_size,
-                        b.qkv.data() + t * qkv_n + q_size + kv_size, kv_size * sizeof(float));
+            store_row(b.k.data() + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool,
+                      L.k_scale);
+            store_row(b.qkv.data() + t * qkv_n + q_size + kv_size, s->slots[t], m->kv_heads, D,
+                      L.v_pool, L.v_scale);
         }
-        banyan_paged_attention_f32_f32(b.q.data(), L.k_pool, L.v_pool, nullptr, nullptr,
-                                       s->table, s->table_stride, s->req_row, s->req_len,
-                                       s->q_start, s->n_new, s->order, s->group_start,
-                                       s->group_prefix, s->n_groups, b.attn.data(), m->heads,
-                                       m->kv_heads, D, static_cast<float>(m->scale), nt);
+        const float sm = static_cast<float>(m->scale);
+        if (L.k_scale == nullptr)
+            banyan_paged_attention_f32_f32(
+                b.q.data(), static_cast<const float*>(L.k_pool),
+                static_cast<const float*>(L.v_pool), nullptr, nullptr, s->table,
+                s->table_stride, s->req_row, s->req_len, s->q_start, s->n_new, s->order,
+                s->group_start, s->group_prefix, s->n_groups, b.attn.data(), m->heads,
+                m->kv_heads, D, sm, nt);
+        else
+            banyan_paged_attention_f32_int8(
+                b.q.data(), static_cast<const int8_t*>(L.k_pool),
+                static_cast<const int8_t*>(L.v_pool), L.k_scale, L.v_scale, s->table,
+                s->table_stride, s->req_row, s->req_len, s->q_start, s->n_new, s->order,
+                s->group_start, s->group_prefix, s->n_groups, b.attn.data(), m->heads,
+                m->kv_heads, D, sm, nt);
         linear(L.o, b.attn.data(), T, b.a.data(), b.xsum.data(), nt);
         banyan_add_rms_norm_f32(stream, b.a.data(), L.post_norm, b.x.data(), T, H, eps, nt);
         linear(L.gate_up, b.x.data(), T, b.gate_up.data(), b.xsum.data(), nt);

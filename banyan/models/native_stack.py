@@ -6,7 +6,8 @@ allocating its output and checking its inputs) as in its kernels. The stack call
 kernels in the same order with the same threads, so its hidden states equal the per-op path's
 bit for bit (tested); it runs when every piece has a native kernel:
 
-- float32 activations on CPU, the K/V pool in float32 (not quantized),
+- float32 activations on CPU, the K/V pool in float32 or int8 (stored as kv_pool.quantize_rows
+  does; fp8 codes are left to torch's conversion),
 - every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
   int8, int4 and GGUF-block methods; a library GEMM has none),
 - the step has at most MAX_TOKENS tokens and the native attention plan covers all of them.
@@ -51,7 +52,7 @@ class StackLayer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p),
                 ("k_norm", c_void_p), ("qkv", StackLinear), ("o", StackLinear),
                 ("gate_up", StackLinear), ("down", StackLinear), ("k_pool", c_void_p),
-                ("v_pool", c_void_p)]
+                ("v_pool", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p)]
 
 
 class StackModel(ctypes.Structure):
@@ -100,7 +101,7 @@ class NativeLayerStack:
         native kernel (then the model's forward runs every step)."""
         if not (isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuNativeBackend)
                 and native.load() is not None and pool.device.type == "cpu"
-                and pool.dtype == torch.float32 and pool.code_dtype is None
+                and pool.dtype == torch.float32 and pool.code_dtype in (None, torch.int8)
                 and model.embed_tokens.weight.dtype == torch.float32):
             return None
         cfg = model.config
@@ -134,10 +135,11 @@ class NativeLayerStack:
             if any(p is None for p in projections):
                 return None
             kv = pool.layer(i)
-            keep += [kv.k, kv.v, *(n.weight for n in norms if n is not None)]
+            keep += [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+            keep += [n.weight for n in norms if n is not None]
             layers.append(StackLayer(
                 *(_ptr(n.weight) if n is not None else None for n in norms), *projections,
-                kv.k.data_ptr(), kv.v.data_ptr()))
+                kv.k.data_ptr(), kv.v.data_ptr(), _ptr(kv.k_scale), _ptr(kv.v_scale)))
         if not _float32_vector(model.norm.weight, cfg.hidden):
             return None
         keep.append(model.norm.weight)
