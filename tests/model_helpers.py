@@ -52,17 +52,10 @@ class Seq:
     slots: list[int] = field(default_factory=list)
 
 
-def run_step(
-    runner: ModelRunner,
-    alloc: SlotAllocator,
-    work: list[tuple[Seq, int]],
-    prefixes: list[RowPrefix] | None = None,
-) -> list[torch.Tensor]:
-    """One step computing `n` new tokens of each Seq -> logits [n, vocab] at every new position.
-
-    Also checks `runner.forward`'s sampled logits (last token of requests that reached their end)
-    against those rows: forward rewrites the same K/V to the same slots, so running both is safe.
-    """
+def build_batch(alloc: SlotAllocator, work: list[tuple[Seq, int]],
+                prefixes: list[RowPrefix] | None = None) -> ForwardBatch:
+    """The step computing `n` new tokens of each Seq, their KV slots allocated (and added to
+    the Seqs); nothing sampled."""
     batch = ForwardBatch(row_prefixes=list(prefixes or []))
     for seq, n in work:
         p = len(seq.slots)
@@ -74,6 +67,21 @@ def run_step(
         batch.input_ids.extend(seq.tokens[p : p + n])
         batch.out_slots.extend(new)
         seq.slots.extend(new)
+    return batch
+
+
+def run_step(
+    runner: ModelRunner,
+    alloc: SlotAllocator,
+    work: list[tuple[Seq, int]],
+    prefixes: list[RowPrefix] | None = None,
+) -> list[torch.Tensor]:
+    """One step computing `n` new tokens of each Seq -> logits [n, vocab] at every new position.
+
+    Also checks `runner.forward`'s sampled logits (last token of requests that reached their end)
+    against those rows: forward rewrites the same K/V to the same slots, so running both is safe.
+    """
+    batch = build_batch(alloc, work, prefixes)
     batch.sample_indices = [
         i for i, (seq, _) in enumerate(work) if len(seq.slots) == len(seq.tokens)
     ]

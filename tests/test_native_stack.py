@@ -13,14 +13,14 @@ import torch
 
 from banyan.attention.cpu_native import CpuNativeBackend
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND
-from banyan.batch import ForwardBatch, RowPrefix
+from banyan.batch import RowPrefix
 from banyan.kernels import native
 from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
 from banyan.models.native_stack import MAX_TOKENS, NativeLayerStack
 from banyan.runner.model_runner import ModelRunner
-from tests.model_helpers import ARCHS, Seq, make_runner, random_ids
+from tests.model_helpers import ARCHS, Seq, build_batch, make_runner, random_ids
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU kernels unavailable")
 
@@ -39,17 +39,7 @@ def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]]
           prefixes: list[RowPrefix] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One step of `n` new tokens per Seq -> (the model's hidden states, the stack's or None).
     The stack must store the step's K/V (codes and scales too) exactly as the model did."""
-    batch = ForwardBatch(row_prefixes=list(prefixes or []))
-    for seq, n in work:
-        p = len(seq.slots)
-        new = alloc.alloc(n)
-        assert new is not None
-        batch.rows.append(seq.row)
-        batch.prefix_lens.append(p)
-        batch.extend_lens.append(n)
-        batch.input_ids.extend(seq.tokens[p: p + n])
-        batch.out_slots.extend(new)
-        seq.slots.extend(new)
+    batch = build_batch(alloc, work, prefixes)
     assert runner.stack is not None
     with torch.inference_mode():
         inputs = runner.prepare(batch)

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_paged_attention.h"
+
 extern "C" {
 void banyan_add_rms_norm_f32(float* residual, const float* add, const float* w, float* out,
                              int64_t rows, int64_t n, float eps, int64_t n_threads);
@@ -26,24 +28,8 @@ void banyan_rope_qk_f32(const float* qkv, int64_t stride, const float* cos, cons
                         const float* q_norm, const float* k_norm, float eps, float* q_out,
                         float* k_out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
                         int64_t n_threads);
-void banyan_paged_attention_f32_f32(const float* q, const float* k, const float* v,
-                                    const float* kscale, const float* vscale,
-                                    const int32_t* table, int64_t table_stride,
-                                    const int64_t* req_row, const int64_t* req_len,
-                                    const int64_t* q_start, const int64_t* n_new,
-                                    const int64_t* order, const int64_t* group_start,
-                                    const int64_t* group_prefix, int64_t n_groups, float* out,
-                                    int64_t heads, int64_t kvh, int64_t d, float scale,
-                                    int64_t n_threads);
-void banyan_paged_attention_f32_int8(const float* q, const int8_t* k, const int8_t* v,
-                                     const float* kscale, const float* vscale,
-                                     const int32_t* table, int64_t table_stride,
-                                     const int64_t* req_row, const int64_t* req_len,
-                                     const int64_t* q_start, const int64_t* n_new,
-                                     const int64_t* order, const int64_t* group_start,
-                                     const int64_t* group_prefix, int64_t n_groups, float* out,
-                                     int64_t heads, int64_t kvh, int64_t d, float scale,
-                                     int64_t n_threads);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
 void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
                               const float* bias, float* out, int64_t N, int64_t n_threads);
 void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,

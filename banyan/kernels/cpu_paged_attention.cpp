@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include "cpu_attend.h"
+#include "cpu_paged_attention.h"
 
 namespace {
 
@@ -297,20 +298,9 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
 
 extern "C" {
 
-// q, out: [T, H, D], the step's flat tokens (only the requests below are read and written);
-// k, v: one layer of the pool, [slots, KVH, D]; kscale, vscale: [slots, KVH] float32 for a
-// quantized pool (row = codes x scale), else null; table: [rows, stride] int32. Per request:
-// req_row, req_len (context including its new tokens, all stored), q_start (its first new
-// token in q), n_new (its new tokens: 1 for a decode; each attends causally). order: request
-// indices grouped, group g = order[group_start[g] .. group_start[g + 1]), sharing its first
-// group_prefix[g] slots (0 for a request alone).
+// The entry points: their arguments are described in cpu_paged_attention.h.
 #define BANYAN_PAGED_ATTENTION(NAME, C, K)                                                     \
-    void NAME(const C::T* q, const K::T* k, const K::T* v, const float* kscale,               \
-              const float* vscale, const int32_t* table, int64_t table_stride,                \
-              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,         \
-              const int64_t* n_new, const int64_t* order, const int64_t* group_start,         \
-              const int64_t* group_prefix, int64_t n_groups, C::T* out, int64_t heads,        \
-              int64_t kvh, int64_t d, float scale, int64_t n_threads) {                       \
+    BANYAN_PAGED_ATTENTION_SIGNATURE(NAME, C::T, K::T) {                                      \
         paged_attention<C, K>(q, k, v, kscale, vscale, table, table_stride, req_row, req_len, \
                               q_start, n_new, order, group_start, group_prefix, n_groups,     \
                               out, heads, kvh, d, scale, n_threads);                          \

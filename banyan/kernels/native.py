@@ -160,10 +160,6 @@ def vector_bits() -> int:
     return 0 if lib is None else int(lib.banyan_vector_bits())
 
 
-def has_avx512() -> bool:
-    return vector_bits() == 512
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T (+ bias), float32 on CPU, contiguous: every weight row read once

@@ -206,11 +206,11 @@ class Scheduler:
             prompt_tokens = step.batch.num_tokens - step.batch.batch_size
             if prompt_tokens >= 32 and "forward" in out.timings:
                 self.kv.tier.observe_compute(step.batch.num_tokens, out.timings["forward"])
-        batch = step.batch
-        guesses = sum(len(p) for p in batch.proposed)
-        if self.speculation is not None and "forward" in out.timings and \
-                batch.num_tokens == batch.batch_size + guesses:  # decodes (and guesses) only
-            self.speculation.observe_step(batch.num_tokens, out.timings["forward"])
+        if self.speculation is not None and "forward" in out.timings:
+            batch = step.batch
+            if batch.num_tokens == batch.batch_size + sum(map(len, batch.proposed)):
+                # decodes (and guesses) only: the step sizes speculation prices
+                self.speculation.observe_step(batch.num_tokens, out.timings["forward"])
         updates = self.update(step, out)
         stats.wait, stats.output = t1 - t0, time.perf_counter() - t1
         stats.timings = out.timings
