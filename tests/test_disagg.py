@@ -240,3 +240,29 @@ def test_a_prefill_worker_dying_mid_transfer_is_noticed_at_once(llama_dir: Path)
         assert sink is not None and sink.stats.failed == 1
         _check(decode)
 
+
+
+def test_sinks_opening_and_closing_never_break_the_zmq_context() -> None:
+    """A sink watches each DEALER with a monitor PAIR. pyzmq's default monitor address is named
+    by the socket's file descriptor, which a later socket gets once the old one is closed, while
+    libzmq may not have released the address yet: the fetch was then not sent (CI). And libzmq
+    sends monitor events from its I/O thread, blocking there while they find no reader, so a
+    monitor closed before its socket could freeze every socket of the context. Sinks open,
+    fetch and close beside a closing ROUTER; every fetch must be sent and arrive."""
+    import zmq
+
+    from banyan.disagg.sink import KVSink
+
+    ctx = zmq.Context()
+    try:
+        for i in range(1000):
+            router = ctx.socket(zmq.ROUTER)
+            port = router.bind_to_random_port("tcp://127.0.0.1")
+            sink = KVSink(ctx, None, None, "m", 1.0)  # type: ignore[arg-type]  # sockets only
+            sink._socket(f"tcp://127.0.0.1:{port}").send(b"fetch")
+            assert router.poll(5_000), f"fetch {i} did not arrive: the context stalled"
+            router.recv_multipart()
+            sink.close()
+            router.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)

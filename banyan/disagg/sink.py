@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -132,13 +133,25 @@ class KVSink:
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a peer host gone silent counts as gone
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = self._monitor(sock)
             sock.connect(remote)
             self._sockets[remote] = sock
             self._monitors[monitor] = remote
             self._poller.register(sock, zmq.POLLIN)
             self._poller.register(monitor, zmq.POLLIN)
         return sock
+
+    def _monitor(self, sock: zmq.Socket) -> zmq.Socket:
+        """A PAIR receiving sock's disconnect events. libzmq sends them from its I/O thread and
+        blocks while they find no room: a unique address (pyzmq's default names it by file
+        descriptor, reused once closed) and no high-water mark keep that send from blocking."""
+        address = f"inproc://banyan-kv-sink-monitor-{uuid.uuid4().hex}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = self.ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.connect(address)
+        return monitor
 
     def collect(self, block_s: float = 0.0) -> list[Request]:
         """Requests whose K/V arrived (or whose transfer failed or timed out: they compute it),
@@ -241,7 +254,12 @@ class KVSink:
         for transfers in (self._transfers, self._quarantined):
             for room in list(transfers):
                 self._end(transfers.pop(room), 0)
-        for sock in (*self._sockets.values(), *self._monitors):
+        # Monitoring stops before its PAIR closes: an event sent to a PAIR whose peer is gone
+        # blocks libzmq's I/O thread for good, and with it every socket of the context (seen
+        # when the prefill worker closed while the DEALER was being reaped).
+        for sock in self._sockets.values():
+            sock.disable_monitor()
+        for sock in (*self._monitors, *self._sockets.values()):
             sock.close(linger=0)
         self._sockets.clear()
         self._monitors.clear()
