@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from banyan.demo import training_corpus
+from banyan.engine.byte_detok import ByteDetokenizer, TokenBytes
 from banyan.engine.detok import IncrementalDetokenizer, StopStringMatcher, TextAccumulator
 from banyan.sampling.params import SamplingParams
 
@@ -153,6 +154,71 @@ def test_incomplete_character_is_flushed_at_the_end(bytelevel: Any) -> None:
     assert len(bytelevel.decode(ids[-1:])) == 1  # the emoji's last byte has a token of its own
     deltas = stream(bytelevel, [], ids[:-1])
     assert deltas[-1].endswith("\ufffd") and "".join(deltas) == bytelevel.decode(ids[:-1])
+
+
+# --- byte-level table (engine/byte_detok.py) -------------------------------------------------------
+
+def byte_stream(tokenizer: Any, prompt: list[int], output: list[int], skip: bool = True
+                ) -> list[str]:
+    table = TokenBytes.of(tokenizer)
+    assert table is not None
+    detok = ByteDetokenizer(table, prompt, skip_special_tokens=skip)
+    return [detok.push(t) for t in output] + [detok.finish()]
+
+
+def test_the_byte_table_is_made_for_byte_level_decoders_only(bytelevel: Any,
+                                                               metaspace: Any) -> None:
+    assert TokenBytes.of(bytelevel) is not None
+    assert TokenBytes.of(metaspace) is None  # Metaspace + byte fallback: the window decoder
+
+
+def test_byte_table_streams_what_the_window_decoder_streams(bytelevel: Any) -> None:
+    """Valid text: the same delta at every token (a character goes out with its last byte);
+    random ids (mostly invalid UTF-8), special tokens skipped or kept: the same whole text,
+    the one-shot decode's continuation."""
+    for text in TEXTS:
+        ids = bytelevel.encode(text, add_special_tokens=False)
+        for cut in range(len(ids)):
+            prompt, output = ids[:cut], ids[cut:]
+            if continuation(bytelevel, prompt, output) is not None:
+                assert byte_stream(bytelevel, prompt, output) == stream(bytelevel, prompt, output)
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(300):
+        prompt = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(6))]
+        output = [rng.randrange(len(bytelevel)) for _ in range(rng.randrange(1, 80))]
+        for skip in (True, False):
+            want = continuation(bytelevel, prompt, output, skip)
+            if want is not None:
+                assert "".join(byte_stream(bytelevel, prompt, output, skip)) == want
+                checked += 1
+    assert checked > 300
+
+
+def test_byte_table_when_the_prompt_ends_inside_a_character(bytelevel: Any) -> None:
+    """The prompt's text already shows a U+FFFD for its unfinished character: an output that
+    breaks the character does not emit it again; one that finishes it emits the character."""
+    ids = bytelevel.encode("ab😀", add_special_tokens=False)
+    emoji = ids[2:]
+    assert len(emoji) > 1  # the emoji is cut across tokens
+    prompt = ids[:3]  # ends inside the emoji
+    tail = bytelevel.encode("cd", add_special_tokens=False)
+    assert continuation(bytelevel, prompt, tail) == "cd"
+    assert "".join(byte_stream(bytelevel, prompt, tail)) == "cd"
+    assert "".join(byte_stream(bytelevel, prompt, [])) == ""
+    assert "".join(byte_stream(bytelevel, prompt, emoji[1:] + tail)) == "😀cd"
+
+
+def test_text_accumulator_with_the_byte_table(bytelevel: Any) -> None:
+    table = TokenBytes.of(bytelevel)
+    ids = bytelevel.encode(" ".join(TEXTS), add_special_tokens=False)
+    for stop in ([], ["café", "😀"], ["\n\n"]):
+        params = SamplingParams(stop=stop)
+        deltas = []
+        for token_bytes in (None, table):
+            acc = TextAccumulator.from_params(bytelevel, ids[:4], params, token_bytes)
+            deltas.append([acc.push(t) for t in ids[4:]] + [acc.finish()])
+        assert deltas[0] == deltas[1]
 
 
 # --- stop strings ---------------------------------------------------------------------------------

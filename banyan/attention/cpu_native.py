@@ -46,6 +46,10 @@ class CpuNativeBackend(SdpaBackend):
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> NativeMetadata:
         meta = NativeMetadata(backend=self, num_tokens=batch.num_tokens, out_slots=out_slots)
         starts = token_starts(batch)
+        if max(batch.extend_lens) <= self.max_extend:  # the usual step: the kernel takes all
+            meta.native = plan_native(self.table.table, batch.rows, batch.prefix_lens,
+                                      batch.extend_lens, starts)
+            return meta
         taken = [i for i, n in enumerate(batch.extend_lens) if n <= self.max_extend]
         if taken:
             meta.native = plan_native(

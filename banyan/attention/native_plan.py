@@ -73,22 +73,29 @@ def plan_native(
             NATIVE_GROUPING,
         )
         groups = [([decodes[j] for j in g.members], g.length) for g in found]
-    grouped = {i for members, _ in groups for i in members}
-    order: list[int] = []
-    group_start = [0]
-    group_prefix: list[int] = []
-    for members, length in groups:
-        order += members
-        group_start.append(len(order))
-        group_prefix.append(length)
-    for i in range(len(rows)):
-        if i not in grouped:
-            order.append(i)
-            group_start.append(len(order))
-            group_prefix.append(0)
 
     def i64(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64)
+
+    if groups:
+        grouped = {i for members, _ in groups for i in members}
+        order: list[int] = []
+        group_start = [0]
+        group_prefix: list[int] = []
+        for members, length in groups:
+            order += members
+            group_start.append(len(order))
+            group_prefix.append(length)
+        for i in range(len(rows)):
+            if i not in grouped:
+                order.append(i)
+                group_start.append(len(order))
+                group_prefix.append(0)
+        order_t, start_t, prefix_t = i64(order), i64(group_start), i64(group_prefix)
+    else:  # the usual step: everyone alone, in batch order (no Python loop per request)
+        order_t = torch.arange(len(rows), dtype=torch.int64)
+        start_t = torch.arange(len(rows) + 1, dtype=torch.int64)
+        prefix_t = torch.zeros(len(rows), dtype=torch.int64)
 
     return NativePlan(
         sum(extend_lens),
@@ -96,9 +103,9 @@ def plan_native(
         i64([p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]),
         i64(starts),
         i64(extend_lens),
-        i64(order),
-        i64(group_start),
-        i64(group_prefix),
+        order_t,
+        start_t,
+        prefix_t,
     )
 
 

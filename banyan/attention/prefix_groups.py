@@ -98,10 +98,11 @@ def find_shared_prefixes(
         c *= 2
     device = table.device
     rows_t = torch.tensor([rows[i] for i in eligible], dtype=torch.int64).to(device)
+    first = table[:, probes[0]].index_select(0, rows_t)
+    if torch.unique(first).numel() == len(eligible):
+        return []  # nobody shares even the first probe: the usual step without sharing
     probes_t = torch.tensor(probes, dtype=torch.int64).to(device)
     keys = table[rows_t[:, None], probes_t[None, :]].tolist()  # [E, J]: one small read
-    if len({k[0] for k in keys}) == len(keys):
-        return []  # nobody shares even the first probe: the usual step without sharing
 
     root = _Node(0)
     for pos, i in enumerate(eligible):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from banyan.args import EngineArgs
+from banyan.engine.byte_detok import TokenBytes
 from banyan.engine.detok import TextAccumulator
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, RequestUpdate, Scheduler
@@ -66,6 +67,8 @@ class EngineCore:
         self.args = args
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        # Byte-level tokenizers stream text from a table of token bytes (engine/byte_detok.py)
+        self.token_bytes = TokenBytes.of(tokenizer) if tokenizer is not None else None
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -135,7 +138,7 @@ class EngineCore:
         return added
 
     def _text_stream(self, prompt: list[int], params: SamplingParams) -> Any:
-        return TextAccumulator.from_params(self.tokenizer, prompt, params)
+        return TextAccumulator.from_params(self.tokenizer, prompt, params, self.token_bytes)
 
     @staticmethod
     def _check_structured(params: SamplingParams) -> None:

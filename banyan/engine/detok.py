@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from banyan.engine.byte_detok import ByteDetokenizer, TokenBytes
 from banyan.sampling.params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token: tokenizers that strip the
@@ -196,8 +197,14 @@ class TextAccumulator:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         min_new_tokens: int = 0,
+        token_bytes: TokenBytes | None = None,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        # With a byte-level tokenizer's table (TokenBytes.of), one lookup per token instead of
+        # two tokenizer decodes; the same text.
+        self._detok: IncrementalDetokenizer | ByteDetokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+            if token_bytes is None else
+            ByteDetokenizer(token_bytes, prompt_ids, skip_special_tokens))
         self._matcher = StopStringMatcher(stop)
         # As vLLM: stop strings completed before the min_new_tokens-th token do not count (the
         # sampler bans stop tokens until then; text cannot be banned). Partial ones are still
@@ -213,11 +220,11 @@ class TextAccumulator:
 
     @classmethod
     def from_params(
-        cls, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams
+        cls, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams,
+        token_bytes: TokenBytes | None = None,
     ) -> TextAccumulator:
-        return cls(
-            tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.min_new_tokens
-        )
+        return cls(tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
+                   params.min_new_tokens, token_bytes)
 
     @property
     def text(self) -> str:
@@ -234,7 +241,12 @@ class TextAccumulator:
         if self._stopped:
             return TextDelta("", stopped=True)
         self._tokens += 1
-        return self._advance(self._detok.push(token_id), final=False)
+        new = self._detok.push(token_id)
+        if not self._matcher.stops:  # nothing to find or hold back: once per token, kept lean
+            if new:
+                self._parts.append(new)
+            return TextDelta(new)
+        return self._advance(new, final=False)
 
     def finish(self) -> str:
         """Everything still held back (a partial stop string, an incomplete character): call once

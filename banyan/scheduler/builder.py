@@ -59,17 +59,18 @@ class BatchBuilder:
 
     def build(self, running: list[Request], waiting: WaitingQueue) -> ScheduledStep:
         step = ScheduledStep()
-        self._schedule_decodes(step, running, waiting)
+        chunked = self._schedule_decodes(step, running, waiting)
         budget = self.config.max_prefill_tokens
-        for req in [r for r in running if r.remaining > 1]:  # prompts still in chunks
+        for req in chunked:  # prompts still in chunks
             if budget <= 0:
                 break
             budget -= self._add_chunk(step, req, budget)
-        # Prompts whose KV no collected step has written in full (chunks in this step, or in one
-        # still running with overlap) reach the prefix cache only later, so waiting requests
-        # sharing them must not compute the same tokens alongside.
-        prefilling = [r for r in running if r.written < len(r.prompt_ids)]
-        self._admit(step, running, waiting, budget, prefilling)
+        if waiting:
+            # Prompts whose KV no collected step has written in full (chunks in this step, or
+            # in one still running with overlap) reach the prefix cache only later, so waiting
+            # requests sharing them must not compute the same tokens alongside.
+            prefilling = [r for r in running if r.written < len(r.prompt_ids)]
+            self._admit(step, running, waiting, budget, prefilling)
         if step.retracted:
             self.new_token_ratio = self.config.new_token_ratio_init
         elif step.reqs:
@@ -81,22 +82,34 @@ class BatchBuilder:
 
     def _schedule_decodes(
         self, step: ScheduledStep, running: list[Request], waiting: WaitingQueue
-    ) -> None:
-        decoding = [r for r in running if r.remaining == 1 and not r.ends_with_pending]
+    ) -> list[Request]:
+        """Schedule every decoding request (retracting when slots run out); returns the
+        running requests still in chunked prefill."""
+        decoding: list[Request] = []
+        chunked: list[Request] = []
+        for r in running:  # once per running request per step: one pass
+            remaining = r.remaining
+            if remaining > 1:
+                chunked.append(r)
+            elif remaining == 1 and not r.ends_with_pending:
+                decoding.append(r)
         while decoding and self.kv.available < len(decoding):
             victim = running.pop()  # the most recently admitted
             self.retract(victim, waiting)
             step.retracted.append(victim)
             if victim in decoding:
                 decoding.remove(victim)
+            if victim in chunked:
+                chunked.remove(victim)
         if self.speculation is None or not decoding:
             for req in decoding:
                 self._add(step, req, 1)
-            return
+            return chunked
         # Guesses only take slots that are free now beyond what the decodes need.
         guesses = self.speculation.plan(decoding, self.kv.allocator.num_free - len(decoding))
         for req, guess in zip(decoding, guesses, strict=True):
             self._add(step, req, 1, guess)
+        return chunked
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int) -> int:
         n = min(req.remaining, self.config.chunked_prefill_size, budget)

@@ -1,0 +1,133 @@
+"""Streaming text for byte-level BPE tokenizers (GPT-2's byte map: Llama 3, Qwen2/3, SmolLM2)
+without calling the tokenizer per token.
+
+Their decoder turns each token into a fixed byte string and the concatenation into text
+(invalid UTF-8 replaced by U+FFFD, one per maximal invalid run). So a request's text can be
+streamed from a table of every token's bytes and Python's incremental UTF-8 decoder, which holds
+back an unfinished character and replaces invalid bytes exactly as that one-shot decode does:
+one table lookup and one C call per token, where `IncrementalDetokenizer` makes two tokenizer
+decodes of a window (~2-5 us each: most of a decode step's output work at 256 running requests).
+
+`TokenBytes.of` builds the table when the tokenizer's decoder is byte-level alone, and checks it
+against the tokenizer's own decodes of sample sequences; any other decoder (SentencePiece's
+Metaspace with byte fallback, WordPiece) keeps the window decoder.
+"""
+
+from __future__ import annotations
+
+import codecs
+import random
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+# Prompt tokens fed to the decoder before the output: enough bytes to finish or invalidate a
+# character the prompt ends inside (4 bytes at most, at least one per token).
+PROMPT_BYTES_CONTEXT = 4
+SELF_CHECK_SEQUENCES = 64
+
+
+@lru_cache(maxsize=1)
+def _to_byte_chars() -> dict[int, str]:
+    """str.translate table from GPT-2's printable stand-in characters to the bytes they stand
+    for (as latin-1 characters); other characters below 256 go to U+FFFF, which latin-1 cannot
+    encode, so a token holding one is seen as outside the map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table = {c: "\uffff" for c in range(256)}
+    table.update({c: chr(c) for c in printable})
+    others = [b for b in range(256) if b not in set(printable)]
+    table.update({256 + i: chr(b) for i, b in enumerate(others)})
+    return table
+
+
+class TokenBytes:
+    """Every token's bytes as the tokenizer's byte-level decoder produces them, and which
+    tokens `skip_special_tokens` drops."""
+
+    __slots__ = ("table", "special")
+
+    def __init__(self, table: list[bytes], special: frozenset[int]) -> None:
+        self.table = table
+        self.special = special
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenBytes | None:
+        """The table of a tokenizer whose decoder is byte-level alone, checked against its own
+        decodes; None for any other tokenizer."""
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+            return None  # another decoder, or a slow (Python) tokenizer
+        to_bytes = _to_byte_chars()
+        vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
+        table = [b""] * (max(vocab.values()) + 1)
+        for token, token_id in vocab.items():
+            try:
+                table[token_id] = token.translate(to_bytes).encode("latin-1")
+            except UnicodeEncodeError:  # the decoder's rule: a character outside the map
+                table[token_id] = token.encode()  # sends the whole token out as UTF-8
+        special = frozenset(i for i, added in backend.get_added_tokens_decoder().items()
+                            if added.special)
+        made = cls(table, special)
+        return made if made._agrees_with(backend) else None
+
+    def _agrees_with(self, backend: Any) -> bool:
+        """Random sequences (every special and added token among them) decode alike."""
+        rng = random.Random(0)
+        n = len(self.table)
+        added = sorted(self.special)
+        samples = [[rng.randrange(n) for _ in range(rng.randrange(1, 12))]
+                   for _ in range(SELF_CHECK_SEQUENCES)]
+        samples += [[rng.randrange(n), t, rng.randrange(n)] for t in added[:64]]
+        for skip in (True, False):
+            want = backend.decode_batch(samples, skip_special_tokens=skip)
+            got = [self.decode(s, skip) for s in samples]
+            if got != want:
+                return False
+        return True
+
+    def bytes_of(self, ids: Sequence[int], skip_special_tokens: bool) -> bytes:
+        table, n = self.table, len(self.table)
+        skip = self.special if skip_special_tokens else frozenset()
+        return b"".join(table[t] for t in ids if 0 <= t < n and t not in skip)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self.bytes_of(ids, skip_special_tokens).decode("utf-8", "replace")
+
+
+class ByteDetokenizer:
+    """`IncrementalDetokenizer`'s interface over a TokenBytes table: push a token, get the text
+    it completes; finish() flushes an unfinished character as U+FFFD."""
+
+    __slots__ = ("_table", "_size", "_skip", "_utf8", "_prompt_open")
+
+    def __init__(self, token_bytes: TokenBytes, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
+        self._table = token_bytes.table
+        self._size = len(self._table)
+        self._skip = token_bytes.special if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # The prompt's last bytes, decoded and dropped: an output that finishes a character the
+        # prompt began emits that character, as a decode of prompt + output shows it.
+        self._utf8.decode(token_bytes.bytes_of(prompt_ids[-PROMPT_BYTES_CONTEXT:],
+                                               skip_special_tokens))
+        # The prompt ends inside a character: its text shows a U+FFFD for it already, so when
+        # the output breaks that character instead, its U+FFFD is not the output's.
+        self._prompt_open = bool(self._utf8.getstate()[0])
+
+    def push(self, token_id: int) -> str:
+        if token_id in self._skip or not 0 <= token_id < self._size:
+            return ""
+        text = self._utf8.decode(self._table[token_id])
+        if self._prompt_open and text:
+            self._prompt_open = False
+            if text[0] == "\ufffd":
+                text = text[1:]
+        return text
+
+    def finish(self) -> str:
+        text = self._utf8.decode(b"", True)
+        if self._prompt_open and text:  # the output never touched the prompt's open character
+            text = text[1:]
+        self._prompt_open = False
+        return text
