@@ -141,10 +141,13 @@ class ModelStepRunner:
         accepted, then the model's token at the first mismatch (or after the last proposal).
         Sampling at each position and comparing is exact for proposals that are single
         guesses (the output follows the model's own distribution, greedy or not)."""
+        if not any(batch.proposed):  # one token per request: nothing to check
+            return ([[t] for t in sampled],
+                    [[] if lp is None else [lp] for lp in logprobs])
         tokens: list[list[int]] = []
         lps: list[list[TokenLogprobs]] = []
         at = 0
-        proposed = batch.proposed or [[] for _ in batch.sampling]
+        proposed = batch.proposed
         for guess in proposed:
             n = 0
             while n < len(guess) and sampled[at + n] == guess[n]:
