@@ -7,11 +7,13 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from banyan.args import EngineArgs
-from banyan.engine import Engine
 from banyan.sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # `banyan serve` and the router never load the engine (nor torch) here
+    from banyan.engine.offline import Engine
 
 
 def add_chat_parser(sub: Any, add_args: Callable[[argparse.ArgumentParser], object],
@@ -26,6 +28,8 @@ def add_chat_parser(sub: Any, add_args: Callable[[argparse.ArgumentParser], obje
 
 def open_engine(args: EngineArgs, params: SamplingParams) -> Engine | None:
     """The engine for a command-line run, or None after printing why the arguments are bad."""
+    from banyan.engine.offline import Engine
+
     try:
         params.validate()
         return Engine(**dataclasses.asdict(args))

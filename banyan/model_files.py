@@ -36,6 +36,14 @@ def resolve_model_dir(model: str | None, show_progress: bool = True) -> Path:
     return path
 
 
+def engine_model_arg(model: str | None, model_dir: Path) -> str | None:
+    """What engine processes get as --model once the launcher resolved it to model_dir: the
+    demo model's folder (built once, by the launcher), else the value as given, so a GGUF file
+    (or the default model's) keeps its blocks: given only the converted folder, the engine
+    would run the dequantized weights."""
+    return str(model_dir) if model == DEMO_MODEL and not Path(model).exists() else model
+
+
 def gguf_source(model: str | None) -> Path | None:
     """The GGUF file a --model value loads from (None: the default model's file), or None when
     it names a Hugging Face folder or the demo model."""

@@ -101,3 +101,38 @@ def test_clear_errors(tmp_path: Path, tokenizer_dir: Path) -> None:
         find_gguf(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model_dir(str(tmp_path / "missing.gguf"))
+
+
+def test_header_reader_gives_what_ggufs_reader_gives(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """GGUFHeader (read at every start of a server computing from blocks) against gguf's own
+    reader: the same tensors (names, types, dims, data typed and shaped alike, bytes equal) and
+    the same scalar and string metadata; arrays (the tokenizer's tokens) are stepped over."""
+    import numpy as np
+
+    from banyan.models.gguf_header import GGUFHeader, SkippedArray
+
+    path = write_gguf(tmp_path / "mixed.gguf", tokenizer_dir, wtype="Q4_K",
+                      types={"attn_v": "Q8_0", "ffn_down": "F16", "attn_k": "BF16"})
+    ours, theirs = GGUFHeader(path), gguf.GGUFReader(str(path))
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    kinds = set()
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and a.shape.tolist() == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data), a.name
+        kinds.add(a.tensor_type)
+    assert len(kinds) >= 4
+    arrays = 0
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue  # the reader's own entries for the header's counts
+        value = ours.fields[key]
+        if isinstance(value, SkippedArray):
+            assert value.count == len(field.data)
+            arrays += 1
+        else:
+            assert value == field.contents(), key
+    assert arrays >= 2  # the tokenizer's tokens and merges were stepped over
+    (tmp_path / "bad.gguf").write_bytes(b"GGUX" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFHeader(tmp_path / "bad.gguf")

@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from banyan.args import KV_CACHE_DTYPES
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when a score is computed, not when the CLI is built
+    import torch
+
     from banyan.runner.model_runner import ModelRunner
 
 # A fixed English text (written for Banyan, about 600 tokens for a GPT-2-style BPE): the default
@@ -70,6 +70,8 @@ class Perplexity:
 
 
 def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
+    import torch
+
     target = torch.tensor(targets, dtype=torch.long, device=logits.device)
     loss = torch.nn.functional.cross_entropy(logits.double(), target, reduction="sum")
     return float(loss)
@@ -78,6 +80,8 @@ def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
 def banyan_perplexity(runner: ModelRunner, ids: list[int], chunk: int = 256) -> Perplexity:
     """Feed `ids` through Banyan's model in chunks of `chunk` tokens (each attending to the KV of
     the previous ones, as a chunked prefill does) and score every next token."""
+    import torch
+
     from banyan.batch import ForwardBatch
     from banyan.mem.allocator import SlotAllocator
 
@@ -102,6 +106,8 @@ def banyan_perplexity(runner: ModelRunner, ids: list[int], chunk: int = 256) -> 
 
 def hf_perplexity(model: Any, ids: list[int]) -> Perplexity:
     """The same score from a transformers causal LM, in one forward."""
+    import torch
+
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0]
     return Perplexity(len(ids) - 1, _nll_sum(logits[:-1], ids[1:]) / (len(ids) - 1))
@@ -141,6 +147,7 @@ def run_quality(ns: argparse.Namespace) -> int:
                               "kv_cache_dtype": ns.kv_cache_dtype, **asdict(ours),
                               "ppl": ours.ppl}
     if ns.reference:
+        import torch
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)

@@ -170,4 +170,5 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     skip = (model.embed_tokens,) if model.tied_head is not None else ()
     core.weight_bytes = model_weight_bytes(model, skip=skip)
     core.kv_bytes_per_token = runner.pool.bytes_per_slot
+    core.quantization = runner.quantization
     return core

@@ -32,6 +32,7 @@ import numpy as np
 
 from banyan.fs import build_dir_atomically
 from banyan.models.gguf_dequant import check_supported, storage_dtype, to_storage
+from banyan.models.gguf_header import GGUFHeader
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +121,11 @@ def gguf_model_dir(gguf_file: Path, show_progress: bool = True) -> Path:
                                 lambda tmp: convert_gguf(gguf_file, tmp, show_progress))
 
 
-def open_gguf(gguf_file: Path) -> tuple[Any, str]:
-    """(GGUFReader, architecture); ValueError for an architecture Banyan does not run."""
-    from gguf import GGUFReader
-
+def open_gguf(gguf_file: Path) -> tuple[GGUFHeader, str]:
+    """(the file's header and tensor index, architecture); ValueError for an architecture
+    Banyan does not run."""
     try:
-        reader = GGUFReader(str(gguf_file))
+        reader = GGUFHeader(gguf_file)
     except Exception as exc:  # noqa: BLE001 - the reader raises many types on a bad file
         raise ValueError(f"cannot read {gguf_file} as a GGUF file: {exc}") from exc
     arch = _field(reader, "general.architecture")
@@ -137,7 +137,7 @@ def open_gguf(gguf_file: Path) -> tuple[Any, str]:
     return reader, str(arch)
 
 
-def iter_gguf_tensors(reader: Any, arch: str) -> Iterator[GGUFTensor]:
+def iter_gguf_tensors(reader: GGUFHeader, arch: str) -> Iterator[GGUFTensor]:
     """Every tensor of the file, renamed to Hugging Face and in Hugging Face row order; raw
     blocks unchanged otherwise. ValueError names an unknown tensor or an unsupported type."""
     heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -188,7 +188,7 @@ def convert_gguf(gguf_file: Path, out: Path, show_progress: bool = True) -> None
         # whose config default is 128): the file's own number wins.
         key_length = reader.fields.get(f"{arch}.attention.key_length")
         if key_length is not None:
-            config.head_dim = int(key_length.contents())
+            config.head_dim = int(key_length)
         config.save_pretrained(str(out))
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(out))
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
@@ -223,10 +223,10 @@ def write_safetensors(path: Path, tensors: list[GGUFTensor], show_progress: bool
             bar.update(1)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFHeader, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF metadata has no {key!r}")
         return default
-    return field.contents()
+    return value

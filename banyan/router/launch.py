@@ -233,7 +233,7 @@ async def wait_healthy(replicas: list[Replica], timeout: float) -> None:
 
 def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: RouterArgs,
            roles: list[str]) -> int:
-    from banyan.model_files import default_served_name, resolve_model_dir
+    from banyan.model_files import default_served_name, engine_model_arg, resolve_model_dir
 
     _set_log_level(server_args.log_level)
     try:
@@ -245,7 +245,8 @@ def run_dp(engine_args: EngineArgs, server_args: ServerArgs, router_args: Router
     server_args = dataclasses.replace(
         server_args, served_model_name=(server_args.served_model_name
                                         or default_served_name(engine_args.model)))
-    engine_args = dataclasses.replace(engine_args, model=str(model_dir))
+    engine_args = dataclasses.replace(engine_args,
+                                      model=engine_model_arg(engine_args.model, model_dir))
     try:
         replicas = start_replicas(engine_args, server_args, roles)
     except ValueError as exc:

@@ -283,6 +283,7 @@ class EngineLoop:
             "kv_capacity": stats.kv_capacity,
             "kv_cache_dtype": self.core.args.kv_cache_dtype,
             "kv_bytes_per_token": self.core.kv_bytes_per_token,
+            "quantization": self.core.quantization,
             "kv_free": stats.kv_free,
             "kv_evictable": stats.kv_evictable,
             "kv_protected": stats.kv_protected,
@@ -375,6 +376,10 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
         inbox.close()
         outbox.close()
         ctx.term()
+    # Everything is closed: skip the interpreter's teardown of torch and its thread pools
+    # (~1 s measured), so a stopped or restarted server is gone at once.
+    logging.shutdown()
+    os._exit(0)
 
 
 def _send_blocking(sock: PushSocket, msg: EngineReady | EngineFailed,

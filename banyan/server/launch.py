@@ -18,6 +18,7 @@ from banyan.args import EngineArgs
 from banyan.model_files import (
     DEMO_SERVED_NAME,
     default_served_name,
+    engine_model_arg,
     load_tokenizer,
     resolve_model_dir,
     sampling_defaults,
@@ -34,23 +35,22 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     logging.getLogger().setLevel(level)
     try:
         model_dir = resolve_model_dir(engine_args.model)  # builds the demo model once if needed
-        tokenizer = load_tokenizer(Path(engine_args.tokenizer) if engine_args.tokenizer
-                                   else model_dir)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    tokenizer_path = Path(engine_args.tokenizer) if engine_args.tokenizer else model_dir
     name = server_args.served_model_name or default_served_name(engine_args.model)
-    # The engine gets the resolved folder, so it does not build or look up the demo model again.
-    engine_args = dataclasses.replace(engine_args, model=str(model_dir))
+    engine_args = dataclasses.replace(engine_args,
+                                      model=engine_model_arg(engine_args.model, model_dir))
     try:
-        return asyncio.run(_serve(engine_args, server_args, name, str(model_dir), tokenizer,
+        return asyncio.run(_serve(engine_args, server_args, name, str(model_dir), tokenizer_path,
                                   level))
     except KeyboardInterrupt:
         return 130
 
 
 async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: str,
-                 model_path: str, tokenizer: object, level: int) -> int:
+                 model_path: str, tokenizer_path: Path, level: int) -> int:
     import uvicorn
 
     from banyan.server.api_server import build_app
@@ -70,12 +70,21 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs, model_name: s
     # Until uvicorn installs its own handlers, SIGTERM cancels the start-up (and cleans up).
     loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
     tok: TokenizerSide | None = None
+    # The tokenizer loads (seconds: transformers) while the engine process starts.
+    loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, tokenizer_path))
     try:
         try:
             client = await supervisor.start()
         except RuntimeError as exc:
+            await asyncio.wait({loading})
+            bad_tokenizer = loading.exception()  # then the engine failed for the same reason
+            logger.error("%s", bad_tokenizer or exc)
+            return 2 if isinstance(bad_tokenizer, ValueError) else 1
+        try:
+            tokenizer = await loading
+        except ValueError as exc:
             logger.error("%s", exc)
-            return 1
+            return 2
         ready = client.info
         assert ready is not None
         logger.info("engine ready: max_model_len %d, KV cache %d tokens", ready.max_model_len,

@@ -16,11 +16,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from banyan.structured.spec import StructuredSpec
+
+if TYPE_CHECKING:  # the API server checks grammars without loading torch
+    import torch
 
 # Proposed tokens a matcher can take back (speculative decoding checks up to this many).
 MAX_ROLLBACK = 16
