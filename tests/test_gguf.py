@@ -136,3 +136,19 @@ def test_header_reader_gives_what_ggufs_reader_gives(tmp_path: Path, tokenizer_d
     (tmp_path / "bad.gguf").write_bytes(b"GGUX" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFHeader(tmp_path / "bad.gguf")
+
+
+def test_a_served_gguf_file_computes_from_its_blocks(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """`banyan serve --model file.gguf`: the engine process computes from the file's blocks
+    (it was handed the dequantized folder once, and ran float32 weights)."""
+    import httpx
+
+    from tests.server_helpers import start_server
+
+    path = write_gguf(tmp_path / "served.gguf", tokenizer_dir, wtype="Q4_0")
+    server = start_server(path, tmp_path)
+    try:
+        info = httpx.get(f"{server.url}/server_info", timeout=30).json()
+        assert info["quantization"] == "gguf" and info["engine_args"]["model"] == str(path)
+    finally:
+        server.stop()
