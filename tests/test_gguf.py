@@ -152,3 +152,24 @@ def test_a_served_gguf_file_computes_from_its_blocks(tmp_path: Path, tokenizer_d
         assert info["quantization"] == "gguf" and info["engine_args"]["model"] == str(path)
     finally:
         server.stop()
+
+
+def test_generic_tokenizers_load_as_autotokenizer_loads_them(tmp_path: Path,
+                                                             tokenizer_dir: Path) -> None:
+    """load_tokenizer skips AutoTokenizer (and its import of torch) for the classes it resolves
+    to the generic fast tokenizer: the same class, ids, special tokens and chat template."""
+    from transformers import AutoTokenizer
+
+    from banyan.model_files import GENERIC_TOKENIZER_CLASSES, tokenizer_class_name
+
+    folder = resolve_model_dir(str(write_gguf(tmp_path / "t.gguf", tokenizer_dir)),
+                               show_progress=False)
+    assert tokenizer_class_name(folder) in GENERIC_TOKENIZER_CLASSES
+    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours) is type(auto)
+    text = "Once upon a time, naïve café 😀 <|im_end|> and\n\ttabs"
+    assert ours.encode(text) == auto.encode(text)
+    assert ours.all_special_ids == auto.all_special_ids and ours.eos_token == auto.eos_token
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == \
+        auto.apply_chat_template(chat, tokenize=False)

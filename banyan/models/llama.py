@@ -117,7 +117,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        # Uninitialised: the checkpoint fills it (a random init costs the first call to
+        # normal_, which imports torch._dynamo: 1.7 s of every start).
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden,
+                                         _weight=torch.empty(cfg.vocab, cfg.hidden))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.rope_type, cfg.rope_theta, cfg.head_dim)

@@ -15,13 +15,12 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from banyan.args import EngineArgs
-from banyan.engine.build import build_engine_core
-from banyan.engine.core import EngineCore
 from banyan.scheduler import RequestUpdate
 from banyan.scheduler.speculation import SpecStats
 from banyan.server.ipc import (
@@ -40,6 +39,9 @@ from banyan.server.ipc import (
     Update,
     UpdateBatch,
 )
+
+if TYPE_CHECKING:  # the API server imports this module to name the entry point: no torch there
+    from banyan.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -357,6 +359,8 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
         # Decode steps first where the roles share cores. Before the build: threads made
         # later (torch's OpenMP pool, the K/V socket's I/O thread) inherit it.
         os.nice(args.disaggregation_prefill_nice)
+    from banyan.engine.build import build_engine_core
+
     try:
         try:
             core = build_engine_core(args)
