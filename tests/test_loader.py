@@ -166,3 +166,41 @@ def test_kv_budget_sizes_pool(model_dirs: dict[str, Path]) -> None:
     runner = make_runner(model_dirs["mistral"], num_slots=None, kv_cache_bytes=per_slot * 100 + 7)
     assert runner.num_slots == 100
     assert runner.bytes_per_token == per_slot
+
+
+def test_plain_llama_configs_read_without_autoconfig(model_dirs: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """A llama config.json that spells out every field read, RoPE unscaled, is read as it is
+    (no AutoConfig): the same ModelConfig and EOS ids as through AutoConfig. A field left to
+    its class default, a scaled RoPE or another family goes through AutoConfig."""
+    from transformers import AutoConfig
+
+    from banyan.models import config as config_module
+
+    def both(folder: Path) -> tuple[ModelConfig, ModelConfig]:
+        fast = ModelConfig.from_pretrained(folder)
+        slow = ModelConfig.from_hf_config(AutoConfig.from_pretrained(str(folder)))
+        return fast, slow
+
+    def fields(cfg: ModelConfig) -> dict[str, object]:
+        return {k: getattr(cfg, k) for k in ModelConfig.__slots__ if k != "hf_config"}
+
+    raw = json.loads((model_dirs["llama"] / "config.json").read_text())
+
+    def variant(change: dict[str, object]) -> Path:
+        path = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(model_dirs["llama"], path)
+        (path / "config.json").write_text(json.dumps({**raw, **change}))
+        return path
+
+    plain = variant({"rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}})
+    fast, slow = both(plain)
+    assert not hasattr(fast.hf_config, "to_dict")  # the plain path was taken
+    assert fields(fast) == fields(slow) and fast.rope_theta == 50000.0
+    assert fast.hf_config.eos_token_id == slow.hf_config.eos_token_id
+    fast, slow = both(model_dirs["llama"])  # llama3-scaled RoPE: through AutoConfig
+    assert hasattr(fast.hf_config, "to_dict") and fields(fast) == fields(slow)
+    assert config_module._plain_llama_config(variant({"rms_norm_eps": None}) /
+                                             "config.json") is None
+    for arch in ("mistral", "qwen2", "qwen3"):
+        assert config_module._plain_llama_config(model_dirs[arch] / "config.json") is None
