@@ -156,7 +156,7 @@ def test_incomplete_character_is_flushed_at_the_end(bytelevel: Any) -> None:
     assert deltas[-1].endswith("\ufffd") and "".join(deltas) == bytelevel.decode(ids[:-1])
 
 
-# --- byte-level table (engine/byte_detok.py) -------------------------------------------------------
+# --- byte-level table (engine/byte_detok.py) ------------------------------------------------------
 
 def byte_stream(tokenizer: Any, prompt: list[int], output: list[int], skip: bool = True
                 ) -> list[str]:
