@@ -28,16 +28,29 @@ SELF_CHECK_SEQUENCES = 64
 
 
 @lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE writes each byte as one printable
+    character; this maps them back, so a token's exact bytes are known even when they are
+    half of a UTF-8 character."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+@lru_cache(maxsize=1)
 def _to_byte_chars() -> dict[int, str]:
-    """str.translate table from GPT-2's printable stand-in characters to the bytes they stand
-    for (as latin-1 characters); other characters below 256 go to U+FFFF, which latin-1 cannot
-    encode, so a token holding one is seen as outside the map."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    """str.translate table from the stand-in characters to the bytes they stand for (as latin-1
+    characters); other characters below 256 go to U+FFFF, which latin-1 cannot encode, so a
+    token holding one is seen as outside the map."""
     table = {c: "\uffff" for c in range(256)}
-    table.update({c: chr(c) for c in printable})
-    others = [b for b in range(256) if b not in set(printable)]
-    table.update({256 + i: chr(b) for i, b in enumerate(others)})
+    table.update({ord(ch): chr(b) for ch, b in unicode_to_bytes().items()})
     return table
 
 

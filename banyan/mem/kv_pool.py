@@ -121,7 +121,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     if device.type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1))
+    buffer = mmap.mmap(-1, nbytes)
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 

@@ -55,11 +55,10 @@ class GGUFHeader:
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         buf = self._map
-        self._at = 0
         magic = buf[:4]
         if magic != b"GGUF":
             raise ValueError(f"not a GGUF file (magic {magic!r})")
-        self._at = 4
+        self._at = 4  # the read position
         version, n_tensors, n_fields = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported (2 or 3)")

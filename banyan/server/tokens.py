@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any, TypeVar
 
+from banyan.engine.byte_detok import unicode_to_bytes
+
 T = TypeVar("T")
 
 # The file name Jinja gives templates compiled from a string (as chat templates are).
@@ -50,22 +52,6 @@ def _with_deadline(deadline: float, fn: Callable[..., T], *args: Any) -> T:
         sys.settrace(None)
 
 
-def _unicode_to_bytes() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE writes each byte as one printable
-    character; this maps them back, so a token's exact bytes are known even when they are
-    half of a UTF-8 character."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
 class TokenizerSide:
     def __init__(self, tokenizer: Any, vocab_size: int, threads: int = 4,
                  timeout: float = 10.0) -> None:
@@ -80,7 +66,7 @@ class TokenizerSide:
             from tokenizers import decoders
 
             if isinstance(backend.decoder, decoders.ByteLevel):
-                self._byte_map = _unicode_to_bytes()
+                self._byte_map = unicode_to_bytes()
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self._names: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, bytes)
 
