@@ -156,50 +156,60 @@ struct Attender {
 };
 
 // A lone decode of a long context (one request, one token; the batch-1 case): its keys are
-// split across the threads (flash-decoding), each thread attends every KV head over its share,
+// cut into parts (flash-decoding) shared by the threads; each part attends every KV head over
 // one contiguous run of slots (a slot's heads side by side: the memory streams in order), and
-// the partial softmax states are merged at the end. Splitting by KV head instead left one
-// thread two of SmolLM2's three heads and read each head's rows with a stride.
-constexpr int64_t kSplitMinKeys = 64;  // per thread: shorter contexts split by head
+// the parts' softmax states are merged in part order at the end. Splitting by KV head instead
+// left one thread two of SmolLM2's three heads and read each head's rows with a stride.
+// The parts depend on the context length only, never on the thread count, so a step gives the
+// same bits on 1 thread as on 2: the engine may change its thread count between steps (a shared
+// CPU) without changing any output.
+constexpr int64_t kSplitMinKeys = 64;  // per part; shorter contexts are not split
+constexpr int64_t kMaxParts = 64;
+
+// Parts for n keys: about n / kSplitMinKeys, an even count (2 threads balance) and from 8 on a
+// multiple of 8 (so do 4 and 8); 1 when the context is too short to split.
+inline int64_t split_parts(int64_t n) {
+    const int64_t p = std::min(kMaxParts, n / kSplitMinKeys);
+    if (p >= 8) return p / 8 * 8;
+    return p >= 2 ? p / 2 * 2 : 1;
+}
 
 template <typename C, typename K>
 void split_decode(const typename C::T* q, const typename K::T* kpool, const typename K::T* vpool,
                   const float* kscale, const float* vscale, const int32_t* slots, int64_t n,
                   typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
                   int64_t n_threads) {
-    const int64_t g_heads = heads / kvh;
-    std::vector<float> part_m(n_threads * heads), part_l(part_m.size());
+    const int64_t g_heads = heads / kvh, parts = split_parts(n);
+    std::vector<float> part_m(parts * heads), part_l(part_m.size());
     std::vector<float> part_acc(part_m.size() * d);
-    int64_t used = n_threads;
-#pragma omp parallel num_threads(static_cast<int>(n_threads))
+#pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, parts)))
     {
         const int64_t team = omp_get_num_threads(), c = omp_get_thread_num();
-#pragma omp single
-        used = team;
-        const int64_t k0 = n * c / team, k1 = n * (c + 1) / team;
         Attender<C, K> at(kpool, vpool, kscale, vscale, kvh, d, scale);
         at.fit(static_cast<int>(g_heads));
-        for (int64_t h = 0; h < kvh; ++h) {
-            for (int64_t gh = 0; gh < g_heads; ++gh)
-                at.start_row(gh, q + (h * g_heads + gh) * d, n);
-            if (k1 > k0) at.segment(0, static_cast<int>(g_heads), slots + k0, k1 - k0, false, h);
-            for (int64_t gh = 0; gh < g_heads; ++gh) {
-                const int64_t row = c * heads + h * g_heads + gh;
-                part_m[row] = at.sc.m[gh];
-                part_l[row] = at.sc.l[gh];
-                std::copy_n(at.sc.acc.data() + gh * d, d, part_acc.data() + row * d);
+        for (int64_t p = parts * c / team; p < parts * (c + 1) / team; ++p) {
+            const int64_t k0 = n * p / parts, k1 = n * (p + 1) / parts;
+            for (int64_t h = 0; h < kvh; ++h) {
+                for (int64_t gh = 0; gh < g_heads; ++gh)
+                    at.start_row(gh, q + (h * g_heads + gh) * d, n);
+                at.segment(0, static_cast<int>(g_heads), slots + k0, k1 - k0, false, h);
+                for (int64_t gh = 0; gh < g_heads; ++gh) {
+                    const int64_t row = p * heads + h * g_heads + gh;
+                    part_m[row] = at.sc.m[gh];
+                    part_l[row] = at.sc.l[gh];
+                    std::copy_n(at.sc.acc.data() + gh * d, d, part_acc.data() + row * d);
+                }
             }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t hr = 0; hr < heads; ++hr) {  // merge: rescale each share to the top max
+        for (int64_t hr = 0; hr < heads; ++hr) {  // merge: rescale each part to the top max
             float top = -INFINITY;
-            for (int64_t t = 0; t < used; ++t) top = std::max(top, part_m[t * heads + hr]);
+            for (int64_t t = 0; t < parts; ++t) top = std::max(top, part_m[t * heads + hr]);
             std::vector<float> acc(d, 0.0f);
             float l = 0.0f;
-            for (int64_t t = 0; t < used; ++t) {
+            for (int64_t t = 0; t < parts; ++t) {
                 const int64_t row = t * heads + hr;
-                if (part_m[row] == -INFINITY) continue;  // an empty share
                 const float w = exp_nonpos(std::max(part_m[row] - top, -87.0f));
                 l += part_l[row] * w;
                 for (int64_t e = 0; e < d; ++e) acc[e] += part_acc[row * d + e] * w;
@@ -220,7 +230,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                      int64_t heads, int64_t kvh, int64_t d, float scale, int64_t n_threads) {
     const int64_t g_heads = heads / kvh;  // query heads per KV head
     if (n_groups == 1 && group_start[1] - group_start[0] == 1 && n_new[order[0]] == 1 &&
-        n_threads > 1 && req_len[order[0]] >= kSplitMinKeys * n_threads) {
+        split_parts(req_len[order[0]]) > 1) {
         const int64_t b = order[0];
         split_decode<C, K>(q + q_start[b] * heads * d, kpool, vpool, kscale, vscale,
                            table + req_row[b] * table_stride, req_len[b],
