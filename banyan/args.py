@@ -172,7 +172,8 @@ class EngineArgs:
         "loop; other requests keep running) before it fails."))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
     num_threads: int | None = field(default=None, metadata=_doc(
-        "CPU threads for torch (default: all cores)."))
+        "CPU threads for the steps (default: all cores, fewer while other processes use some; "
+        "a fixed count turns that off)."))
     disable_tqdm: bool = field(default=False, metadata=_doc("No progress bars."))
 
     def __post_init__(self) -> None:

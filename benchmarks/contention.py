@@ -3,10 +3,16 @@
     python benchmarks/contention.py [--reps 2] [--tokens 96] [--out FILE]
 
 The competitor is a second process running a 2-thread float32 matmul loop (1024 x 1024, torch)
-for as long as the measurement lasts. Each configuration runs in a fresh process (the default
-model, its GGUF blocks: what `make serve` runs): default threads, OMP_WAIT_POLICY=PASSIVE, one
-thread. Per configuration: decode tok/s idle and loaded (medians over reps, alternating) and
-loaded / idle. The issue's bar: the default keeps >= 0.4x of its idle speed under the load.
+for as long as the measurement lasts, started either in a session of its own (`own`: another
+program on the machine, started from another terminal or by a service manager) or in the
+benchmark's session (`same`: on kernels with autogroup, the scheduler then shares the CPU per
+thread rather than per session, so its two threads take two thirds of the cores from a
+one-thread engine). Each configuration runs in a fresh process (the default model, its GGUF
+blocks: what `make serve` runs): the default (all cores, fewer while other processes use
+some), `fixed-2` (two threads however loaded: the previous default), one thread, and
+OMP_WAIT_POLICY / GOMP_SPINCOUNT variants. Per configuration: decode tok/s idle and loaded
+(medians over reps, alternating) and loaded / idle. The issue's bar: the default keeps >= 0.4x
+of its idle speed under the load.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 CONFIGS: dict[str, tuple[dict[str, str], list[str]]] = {
     "default": ({}, []),
+    "fixed-2": ({}, ["--threads", "2"]),
     "omp-passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
     "1-thread": ({}, ["--threads", "1"]),
     "spin-1k": ({"GOMP_SPINCOUNT": "1000"}, []),
@@ -63,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " +
+    ap.add_argument("--configs", default="default,fixed-2,1-thread", help="comma-separated: " +
                     ", ".join(CONFIGS))
+    ap.add_argument("--competitor-sessions", default="own,same",
+                    help="where the competitor runs: own, same (comma-separated)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
     if ns.worker:
@@ -73,24 +82,32 @@ def main(argv: list[str] | None = None) -> int:
     from banyan.bench.offline import machine_info
 
     chosen = {name: CONFIGS[name] for name in ns.configs.split(",")}
-    runs: dict[str, dict[str, list[float]]] = {c: {"idle": [], "loaded": []} for c in chosen}
+    sessions = ns.competitor_sessions.split(",")
+    runs: dict[str, dict[str, list[float]]] = {
+        c: {"idle": [], **{f"loaded-{s}": [] for s in sessions}} for c in chosen}
     for _ in range(ns.reps):
         for name, (env, args) in chosen.items():
             runs[name]["idle"].append(run_worker(env, args, ns.tokens))
-            competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR, "600"])
-            try:
-                time.sleep(2.0)  # the competitor is computing before the engine starts
-                runs[name]["loaded"].append(run_worker(env, args, ns.tokens))
-            finally:
-                competitor.kill()
-                competitor.wait()
-    summary = {}
+            for session in sessions:
+                competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR, "600"],
+                                              start_new_session=session == "own")
+                try:
+                    time.sleep(2.0)  # the competitor is computing before the engine starts
+                    runs[name][f"loaded-{session}"].append(run_worker(env, args, ns.tokens))
+                finally:
+                    competitor.kill()
+                    competitor.wait()
+    summary: dict[str, dict[str, float]] = {}
     for name, r in runs.items():
-        idle, loaded = statistics.median(r["idle"]), statistics.median(r["loaded"])
-        summary[name] = {"idle_tok_s": idle, "loaded_tok_s": loaded, "loaded_over_idle":
-                         loaded / idle}
-        print(f"{name:12s} idle {idle:7.1f}  loaded {loaded:7.1f} tok/s  "
-              f"({loaded / idle:.2f}x)")
+        idle = statistics.median(r["idle"])
+        summary[name] = {"idle_tok_s": idle}
+        line = f"{name:12s} idle {idle:7.1f}"
+        for session in sessions:
+            loaded = statistics.median(r[f"loaded-{session}"])
+            summary[name][f"loaded_{session}_tok_s"] = loaded
+            summary[name][f"loaded_{session}_over_idle"] = loaded / idle
+            line += f"  loaded ({session} session) {loaded:7.1f} ({loaded / idle:.2f}x)"
+        print(line, flush=True)
     result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
               "competitor": "2-thread torch matmul loop, 1024 x 1024 float32",
               "runs": runs, "summary": summary}

@@ -20,6 +20,7 @@ from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import load_tokenizer, resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
 from banyan.runner.step import ModelStepRunner
+from banyan.runner.threads import ThreadGovernor
 from banyan.sampling.sampler import Sampler
 from banyan.scheduler import Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
@@ -152,9 +153,12 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
         logger.warning("speculative decoding guesses only from known tokens: with overlap, a "
                        "decode's last token is never known when its step is built, so no "
                        "guesses are made (use --overlap off)")
+    # Fewer threads while other processes hold cores, unless the user fixed the count.
+    governor = (ThreadGovernor(torch.get_num_threads())
+                if args.num_threads is None and runner.device.type == "cpu" else None)
     speculation = SpeculationConfig(args.speculative_num_tokens, args.speculative_max_step_tokens)
     scheduler = Scheduler(
-        ModelStepRunner(runner, sampler, overlap=overlap),
+        ModelStepRunner(runner, sampler, overlap=overlap, governor=governor),
         SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy,
                         overlap=overlap, speculation=speculation),
         allocator,

@@ -24,6 +24,7 @@ import torch
 
 from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
 from banyan.runner.model_runner import ModelRunner, StepInputs
+from banyan.runner.threads import ThreadGovernor
 from banyan.sampling.sampler import Sampler
 from banyan.structured.masks import advance_grammars, fill_token_masks
 
@@ -63,9 +64,11 @@ class RunningStep:
 
 
 class ModelStepRunner:
-    def __init__(self, model_runner: ModelRunner, sampler: Sampler, overlap: bool = False) -> None:
+    def __init__(self, model_runner: ModelRunner, sampler: Sampler, overlap: bool = False,
+                 governor: ThreadGovernor | None = None) -> None:
         self.model_runner = model_runner
         self.sampler = sampler
+        self.governor = governor  # None: the thread count stays as it is
         rows = model_runner.max_rows
         self._row_tokens = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
         self._row_last: list[int] = [0] * rows  # host copy, for penalties over a pending token
@@ -89,6 +92,10 @@ class ModelStepRunner:
 
     def _execute(self, batch: ForwardBatch, inputs: StepInputs, prepare: float) -> StepOutput:
         t0 = time.perf_counter()
+        if self.governor is not None:  # here: OpenMP's thread count is the calling thread's
+            threads = self.governor.threads()
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         if inputs.deferred is not None:
             d = inputs.deferred
             inputs.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))
