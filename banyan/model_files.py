@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,78 @@ def load_tokenizer(path: Path) -> Any:
         return loader.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
         raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
+
+
+# tokenizer_config.json's named special tokens (transformers' SPECIAL_TOKENS_ATTRIBUTES)
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+_LISTED_SPECIALS = ("additional_special_tokens", "extra_special_tokens")
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):  # a serialised AddedToken
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class EngineTokenizer:
+    """What the engine needs of a generic fast tokenizer (token bytes, decodes, the EOS id) from
+    its tokenizer.json alone: the Rust tokenizer with the special tokens tokenizer_config.json
+    adds, as transformers marks them, without importing transformers (1.6 s of an engine's
+    3 s start on Zen 3). `hf()` loads the transformers tokenizer once, when something needs it
+    (a grammar compiler, the offline API)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import AddedToken, Tokenizer
+
+        self.path = path
+        try:
+            self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        except Exception as exc:  # noqa: BLE001 - tokenizers' errors are plain Exceptions
+            raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
+        decoder = config.get("added_tokens_decoder") or {}
+        for key in sorted(decoder, key=int):  # in id order, one by one: the ids they get
+            e = decoder[key]
+            token = AddedToken(e["content"], single_word=e.get("single_word", False),
+                               lstrip=e.get("lstrip", False), rstrip=e.get("rstrip", False),
+                               normalized=e.get("normalized", False),
+                               special=e.get("special", False))
+            add = self.backend_tokenizer.add_special_tokens if token.special else \
+                self.backend_tokenizer.add_tokens
+            add([token])
+        names = [config.get(k) for k in _NAMED_SPECIALS]
+        for key in _LISTED_SPECIALS:
+            listed = config.get(key) or []
+            names += list(listed.values()) if isinstance(listed, dict) else list(listed)
+        self.backend_tokenizer.add_special_tokens(
+            [AddedToken(c, special=True, normalized=False)
+             for c in map(_token_content, names) if c is not None])
+        eos = _token_content(config.get("eos_token"))
+        self.eos_token_id: int | None = (self.backend_tokenizer.token_to_id(eos)
+                                         if eos is not None else None)
+        self._hf: Any = None
+        self._lock = threading.Lock()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def hf(self) -> Any:
+        with self._lock:
+            if self._hf is None:
+                self._hf = load_tokenizer(self.path)
+            return self._hf
+
+
+def load_engine_tokenizer(path: Path) -> Any:
+    """An EngineTokenizer where the folder's tokenizer is the generic fast one, else the
+    transformers tokenizer (a class of its own may decode differently)."""
+    if tokenizer_class_name(path) in GENERIC_TOKENIZER_CLASSES and \
+            (path / "tokenizer.json").is_file():
+        return EngineTokenizer(path)
+    return load_tokenizer(path)
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer behind what load_engine_tokenizer returned."""
+    return tokenizer.hf() if isinstance(tokenizer, EngineTokenizer) else tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from banyan.cache.tier.mooncake_store import MooncakeStore
 from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
-from banyan.model_files import load_tokenizer, resolve_model_dir
+from banyan.model_files import load_engine_tokenizer, resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
 from banyan.runner.step import ModelStepRunner
 from banyan.runner.threads import ThreadGovernor
@@ -36,11 +37,10 @@ def eos_token_ids(model_dir: Path, tokenizer: Any, hf_config: Any) -> frozenset[
     """EOS ids from the tokenizer, the model config and generation_config.json."""
     ids: set[int] = set()
     candidates: list[Any] = [tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)]
-    try:
-        from transformers import GenerationConfig
-
-        candidates.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
-    except Exception:  # noqa: BLE001 - generation_config.json is optional
+    try:  # read as JSON: transformers' GenerationConfig would import transformers (1 s)
+        generation = json.loads((model_dir / "generation_config.json").read_text())
+        candidates.append(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+    except (OSError, ValueError):  # generation_config.json is optional
         pass
     for value in candidates:
         if isinstance(value, int):
@@ -132,7 +132,7 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     model_dir = resolve_model_dir(args.model)
-    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
+    tokenizer = load_engine_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
     runner = ModelRunner.from_engine_args(args, model_path=model_dir)
     cfg = runner.model_config
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, runner.max_context)

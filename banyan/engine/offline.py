@@ -11,6 +11,7 @@ from tqdm import tqdm
 from banyan.args import EngineArgs
 from banyan.engine.build import build_engine_core
 from banyan.engine.core import SampleGroup
+from banyan.model_files import hf_tokenizer
 from banyan.outputs import CompletionOutput, RequestOutput, StreamChunk
 from banyan.sampling.params import SamplingParams
 from banyan.scheduler import RequestUpdate
@@ -28,7 +29,7 @@ class Engine:
             raise TypeError(f"unknown Engine argument(s): {', '.join(sorted(unknown))}")
         self.args = EngineArgs(model=model, **kwargs)
         self.core = build_engine_core(self.args)
-        self.tokenizer = self.core.tokenizer
+        self.tokenizer = hf_tokenizer(self.core.tokenizer)  # the full one: users call it
         self._ids = itertools.count()
 
     def __enter__(self) -> Engine:

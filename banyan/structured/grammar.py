@@ -174,9 +174,11 @@ class GrammarBackend:
     def _get_compiler(self) -> Any:
         # Built on the first compile (the vocabulary scan takes up to a second), on the pool.
         if self._compiler is None:
+            from banyan.model_files import hf_tokenizer
+
             xgr = _xgr()
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size,
+                hf_tokenizer(self.tokenizer), vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
