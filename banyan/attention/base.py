@@ -43,7 +43,13 @@ class AttentionBackend(ABC):
     @classmethod
     def supports(cls, pool: KVPool) -> bool:
         """Whether this backend runs over this pool (device, dtype, kernels available)."""
-        return True
+        return cls.refusal(pool) is None
+
+    @classmethod
+    def refusal(cls, pool: KVPool) -> str | None:
+        """Why this backend cannot run over this pool, said to the user (None: it can, or it
+        gives no reason; a backend overrides this or `supports`)."""
+        return None
 
     # ---- CUDA-graph hooks: a backend that can be captured keeps its metadata in static
     # buffers sized for max_batch decodes, refilled in place before each replay.
@@ -58,7 +64,8 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{self.name} cannot be captured in a CUDA graph")
 
     def plan_for_replay(self, batch: ForwardBatch, out_slots: torch.Tensor) -> AttentionMetadata:
-        """Refill the static buffers for this decode batch (replay)."""
+        """Refill the static buffers for this decode batch (replay): its b rows, and the rows
+        past b padded so that they write and read the padding slot 0 only."""
         raise NotImplementedError(f"{self.name} cannot be captured in a CUDA graph")
 
     @abstractmethod
