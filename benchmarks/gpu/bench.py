@@ -1,0 +1,110 @@
+"""The GPU check's benchmark (run by benchmarks/gpu/check.sh on a CUDA machine).
+
+Two random-weight models built on the machine (nothing downloaded): SmolLM2-135M's shape, and a
+1.2B Llama-3.2-1B-like shape (hidden 2048, 16 layers, GQA 32/8, MLP 8192) that keeps an H200
+busy. Per model, in bfloat16 on cuda:0: random 64 x 128/128 (output tok/s, the step busy
+fraction) and batch-1 128/128 (decode tok/s, and the weights read per second as a fraction of
+the HBM bandwidth: 4.8 TB/s for an H200, or --hbm-tbs). Prints progress; writes one JSON and
+one markdown summary.
+
+    python benchmarks/gpu/bench.py --out-dir DIR [--hbm-tbs 4.8] [--quick]
+    (a smoke run on CPU: --device cpu --quick --models smollm2-135m-shape)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from banyan import Engine
+from banyan.bench.offline import batch1, run_workload
+from banyan.bench.workloads import random_workload
+from banyan.demo import build_random_model
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m-shape": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                               num_key_value_heads=3, intermediate_size=1536,
+                               tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1.2b-shape": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                             num_key_value_heads=8, intermediate_size=8192,
+                             tie_word_embeddings=True, rope_theta=500000.0),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def measure(folder: Path, device: str, hbm_tbs: float, quick: bool) -> dict[str, Any]:
+    with Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
+                kv_cache_memory="8GiB", max_running_requests=64) as engine:
+        vocab = engine.core.vocab_size
+        batch1(engine, 32, 8, vocab)  # warm-up: kernels compiled, graphs captured
+        n = 16 if quick else 64
+        random = run_workload(engine, random_workload(n, 128, 128, vocab, seed=1),
+                              use_tqdm=False)
+        one = batch1(engine, 128, 16 if quick else 128, vocab)
+        weight_bytes = engine.core.weight_bytes
+    read_tbs = weight_bytes * one["decode_tok_s"] / 1e12
+    return {"random": {"requests": n, "output_tok_s": random["output_tok_s"],
+                       "step_split": random["step_split"]},
+            "batch1": {"decode_tok_s": one["decode_tok_s"], "ttft_s": one["ttft_s"],
+                       "weight_bytes": weight_bytes, "weights_read_tbs": read_tbs,
+                       "fraction_of_hbm_bound": read_tbs / hbm_tbs}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--hbm-tbs", type=float, default=4.8)
+    ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " +
+                    ", ".join(SHAPES))
+    ns = ap.parse_args(argv)
+    if ns.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    out = Path(ns.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]),
+                              "date": time.strftime("%Y-%m-%d %H:%M"),
+                              "device": (torch.cuda.get_device_name(0)
+                                         if ns.device.startswith("cuda") else ns.device),
+                              "torch": torch.__version__, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = None
+        for name in ns.models.split(","):
+            shape = SHAPES[name]
+            log(f"building {name}")
+            folder = build_random_model(Path(tmp) / name, "llama", tokenizer_dir=tokenizer,
+                                        tokenizer_vocab=32000, tokenizer_corpus_bytes=2_000_000,
+                                        dtype="bfloat16", seed=0, vocab_size=32000,
+                                        max_position_embeddings=2048, **shape)
+            tokenizer = folder
+            log(f"measuring {name}")
+            result["models"][name] = measure(folder, ns.device, ns.hbm_tbs, ns.quick)
+            log(json.dumps(result["models"][name]["batch1"]))
+    (out / "gpu-check.json").write_text(json.dumps(result, indent=2))
+    lines = [f"# GPU check, {result['date']}, {result['device']}, torch {result['torch']}", "",
+             "| model | random output tok/s | busy | batch-1 decode tok/s | of HBM bound |",
+             "|---|---:|---:|---:|---:|"]
+    for name, m in result["models"].items():
+        busy = m["random"]["step_split"].get("busy_fraction", float("nan"))
+        lines.append(f"| {name} | {m['random']['output_tok_s']:.1f} | {busy:.2f} | "
+                     f"{m['batch1']['decode_tok_s']:.1f} | "
+                     f"{m['batch1']['fraction_of_hbm_bound']:.3f} |")
+    (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
