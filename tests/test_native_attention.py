@@ -225,3 +225,22 @@ def test_a_lone_decode_split_by_keys(context: int, kv_cache_dtype: str) -> None:
         torch.set_num_threads(before)
     assert meta.native is not None and meta.native.n_new.tolist() == [1]
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_the_native_kernels_show_in_torch_profiles(llama_dir: Path) -> None:
+    """torch.profiler cannot see into ctypes calls: the kernels are named ranges in its trace
+    (while a profiler records), so a profile of a step counts the attention kernel's time."""
+    from banyan import Engine, SamplingParams
+
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                attention_backend="cpu-native") as engine:
+        params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params=params, use_tqdm=False)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.generate(input_ids=[[9, 10, 11, 12, 13]], sampling_params=params,
+                            use_tqdm=False)
+    ranges = {e.key: e for e in prof.key_averages() if e.key.startswith("banyan::")}
+    kernel = "banyan::layer_stack" if "banyan::layer_stack" in ranges else \
+        "banyan::paged_attention"
+    assert kernel in ranges and ranges[kernel].count >= 3, sorted(ranges)
+    assert ranges[kernel].cpu_time_total > 0

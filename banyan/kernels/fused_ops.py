@@ -49,8 +49,9 @@ def add_rms_norm(
     out = torch.empty_like(x)
     add = x.data_ptr() if residual is not None else None
     rows, n = x.shape
-    fn(base.data_ptr(), add, weight.data_ptr(), out.data_ptr(), rows, n, eps,
-       torch.get_num_threads())
+    with native.kernel_range("banyan::add_rms_norm"):
+        fn(base.data_ptr(), add, weight.data_ptr(), out.data_ptr(), rows, n, eps,
+           torch.get_num_threads())
     return out, base
 
 
@@ -61,7 +62,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     rows, width = gate_up.shape
     out = gate_up.new_empty((rows, width // 2))
-    fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    with native.kernel_range("banyan::silu_and_mul"):
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
@@ -100,6 +102,7 @@ def rope_qk(
     k = qkv.new_empty((rows, kv_heads, head_dim))
     qn = q_norm.data_ptr() if q_norm is not None else None
     kn = k_norm.data_ptr() if k_norm is not None else None
-    fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qn, kn, eps,
-       q.data_ptr(), k.data_ptr(), rows, heads, kv_heads, head_dim, torch.get_num_threads())
+    with native.kernel_range("banyan::rope_qk"):
+        fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qn, kn, eps,
+           q.data_ptr(), k.data_ptr(), rows, heads, kv_heads, head_dim, torch.get_num_threads())
     return q, k

@@ -25,12 +25,24 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import cache
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before ours resolves it)
 
 logger = logging.getLogger(__name__)
+
+_NO_RANGE = nullcontext()
+
+
+def kernel_range(name: str) -> AbstractContextManager[object]:
+    """A named range around a native call in torch.profiler's trace, which cannot see into
+    ctypes calls (so a profile left the attention kernel's time out); only while a profiler
+    records, since record_function costs a dispatcher call (~2 us) each time."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
@@ -167,9 +179,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     lib = load()
     assert lib is not None, "native kernels unavailable"
     out = x.new_empty((x.shape[0], weight.shape[0]))
-    lib.banyan_skinny_linear_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 weight.shape[0], torch.get_num_threads())
+    with kernel_range("banyan::skinny_linear"):
+        lib.banyan_skinny_linear_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                     weight.shape[0], torch.get_num_threads())
     return out
 
 
@@ -249,13 +262,15 @@ def paged_attention(
     for t in tensors:
         assert t.is_contiguous()
     _, H, D = q.shape
-    fn(
-        q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
-        k_scale.data_ptr() if quantized else None, v_scale.data_ptr() if quantized else None,
-        table.data_ptr(), table.shape[1],
-        req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
-        order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
-        group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,
-        torch.get_num_threads(),
-    )
+    with kernel_range("banyan::paged_attention"):
+        fn(
+            q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
+            k_scale.data_ptr() if quantized else None,
+            v_scale.data_ptr() if quantized else None,
+            table.data_ptr(), table.shape[1],
+            req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
+            order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
+            group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,
+            torch.get_num_threads(),
+        )
     return out

@@ -136,7 +136,8 @@ class _QuantMethod(LinearMethod):
             out = self._through_gemm(layer, flat)
         else:
             out = torch.empty(flat.shape[0], layer.out_features)
-            self._kernel(layer, flat, out)
+            with native.kernel_range("banyan::quantized_linear"):
+                self._kernel(layer, flat, out)
         return out if plain else out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
@@ -159,7 +160,8 @@ class _QuantMethod(LinearMethod):
             p1 = min(panels, p0 + per)
             r0, r1 = p0 * PANEL, min(n, p1 * PANEL)
             weight = buf[: (p1 - p0) * PANEL]
-            self._dequantize(layer, p0, p1, weight)
+            with native.kernel_range("banyan::dequantize"):
+                self._dequantize(layer, p0, p1, weight)
             part = torch.mm(flat, weight[: r1 - r0].t())
             if layer.bias is not None:
                 part += layer.bias[r0:r1]

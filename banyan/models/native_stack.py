@@ -173,5 +173,6 @@ class NativeLayerStack:
             plan.group_start.data_ptr()
         s.group_prefix, s.n_groups = plan.group_prefix.data_ptr(), plan.group_prefix.shape[0]
         s.n_threads = torch.get_num_threads()
-        self._call(ctypes.byref(self._struct), ctypes.byref(s))
+        with native.kernel_range("banyan::layer_stack"):
+            self._call(ctypes.byref(self._struct), ctypes.byref(s))
         return out
