@@ -149,3 +149,31 @@ def test_the_engine_is_governed_unless_threads_are_fixed(llama_dir: Path) -> Non
                 assert (runner.governor is not None) == governed
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_callers_thread_count_is_restored_after_each_step(llama_dir: Path) -> None:
+    """An offline Engine steps on the user's thread: a step may run on fewer threads, but the
+    user's own torch work (and the next engine's kernel choices) see the count as it was."""
+    m = FakeMachine()
+    before = torch.get_num_threads()
+    try:
+        with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                    num_threads=2) as engine:
+            runner = engine.core.scheduler.runner
+            assert isinstance(runner, ModelStepRunner)
+            runner.governor = governor = m.governor(max_threads=2, cores=2)
+            m.run(INTERVAL_S, others=2.0)  # the machine is busy: steps run on one thread
+            seen: list[int] = []
+            compute = runner._compute_step
+
+            def spy(*args: object) -> object:
+                seen.append(torch.get_num_threads())
+                return compute(*args)  # type: ignore[arg-type]
+
+            runner._compute_step = spy  # type: ignore[method-assign]
+            params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+            assert governor.current == 1 and set(seen) == {1}
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

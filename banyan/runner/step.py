@@ -91,11 +91,14 @@ class ModelStepRunner:
             self._worker.shutdown(wait=True)
 
     def _execute(self, batch: ForwardBatch, inputs: StepInputs, prepare: float) -> StepOutput:
+        if self.governor is None:
+            return self._compute_step(batch, inputs, prepare)
+        with self.governor.applied():  # here: on the thread that computes
+            return self._compute_step(batch, inputs, prepare)
+
+    def _compute_step(self, batch: ForwardBatch, inputs: StepInputs,
+                      prepare: float) -> StepOutput:
         t0 = time.perf_counter()
-        if self.governor is not None:  # here: OpenMP's thread count is the calling thread's
-            threads = self.governor.threads()
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
         if inputs.deferred is not None:
             d = inputs.deferred
             inputs.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))

@@ -16,7 +16,10 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +85,18 @@ class ThreadGovernor:
                         self.others, self.cores, chosen, "" if chosen == 1 else "s")
             self.current = chosen
         return self.current
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The step's thread count on the calling thread (OpenMP's count is per thread) while a
+        step runs, the previous one restored after it: an offline Engine runs its steps on the
+        user's own thread, whose torch work and later engines' start-up must not see it."""
+        threads, before = self.threads(), torch.get_num_threads()
+        if threads == before:
+            yield
+            return
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
