@@ -31,7 +31,10 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class SamplingRow:
     """Everything the sampler needs about one request that samples a token this step: a
-    snapshot taken when the step is built, so the request may move on (overlap) meanwhile."""
+    snapshot taken when the step is built, so the request may move on (overlap) meanwhile.
+    A request whose sampling reads nothing of its history (not `params.reads_history`) keeps
+    one row while it runs in a table row, reused by every decode step: its output_ids,
+    num_output and pending are then those of the step that made it, which nothing reads."""
 
     params: SamplingParams
     prompt_ids: list[int]  # a request's prompt never changes after it is queued

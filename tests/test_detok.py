@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from banyan.demo import training_corpus
-from banyan.engine.byte_detok import ByteDetokenizer, TokenBytes
+from banyan.engine.byte_detok import ByteDetokenizer, ByteTextStream, TokenBytes
 from banyan.engine.detok import IncrementalDetokenizer, StopStringMatcher, TextAccumulator
 from banyan.sampling.params import SamplingParams
 
@@ -125,7 +125,18 @@ def byte_stream(tokenizer: Any, prompt: list[int], output: list[int], skip: bool
     return [detok.push(t) for t in output] + [detok.finish()]
 
 
-@pytest.mark.parametrize("streamer", [stream, byte_stream], ids=["window", "byte-table"])
+def byte_text_stream(tokenizer: Any, prompt: list[int], output: list[int], skip: bool = True
+                     ) -> list[str]:
+    table = TokenBytes.of(tokenizer)
+    assert table is not None
+    text = ByteTextStream(table, prompt, skip_special_tokens=skip)
+    deltas = [text.push_text(t)[0] for t in output] + [text.finish()]
+    assert text.text == "".join(deltas) and not text.stopped
+    return deltas
+
+
+@pytest.mark.parametrize("streamer", [stream, byte_stream, byte_text_stream],
+                         ids=["window", "byte-table", "byte-text-stream"])
 def test_random_ids_on_byte_level_match_one_shot_decode(bytelevel: Any, streamer: Any) -> None:
     # Random byte-level tokens are mostly invalid UTF-8: the flush must still give the exact text.
     rng = random.Random(0)
@@ -208,6 +219,12 @@ def test_text_accumulator_with_the_byte_table(bytelevel: Any) -> None:
             acc = TextAccumulator.from_params(bytelevel, ids[:4], params, token_bytes)
             deltas.append([acc.push(t) for t in ids[4:]] + [acc.finish()])
         assert deltas[0] == deltas[1]
+        # the stream a request gets: without stop strings the one-object ByteTextStream
+        text = TextAccumulator.for_request(bytelevel, ids[:4], params, table)
+        assert isinstance(text, ByteTextStream) == (not stop)
+        pushed = [text.push_text(t) for t in ids[4:]]
+        assert [(d.text, d.stopped) for d in deltas[0][:-1]] == pushed
+        assert text.finish() == deltas[0][-1]
 
 
 # --- stop strings ---------------------------------------------------------------------------------

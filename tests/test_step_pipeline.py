@@ -8,9 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 
+from banyan.batch import ForwardBatch, SamplingRow
 from banyan.cache.no_cache import NoPrefixCache
 from banyan.cache.radix import RadixCache
 from banyan.mem.allocator import SlotAllocator
+from banyan.sampling.params import SamplingParams
 from banyan.scheduler import Request, Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
 from banyan.scheduler.speculation import SpeculationConfig
@@ -218,3 +220,45 @@ def test_random_mix_under_overlap_and_aborts() -> None:
             assert got.get(rid, []) == want[: len(got.get(rid, []))]
         else:
             assert got[rid] == want, rid
+
+
+def _sampler_view(row: SamplingRow) -> tuple[object, ...]:
+    """What the sampler reads of a row: its history only when its parameters read it (a row
+    that reads none is made once and reused, batch.py)."""
+    history = (row.output_ids, row.num_output, row.pending) if row.params.reads_history else ()
+    return (row.params, row.prompt_ids, row.seed, row.row, row.grammar, *history)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_decode_hot_path_builds_the_batches_the_general_one_does(
+        overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BatchBuilder._add_decodes (every running decode at once) against _add one request at a
+    time: the same batches, through retractions, a prefix cache, penalties and seeds."""
+
+    def batches(general: bool) -> tuple[list[ForwardBatch], int]:
+        sched, runner = build(overlap=overlap, num_slots=300, cache=True, chunk=17)
+        if general:
+            builder = sched.builder
+            monkeypatch.setattr(builder, "_add_decodes", lambda step, reqs: [
+                builder._add(step, req, 1) for req in reqs])
+        rng = random.Random(5)
+        for i in range(30):
+            prompt = [rng.randrange(3, 97) for _ in range(rng.randint(1, 60))]
+            m = rng.randint(1, 30)
+            params = SamplingParams(max_new_tokens=m, temperature=0.0,
+                                    seed=7 if i % 3 == 0 else None,
+                                    presence_penalty=0.5 if i % 4 == 0 else 0.0,
+                                    min_new_tokens=min(m, 3) if i % 5 == 0 else 0)
+            sched.add_request(Request(str(i), prompt, params, m))
+        drain(sched)
+        return runner.batches, sched.total_retractions
+
+    (fast, retracted), (general, _) = batches(False), batches(True)
+    assert retracted > 0 and len(fast) == len(general) > 30
+    assert any(b.deferred_inputs for b in fast) == overlap
+    for a, b in zip(fast, general, strict=True):
+        assert (a.rows, a.prefix_lens, a.extend_lens, a.input_ids, a.out_slots,
+                a.sample_indices, a.deferred_inputs, a.row_prefixes) == (
+            b.rows, b.prefix_lens, b.extend_lens, b.input_ids, b.out_slots,
+            b.sample_indices, b.deferred_inputs, b.row_prefixes)
+        assert [_sampler_view(r) for r in a.sampling] == [_sampler_view(r) for r in b.sampling]

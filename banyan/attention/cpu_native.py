@@ -45,6 +45,10 @@ class CpuNativeBackend(SdpaBackend):
 
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> NativeMetadata:
         meta = NativeMetadata(backend=self, num_tokens=batch.num_tokens, out_slots=out_slots)
+        if batch.num_tokens == batch.batch_size:  # decodes only: the kernel takes all
+            meta.native = plan_native(self.table.table, batch.rows, batch.prefix_lens,
+                                      batch.extend_lens, None)
+            return meta
         starts = token_starts(batch)
         if max(batch.extend_lens) <= self.max_extend:  # the usual step: the kernel takes all
             meta.native = plan_native(self.table.table, batch.rows, batch.prefix_lens,

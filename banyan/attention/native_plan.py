@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
+from banyan.host_tensors import int64_tensor
 from banyan.kernels import native
 from banyan.mem.kv_pool import LayerKV
 
@@ -59,23 +60,23 @@ def plan_native(
     rows: list[int],
     prefix_lens: list[int],
     extend_lens: list[int],
-    starts: list[int],
+    starts: list[int] | None,
 ) -> NativePlan:
     """Per request given (decodes and extends alike): table row, tokens already in KV, new
-    tokens, first new token in the flat batch."""
-    decodes = [i for i, n in enumerate(extend_lens) if n == 1]
+    tokens, first new token in the flat batch (None: all are decodes, in flat order)."""
+    num_tokens = sum(extend_lens)
+    all_decodes = starts is None  # (a subset of a step's decodes has starts of its own)
+    decodes = range(len(rows)) if all_decodes else [
+        i for i, n in enumerate(extend_lens) if n == 1]
     groups = []
     if len(decodes) >= 2:
         found = find_shared_prefixes(
             table,
-            [rows[i] for i in decodes],
-            [prefix_lens[i] for i in decodes],
+            rows if all_decodes else [rows[i] for i in decodes],
+            prefix_lens if all_decodes else [prefix_lens[i] for i in decodes],
             NATIVE_GROUPING,
         )
         groups = [([decodes[j] for j in g.members], g.length) for g in found]
-
-    def i64(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
 
     if groups:
         grouped = {i for members, _ in groups for i in members}
@@ -91,18 +92,27 @@ def plan_native(
                 order.append(i)
                 group_start.append(len(order))
                 group_prefix.append(0)
-        order_t, start_t, prefix_t = i64(order), i64(group_start), i64(group_prefix)
+        order_t = int64_tensor(order)
+        start_t = int64_tensor(group_start)
+        prefix_t = int64_tensor(group_prefix)
     else:  # the usual step: everyone alone, in batch order (no Python loop per request)
         order_t = torch.arange(len(rows), dtype=torch.int64)
         start_t = torch.arange(len(rows) + 1, dtype=torch.int64)
         prefix_t = torch.zeros(len(rows), dtype=torch.int64)
 
+    if all_decodes:
+        n_new = torch.ones(len(rows), dtype=torch.int64)
+        q_start = order_t if not groups else torch.arange(len(rows), dtype=torch.int64)
+    else:
+        assert starts is not None
+        n_new = int64_tensor(extend_lens)
+        q_start = int64_tensor(starts)
     return NativePlan(
-        sum(extend_lens),
-        i64(rows),
-        i64([p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]),
-        i64(starts),
-        i64(extend_lens),
+        num_tokens,
+        int64_tensor(rows),
+        int64_tensor(prefix_lens) + n_new,
+        q_start,
+        n_new,
         order_t,
         start_t,
         prefix_t,

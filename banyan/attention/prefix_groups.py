@@ -18,9 +18,12 @@ Python per request and probe (never per token).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from banyan.host_tensors import int64_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +90,25 @@ def find_shared_prefixes(
     table: [rows, max_context] slot table; rows/prefix_lens: per request.
     """
     usable = prefix_lens  # the longest prefix a request may share
-    eligible = [i for i, u in enumerate(usable) if u >= policy.min_prefix]
-    if len(eligible) < 2:
+    if min(usable, default=0) >= policy.min_prefix:  # everyone (the usual decode step)
+        eligible: Sequence[int] = range(len(usable))
+        longest = max(usable)
+    else:
+        eligible = [i for i, u in enumerate(usable) if u >= policy.min_prefix]
+        if len(eligible) < 2:
+            return []
+        longest = max(usable[i] for i in eligible)
+    if len(eligible) < 2:  # (one request alone)
         return []
-    longest = max(usable[i] for i in eligible)
     probes: list[int] = []  # probe columns c, shared length c + 1 <= longest
     c = policy.min_prefix
     while c <= longest:
         probes.append(c - 1)
         c *= 2
     device = table.device
-    rows_t = torch.tensor([rows[i] for i in eligible], dtype=torch.int64).to(device)
-    first = table[:, probes[0]].index_select(0, rows_t)
+    rows_t = int64_tensor(rows if len(eligible) == len(rows) else
+                          [rows[i] for i in eligible]).to(device)
+    first = table[rows_t, probes[0]]
     if torch.unique(first).numel() == len(eligible):
         return []  # nobody shares even the first probe: the usual step without sharing
     probes_t = torch.tensor(probes, dtype=torch.int64).to(device)

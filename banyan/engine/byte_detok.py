@@ -58,11 +58,14 @@ class TokenBytes:
     """Every token's bytes as the tokenizer's byte-level decoder produces them, and which
     tokens `skip_special_tokens` drops."""
 
-    __slots__ = ("table", "special")
+    __slots__ = ("table", "special", "texts")
 
     def __init__(self, table: list[bytes], special: frozenset[int]) -> None:
         self.table = table
         self.special = special
+        # Each token's text where its bytes are whole UTF-8 characters (most tokens), else None:
+        # after a character boundary such a token's text is known without a decoder call.
+        self.texts: list[str | None] = [_whole_text(b) for b in table]
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenBytes | None:
@@ -107,30 +110,45 @@ class TokenBytes:
         return self.bytes_of(ids, skip_special_tokens).decode("utf-8", "replace")
 
 
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class ByteDetokenizer:
     """`IncrementalDetokenizer`'s interface over a TokenBytes table: push a token, get the text
     it completes; finish() flushes an unfinished character as U+FFFD."""
 
-    __slots__ = ("_table", "_size", "_skip", "_utf8", "_prompt_open")
+    __slots__ = ("_table", "_texts", "_size", "_skip", "_held", "_prompt_open")
 
     def __init__(self, token_bytes: TokenBytes, prompt_ids: Sequence[int],
                  skip_special_tokens: bool = True) -> None:
         self._table = token_bytes.table
+        self._texts = token_bytes.texts
         self._size = len(self._table)
         self._skip = token_bytes.special if skip_special_tokens else frozenset()
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        # The prompt's last bytes, decoded and dropped: an output that finishes a character the
-        # prompt began emits that character, as a decode of prompt + output shows it.
-        self._utf8.decode(token_bytes.bytes_of(prompt_ids[-PROMPT_BYTES_CONTEXT:],
-                                               skip_special_tokens))
+        # Python's incremental UTF-8 decoder, unrolled (codecs' BufferedIncrementalDecoder is
+        # this in Python): the bytes of an unfinished character are held until the next token.
+        # The prompt's last bytes are decoded and dropped: an output that finishes a character
+        # the prompt began emits that character, as a decode of prompt + output shows it.
+        prompt = token_bytes.bytes_of(prompt_ids[-PROMPT_BYTES_CONTEXT:], skip_special_tokens)
+        self._held = prompt[codecs.utf_8_decode(prompt, "replace", False)[1]:]
         # The prompt ends inside a character: its text shows a U+FFFD for it already, so when
         # the output breaks that character instead, its U+FFFD is not the output's.
-        self._prompt_open = bool(self._utf8.getstate()[0])
+        self._prompt_open = bool(self._held)
 
     def push(self, token_id: int) -> str:
         if token_id in self._skip or not 0 <= token_id < self._size:
             return ""
-        text = self._utf8.decode(self._table[token_id])
+        if not self._held:  # at a character boundary (then the prompt's is closed too)
+            whole = self._texts[token_id]
+            if whole is not None:
+                return whole
+        data = self._held + self._table[token_id]
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._held = data[used:]
         if self._prompt_open and text:
             self._prompt_open = False
             if text[0] == "\ufffd":
@@ -138,8 +156,46 @@ class ByteDetokenizer:
         return text
 
     def finish(self) -> str:
-        text = self._utf8.decode(b"", True)
+        text = codecs.utf_8_decode(self._held, "replace", True)[0]
+        self._held = b""
         if self._prompt_open and text:  # the output never touched the prompt's open character
             text = text[1:]
         self._prompt_open = False
+        return text
+
+
+class ByteTextStream(ByteDetokenizer):
+    """A request's text stream (what the scheduler calls of TextAccumulator: push_text, finish;
+    and its `text`) for a byte-level tokenizer and no stop strings, in one object: nothing is
+    held back for a stop string, so the text is the detokenizer's. Pushed once per generated
+    token; one object fewer to reach than TextAccumulator over a ByteDetokenizer."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, token_bytes: TokenBytes, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
+        super().__init__(token_bytes, prompt_ids, skip_special_tokens)
+        self._parts: list[str] = []  # emitted text, joined on demand
+
+    @property
+    def text(self) -> str:
+        """The output text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @property
+    def stopped(self) -> bool:
+        return False  # no stop strings
+
+    def push_text(self, token_id: int) -> tuple[str, bool]:
+        text = self.push(token_id)
+        if text:
+            self._parts.append(text)
+        return text, False
+
+    def finish(self) -> str:
+        text = super().finish()
+        if text:
+            self._parts.append(text)
         return text

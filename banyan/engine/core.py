@@ -139,7 +139,7 @@ class EngineCore:
         return added
 
     def _text_stream(self, prompt: list[int], params: SamplingParams) -> Any:
-        return TextAccumulator.from_params(self.tokenizer, prompt, params, self.token_bytes)
+        return TextAccumulator.for_request(self.tokenizer, prompt, params, self.token_bytes)
 
     @staticmethod
     def _check_structured(params: SamplingParams) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from banyan.engine.byte_detok import ByteDetokenizer, TokenBytes
+from banyan.engine.byte_detok import ByteDetokenizer, ByteTextStream, TokenBytes
 from banyan.sampling.params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token: tokenizers that strip the
@@ -188,7 +188,8 @@ class TextAccumulator:
     """Incremental detokenizer plus stop strings for one request: push tokens, stream what is
     safe."""
 
-    __slots__ = ("_detok", "_matcher", "_min_tokens", "_tokens", "_parts", "_pending", "_stopped")
+    __slots__ = ("_detok", "_matcher", "_plain", "_min_tokens", "_tokens", "_parts", "_pending",
+                 "_stopped")
 
     def __init__(
         self,
@@ -206,6 +207,7 @@ class TextAccumulator:
             if token_bytes is None else
             ByteDetokenizer(token_bytes, prompt_ids, skip_special_tokens))
         self._matcher = StopStringMatcher(stop)
+        self._plain = not self._matcher  # no stop strings: nothing to find or hold back
         # As vLLM: stop strings completed before the min_new_tokens-th token do not count (the
         # sampler bans stop tokens until then; text cannot be banned). Partial ones are still
         # held back meanwhile, so one completed by that token can still be cut before it.
@@ -226,6 +228,15 @@ class TextAccumulator:
         return cls(tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
                    params.min_new_tokens, token_bytes)
 
+    @staticmethod
+    def for_request(tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams,
+                    token_bytes: TokenBytes | None = None) -> TextAccumulator | ByteTextStream:
+        """A request's text stream: without stop strings, over a byte table, the one-object
+        ByteTextStream (the same text); else a TextAccumulator."""
+        if token_bytes is not None and not any(params.stop):
+            return ByteTextStream(token_bytes, prompt_ids, params.skip_special_tokens)
+        return TextAccumulator.from_params(tokenizer, prompt_ids, params, token_bytes)
+
     @property
     def text(self) -> str:
         """The output text emitted so far (after `finish()` or a stop, the whole output)."""
@@ -238,15 +249,24 @@ class TextAccumulator:
         return self._stopped
 
     def push(self, token_id: int) -> TextDelta:
-        if self._stopped:
-            return TextDelta("", stopped=True)
+        if self._plain or self._stopped:
+            return TextDelta(*self.push_text(token_id))
         self._tokens += 1
-        new = self._detok.push(token_id)
-        if not self._matcher.stops:  # nothing to find or hold back: once per token, kept lean
+        return self._advance(self._detok.push(token_id), final=False)
+
+    def push_text(self, token_id: int) -> tuple[str, bool]:
+        """`push` as (text, stopped), without a TextDelta: the scheduler's once-per-token
+        call."""
+        if self._plain:  # kept lean (a request without stop strings never stops on text)
+            new = self._detok.push(token_id)
             if new:
                 self._parts.append(new)
-            return TextDelta(new)
-        return self._advance(new, final=False)
+            return new, False
+        if self._stopped:
+            return "", True
+        self._tokens += 1
+        delta = self._advance(self._detok.push(token_id), final=False)
+        return delta.text, delta.stopped
 
     def finish(self) -> str:
         """Everything still held back (a partial stop string, an incomplete character): call once

@@ -22,6 +22,7 @@ from banyan.args import check_linear_kernel
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
+from banyan.host_tensors import int64_tensor
 from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
 from banyan.layers.gguf_linear import repack_gguf_linears
 from banyan.layers.quant import check_quantization, quantization_runs, quantized_method
@@ -300,36 +301,44 @@ class ModelRunner:
         proposal, then the one after the last)."""
         self.validate(batch)
         dev = self.device
-        ext = torch.tensor(batch.extend_lens, dtype=torch.int64)
-        starts = torch.cumsum(ext, 0) - ext  # flat index of each request's first new token
-        if batch.is_decode_only:
-            positions = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-            token_rows = torch.tensor(batch.rows, dtype=torch.int64)
+        # Every extend is >= 1 and they sum to T (validated): T == B means all are decodes,
+        # whose flat index, position and row come straight from the lists.
+        decode_only = batch.num_tokens == batch.batch_size
+        starts: torch.Tensor | None = None  # flat index of each request's first new token
+        if decode_only:
+            positions = int64_tensor(batch.prefix_lens)
+            token_rows = int64_tensor(batch.rows)
         else:
-            pre = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+            ext = int64_tensor(batch.extend_lens)
+            starts = torch.cumsum(ext, 0) - ext
+            pre = int64_tensor(batch.prefix_lens)
             # position of flat token t of request i = prefix_i + (t - start_i)
             positions = torch.repeat_interleave(pre - starts, ext) + torch.arange(batch.num_tokens)
-            token_rows = torch.repeat_interleave(torch.tensor(batch.rows, dtype=torch.int64), ext)
+            token_rows = torch.repeat_interleave(int64_tensor(batch.rows), ext)
         logit_tokens = None
         if batch.sample_indices:
-            last = starts + ext - 1
-            picked = last[torch.tensor(batch.sample_indices, dtype=torch.int64)]
+            index = int64_tensor(batch.sample_indices)
+            # a decode's last new token is its only one: flat index == batch index
+            picked = index if starts is None else (starts + ext - 1)[index]
             if any(batch.proposed):
-                counts = torch.tensor([len(p) + 1 for p in batch.proposed], dtype=torch.int64)
+                counts = int64_tensor([len(p) + 1 for p in batch.proposed])
                 first = torch.cumsum(counts, 0) - counts
                 offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
                 picked = torch.repeat_interleave(picked - counts + 1, counts) + offsets
             logit_tokens = picked.to(dev)
         deferred = None
         if batch.deferred_inputs:
-            flat = torch.tensor(batch.deferred_inputs, dtype=torch.int64)
+            flat = int64_tensor(batch.deferred_inputs)
             deferred = DeferredInputs(flat.to(dev), token_rows[flat].to(dev))
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(dev)
-        out_slots = torch.tensor(batch.out_slots, dtype=torch.int64).to(dev)
+        input_ids = int64_tensor(batch.input_ids).to(dev)
+        out_slots = int64_tensor(batch.out_slots).to(dev)
         positions = positions.to(dev)
         self.table.write_batch(batch, token_rows.to(dev), positions, out_slots)
         meta = self.backend.plan(batch, out_slots)
-        prompt = prompt_logprob_inputs(batch, starts.tolist(), dev)
+        prompt = None
+        if batch.prompt_logprobs:
+            first = torch.arange(batch.batch_size) if starts is None else starts
+            prompt = prompt_logprob_inputs(batch, first.tolist(), dev)
         return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt)
 
     def validate(self, batch: ForwardBatch) -> None:
@@ -354,7 +363,11 @@ class ModelRunner:
             raise ValueError(
                 f"ForwardBatch: rows must be distinct and in [0, {self.max_rows}), got {batch.rows}"
             )
-        longest = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True))
+        if t == b:  # decodes only (every extend is 1): no Python loop over the batch
+            longest = max(batch.prefix_lens) + 1
+        else:
+            longest = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens,
+                                                strict=True))
         if longest > self.max_context:
             raise ValueError(
                 f"ForwardBatch: a sequence reaches {longest} tokens, "

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
+from banyan.host_tensors import int64_tensor
 from banyan.runner.model_runner import ModelRunner, StepInputs
 from banyan.runner.threads import ThreadGovernor
 from banyan.sampling.sampler import Sampler
@@ -114,8 +115,8 @@ class ModelStepRunner:
             last = [t[-1] for t in tokens]
             rows_now = [r.row for r in batch.sampling]
             if min(rows_now) >= 0:
-                index = torch.tensor(rows_now, dtype=torch.int64, device=self._row_tokens.device)
-                self._row_tokens.index_copy_(0, index, torch.tensor(last).to(index.device))
+                index = int64_tensor(rows_now).to(self._row_tokens.device)
+                self._row_tokens.index_copy_(0, index, int64_tensor(last).to(index.device))
                 for r, t in zip(rows_now, last, strict=True):
                     self._row_last[r] = t
         t2 = time.perf_counter()

@@ -51,6 +51,12 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads what the request has generated so far: the tokens
+        (penalties) or their count (a seed's per-position draw, the min_new_tokens ban)."""
+        return self.uses_penalties or self.seed is not None or self.min_new_tokens > 0
+
     def copy(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)  # type: ignore[arg-type]
 

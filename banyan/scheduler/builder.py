@@ -93,7 +93,9 @@ class BatchBuilder:
                 chunked.append(r)
             elif remaining == 1 and not r.ends_with_pending:
                 decoding.append(r)
-        while decoding and self.kv.available < len(decoding):
+        # (free slots alone cover the decodes in the usual step: `available` sums decode runs)
+        while decoding and self.kv.allocator.num_free < len(decoding) \
+                and self.kv.available < len(decoding):
             victim = running.pop()  # the most recently admitted
             self.retract(victim, waiting)
             step.retracted.append(victim)
@@ -102,8 +104,7 @@ class BatchBuilder:
             if victim in chunked:
                 chunked.remove(victim)
         if self.speculation is None or not decoding:
-            for req in decoding:
-                self._add(step, req, 1)
+            self._add_decodes(step, decoding)
             return chunked
         # Guesses only take slots that are free now beyond what the decodes need.
         guesses = self.speculation.plan(decoding, self.kv.allocator.num_free - len(decoding))
@@ -209,6 +210,55 @@ class BatchBuilder:
             step.sampled.append(req)
             req.pending += 1
         step.reqs.append(req)
+
+    def _add_decodes(self, step: ScheduledStep, reqs: list[Request]) -> None:
+        """`_add(step, req, 1)` for each running decode, unrolled: the hot path of a step (once
+        per running request). The same batch either way (tests/test_step_pipeline.py builds
+        both and compares)."""
+        batch = step.batch
+        base = len(step.reqs)
+        alloc_for = self.kv.alloc_for
+        rows, prefix_lens, input_ids = batch.rows, batch.prefix_lens, batch.input_ids
+        out_slots, sampling, deferred = batch.out_slots, batch.sampling, batch.deferred_inputs
+        for req in reqs:
+            slots, output, row, run = req.slots, req.output_ids, req.row, req.decode_run
+            assert row is not None
+            start = len(slots)
+            if len(run) > 1:
+                slot = run.pop()
+            else:
+                taken = alloc_for(req, 1)
+                assert taken is not None, "caller checked availability"
+                slot = taken[0]
+            if req.row_synced < start:
+                batch.row_prefixes.append(RowPrefix(row, slots[:start]))
+            rows.append(row)
+            prefix_lens.append(start)
+            pending = req.pending
+            if pending:  # its input is the token a running step samples for it (overlap)
+                deferred.append(len(input_ids))
+                input_ids.append(0)
+            else:  # a decode's input is its sequence's last token (start == tokens - 1)
+                input_ids.append(output[-1] if output else req.prompt_ids[-1])
+            out_slots.append(slot)
+            slots.append(slot)
+            req.row_synced = start + 1
+            req.inflight += 1
+            srow = req.sampling_row
+            if srow is None or srow.row != row:
+                params = req.params
+                srow = SamplingRow(params, req.prompt_ids,
+                                   list(output) if params.uses_penalties else [],
+                                   params.seed, len(output) + pending, row, pending,
+                                   req.grammar)
+                if not params.reads_history:  # the same every step (batch.py): kept
+                    req.sampling_row = srow
+            sampling.append(srow)
+            req.pending = pending + 1
+        batch.extend_lens.extend([1] * len(reqs))
+        batch.sample_indices.extend(range(base, base + len(reqs)))
+        step.sampled.extend(reqs)
+        step.reqs.extend(reqs)
 
     def retract(self, req: Request, waiting: WaitingQueue) -> None:
         """Free (or cache) a running request's KV and requeue it at the front, to be recomputed

@@ -6,25 +6,6 @@ from banyan.batch import TokenLogprobs
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate
 
 
-def is_stop_token(req: Request, token: int) -> bool:
-    """Called after the token is appended. A grammar that ended with this token (its stop
-    token, taken even under ignore_eos) stops the request too."""
-    return (token in req.params.stop_token_ids
-            or (not req.params.ignore_eos and token in req.eos_ids)
-            or (req.grammar is not None and req.grammar.ends_with(len(req.output_ids))))
-
-
-def finish_reason_after(req: Request, stop_token: bool, stopped_by_text: bool,
-                        max_model_len: int) -> FinishReason | None:
-    """stopped_by_text already respects min_new_tokens (the text stream knows it)."""
-    n_out = len(req.output_ids)
-    if stopped_by_text or (stop_token and n_out >= req.params.min_new_tokens):
-        return FinishReason.STOP
-    if n_out >= req.max_new_tokens or req.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    return None
-
-
 def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
                  max_model_len: int) -> RequestUpdate:
     """Append a step's tokens for one request (1..k+1 of them) in order, streaming their text,
@@ -37,7 +18,7 @@ def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
             req.logprobs.append(logprobs[0])
         text, reason = _push(req, token, max_model_len)
         return RequestUpdate(req.rid, tokens, text, reason, logprobs[:1],
-                             len(req.prompt_ids), req.cached_tokens)
+                             len(req.prompt_ids), req.cached_tokens, None, [])
     appended: list[int] = []
     text_parts: list[str] = []
     reason: FinishReason | None = None
@@ -55,15 +36,27 @@ def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
 
 
 def _push(req: Request, token: int, max_model_len: int) -> tuple[str, FinishReason | None]:
-    """Stream one appended token's text and decide whether it ends the request."""
+    """Stream one appended token's text and decide whether it ends the request (sets
+    req.finish_reason). Once per generated token: one function, no calls it can avoid."""
+    n_out = len(req.output_ids)
+    # A stop token, or a grammar that ended with this token (its stop token, taken even under
+    # ignore_eos).
+    stop_token = token in req.stop_ids or (req.grammar is not None
+                                           and req.grammar.ends_with(n_out))
     text, stopped = "", False
-    stop_token = is_stop_token(req, token)
-    if req.text is not None and not stop_token:
-        delta = req.text.push(token)  # applies stop strings only past min_new_tokens
-        text, stopped = delta.text, delta.stopped
-    reason = finish_reason_after(req, stop_token, stopped, max_model_len)
-    if reason is not None and req.text is not None and not stopped:
-        text += req.text.finish()
+    stream = req.text
+    if stream is not None and not stop_token:
+        text, stopped = stream.push_text(token)  # applies stop strings past min_new_tokens
+    # (stopped by text already respects min_new_tokens: the text stream knows it)
+    if stopped or (stop_token and n_out >= req.params.min_new_tokens):
+        reason: FinishReason | None = FinishReason.STOP
+    elif n_out >= req.max_new_tokens or len(req.prompt_ids) + n_out >= max_model_len:
+        reason = FinishReason.LENGTH
+    else:
+        req.finish_reason = None
+        return text, None
+    if stream is not None and not stopped:
+        text += stream.finish()
     req.finish_reason = reason
     return text, reason
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from banyan.batch import TokenLogprobs
+from banyan.batch import SamplingRow, TokenLogprobs
 from banyan.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,15 +25,13 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class TextDelta(Protocol):
-    text: str  # safe to emit now
-    stopped: bool  # a stop string completed (the text is trimmed before it)
-
-
 class TextStream(Protocol):
     """Turns generated token ids into safe-to-emit text and spots stop strings."""
 
-    def push(self, token_id: int) -> TextDelta: ...
+    def push_text(self, token_id: int) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string completed: the text is trimmed
+        before it and the request ends)."""
+        ...
 
     def finish(self) -> str:
         """Held-back text, released when the request ends for another reason."""
@@ -75,6 +73,11 @@ class Request:
     # that ends while a step still reads its KV keeps its slots until that step is collected.
     pending: int = 0
     inflight: int = 0
+    # Its decode steps' SamplingRow, made once when sampling reads no history (batch.py).
+    sampling_row: SamplingRow | None = None
+    # Tokens that stop it: its stop_token_ids, and EOS unless ignore_eos (looked up once per
+    # generated token; often the engine's own eos_ids set).
+    stop_ids: frozenset[int] = field(init=False, repr=False)
 
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     # P/D decode worker: prompt tokens whose K/V a prefill worker computed and sent. They reach
@@ -82,6 +85,11 @@ class Request:
     transferred: int = 0
     num_retractions: int = 0
     arrival_seq: int = 0
+
+    def __post_init__(self) -> None:
+        eos = frozenset() if self.params.ignore_eos else self.eos_ids
+        stops = self.params.stop_token_ids
+        self.stop_ids = eos.union(stops) if stops else eos
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +103,7 @@ class Request:
     def remaining(self) -> int:
         """Tokens whose KV is still to be computed before the next token can be sampled (a
         pending token counts: its value arrives before the step that computes it runs)."""
-        return self.num_tokens + self.pending - len(self.slots)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending - len(self.slots)
 
     @property
     def generated(self) -> int:

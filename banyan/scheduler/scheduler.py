@@ -223,6 +223,8 @@ class Scheduler:
         if len(out.sampled_token_ids) != len(step.sampled):
             raise RuntimeError(f"runner answered {len(out.sampled_token_ids)} rows for "
                                f"{len(step.sampled)} sampling requests")
+        if len(step.sampled) == len(step.reqs) == batch.num_tokens and not batch.prompt_logprobs:
+            return self._update_decodes(step, out)
         updates: list[RequestUpdate] = []
         speculative: set[int] = set()
         outputs, logprobs = out.sampled_token_ids, out.logprobs
@@ -268,6 +270,41 @@ class Scheduler:
             elif n > 1 and status is running and i not in speculative:
                 # a prefill chunk: share it with waiting requests now, not at the end
                 self.kv.cache_unfinished(req, prefix + n)
+        if self.config.check_integrity:
+            self.kv.check_integrity(self.running, self._ended_in_flight)
+        return updates
+
+    def _update_decodes(self, step: ScheduledStep, out: StepOutput) -> list[RequestUpdate]:
+        """`update` for a step of decodes only (one token each, nothing proposed, every request
+        sampled): its two passes in one, the hot path of a step (once per running request)."""
+        updates: list[RequestUpdate] = []
+        append = updates.append
+        max_len = self.config.max_model_len
+        running, finished = Status.RUNNING, Status.FINISHED
+        logprobs = out.logprobs or [[]] * len(step.sampled)
+        for req, tokens, lps, prefix in zip(step.sampled, out.sampled_token_ids, logprobs,
+                                            step.batch.prefix_lens, strict=True):
+            req.pending -= 1
+            req.inflight -= 1
+            status = req.status
+            if status is finished:  # ended while this step ran: what it computed is void
+                self._release_if_collected(req)
+                continue
+            if status is running and prefix >= req.written:
+                req.written = prefix + 1  # (a running request's slots hold this step's)
+            if req.max_new_tokens == 0:  # computed for its prompt logprobs only
+                append(prompt_only_update(req))
+            else:
+                update = apply_tokens(req, tokens, lps, max_len)
+                if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+                    update.prompt_logprobs = req.prompt_logprobs  # with its first token
+                append(update)
+            if req.finish_reason is not None:
+                if status is running:
+                    self.running.remove(req)
+                else:  # retracted while its last token was sampled
+                    self.waiting.remove(req)
+                self._finish(req)
         if self.config.check_integrity:
             self.kv.check_integrity(self.running, self._ended_in_flight)
         return updates
