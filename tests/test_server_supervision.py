@@ -88,7 +88,8 @@ def test_engine_killed_is_restarted(server: ServerProcess) -> None:
     """kill -9 of the engine mid-stream: the stream ends with a 503 event, /metrics shows nothing
     running, the dead process is reaped, and the server serves again within 30 s."""
     old = _engine_pid(server.url)
-    long = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # long enough that it cannot end before the kill lands, whatever the load (1 to 3 s)
+    long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=AUTH,
                       timeout=30) as r:
         lines = r.iter_lines()
