@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# The Triton kernels' tests run on CPU through Triton's interpreter; a CUDA torch build may want
+# the triton it was built with (e.g. TRITON_SPEC="triton==3.x.y").
+TRITON_SPEC ?= triton==3.9.0
 MODEL ?=
 PORT ?= 30000
 PY := $(VENV)/bin/python
@@ -20,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e '.[test,mooncake]'
+	$(PIP) install $(TRITON_SPEC)
 	# Mooncake's store client loads libibverbs even for TCP: Debian's libibverbs1, where apt can
 	# install it (without it the mooncake tier's tests are skipped, saying why).
 	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \

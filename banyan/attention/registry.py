@@ -2,7 +2,8 @@
 
 A backend registers itself with `@register_backend("name")` where it is defined; `create_backend`
 imports the modules that define backends, so asking for a name never depends on import order.
-`auto` picks the fastest backend that works for the pool's device and dtype.
+`auto` picks the fastest backend that works for the pool's device and dtype: on CUDA the Triton
+kernels first; on CPU never them (there they run only under Triton's interpreter, a test tool).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ if TYPE_CHECKING:
     from banyan.mem.req_table import ReqToTokenTable
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
-_MODULES = ("banyan.attention.torch_backend", "banyan.attention.cpu_native")
+_MODULES = (
+    "banyan.attention.torch_backend",
+    "banyan.attention.cpu_native",
+    "banyan.attention.triton_backend",
+)
 B = TypeVar("B", bound="type[AttentionBackend]")
 
 
@@ -42,7 +47,8 @@ def create_backend(name: str, pool: KVPool, table: ReqToTokenTable) -> Attention
     pool) over `pool` and `table`; ValueError for an unknown or unsupported one."""
     _import_all()
     if name == "auto":
-        for candidate in ("cpu-native", "sdpa"):
+        first = ("triton",) if pool.device.type == "cuda" else ()
+        for candidate in (*first, "cpu-native", "sdpa"):
             if _BACKENDS[candidate].supports(pool):
                 return _BACKENDS[candidate](pool, table)
     cls = _BACKENDS.get(name)
@@ -50,8 +56,9 @@ def create_backend(name: str, pool: KVPool, table: ReqToTokenTable) -> Attention
         raise ValueError(f"attention_backend: unknown backend {name!r}; "
                          f"choose auto or one of {', '.join(sorted(_BACKENDS))}")
     if not cls.supports(pool):
-        raise ValueError(f"attention_backend: {name!r} does not run on {pool.device} with "
-                         f"{pool.dtype} (or its kernel did not build); try auto or sdpa")
+        reason = cls.refusal(pool) or (f"does not run on {pool.device} with {pool.dtype} (or "
+                                       "its kernel did not build)")
+        raise ValueError(f"attention_backend: {name!r} {reason}; try auto or sdpa")
     return cls(pool, table)
 
 

@@ -1,0 +1,315 @@
+"""Triton attention kernels over the paged KV pool (the GPU path; on CPU they run only under
+Triton's interpreter, TRITON_INTERPRET=1, which is how the tests check them).
+
+Both kernels read K/V in place: a request's position p lives at slot `table[row, p]` of the
+layer's K and V tensors ([num_slots, kv_heads, head_dim], contiguous). Nothing is gathered into
+a workspace first. Scores are kept in base 2 (the scale is multiplied by log2(e) once, so the
+online softmax uses exp2), accumulation is float32, and the output is rounded to q's dtype once.
+
+- Decode (one new token per request): split-K in two stages. Stage 1 gives each (request, KV
+  head, split) a program that walks its share of the context through the table and writes the
+  normalized partial output and its log-sum-exp for the G query heads of that KV head (GQA:
+  the G heads are the rows of one tile, so each K/V block is loaded once for all of them).
+  Stage 2 merges the splits of each (request, head) exactly by their log-sum-exps. Splits let
+  a few long contexts fill the GPU; the split count is one number per step (the backend picks
+  it), and each request cuts its own context into that many block-aligned pieces, so a short
+  request's surplus splits are empty programs.
+- Extend (a prefill chunk or speculative check of n tokens over a cached prefix): one program
+  per (BLOCK_M new tokens, query head) walks the row's positions up to its last token through
+  the table (the layer stores the new tokens' K/V first), new token j seeing the whole prefix
+  and new tokens 0..j.
+
+Both run the same loop (`_attend`): a query tile whose rows each see positions up to their
+own last one; the decode tile's rows are the G heads of a KV head, the extend tile's are tokens.
+
+The interpreter computes bfloat16 matrix products wrongly (numpy has no bfloat16), so under it
+the operands of bf16 products are upcast to float32 (`UPCAST`); on a GPU they stay bf16 and run
+on tensor cores. float32 products use IEEE precision, not TF32: a float32 model is meant to
+match transformers' float32 token for token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    INTERPRETED = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # an older triton (a CUDA torch may bring one): no knobs yet
+    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+MAX_GROUP_BLOCK = 64  # query heads of one KV head in one decode tile (more: several programs)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def head_block(head_dim: int) -> int:
+    """The padded head dimension of a tile: a power of two, >= 16 (tl.dot's smallest K)."""
+    return max(16, _pow2(head_dim))
+
+
+def extend_blocks(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M new tokens, BLOCK_N keys) of an extend tile. 64 x 64 keeps a float32 tile pair
+    with head_dim <= 128 within a GPU's registers; wider heads halve both (a common choice for
+    such kernels, not tuned on hardware here)."""
+    return (64, 64) if head_block(head_dim) <= 128 else (32, 32)
+
+
+DECODE_BLOCK_N = 64  # keys per decode step of the loop; also a split's granularity
+
+
+def _dot_flags(dtype: torch.dtype) -> tuple[bool, str | None]:
+    """(UPCAST, input precision) of the products for K/V of this dtype (see the module doc)."""
+    upcast = INTERPRETED and dtype == torch.bfloat16
+    return upcast, ("ieee" if dtype == torch.float32 else None)
+
+
+# ---------------------------------------------------------------------------- shared loop
+
+
+@triton.jit
+def _attend(q, k_base, v_base, table_row, stride_s, lo, hi, last, scale_log2,
+            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, d_mask,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of a [ROWS, BLOCK_D] query tile over positions [lo, hi) of one table
+    row, row r seeing positions <= last[r] (< hi) -> (running max m, sum l, output sum acc),
+    float32, scores in base 2. k_base/v_base: the KV head's [1, BLOCK_D] pointers into the
+    pool, slot s at + s * stride_s. An empty range leaves m = -inf, l = 0."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < hi
+        # masked positions read slot 0 (the padding slot: always finite), never stale entries
+        slots = tl.load(table_row + pos, mask=pos_mask, other=0).to(tl.int64)
+        offset = slots[:, None] * stride_s
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offset, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offset, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk = tl.where(pos[None, :] <= last[:, None], qk, float("-inf"))
+        # Every row sees position lo (last >= lo), so m_new is finite from the first block
+        # on, and a row whose later block is all masked adds exp2(-inf) = 0.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Table, Rows, SeqLens, Tokens, MidO, MidLse,
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_s, stride_h, stride_tr,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    first = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H  # of the group's heads
+    split = tl.program_id(2)
+    row = tl.load(Rows + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+    token = tl.load(Tokens + b).to(tl.int64)
+    # Block-aligned splits: every split but the last full, surplus ones empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    in_group = first + tl.arange(0, BLOCK_H)
+    head_mask = in_group < GROUP
+    heads = kv_head * GROUP + in_group
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    last = tl.full([BLOCK_H], 0, tl.int32) + (hi - 1)  # no causality within a split
+    m_i, l_i, acc = _attend(q, K + kv_head * stride_h + d[None, :],
+                            V + kv_head * stride_h + d[None, :], Table + row * stride_tr,
+                            stride_s, lo, hi, last, scale_log2, BLOCK_H, BLOCK_N, BLOCK_D,
+                            d_mask, UPCAST, PRECISION)
+    filled = l_i > 0  # an empty split (lo >= hi) leaves l_i = 0: weight 0 in the merge
+    safe_l = tl.where(filled, l_i, 1.0)
+    out = tl.where(filled[:, None], acc / safe_l[:, None], 0.0)
+    lse = tl.where(filled, m_i + tl.log2(safe_l), float("-inf"))
+    tl.store(MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
+             + d[None, :], out, mask=head_mask[:, None] & d_mask[None, :])
+    tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MidO, MidLse, Tokens, Out, num_splits,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + s, mask=s_mask,
+                  other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    part = tl.load(MidO + b * stride_mo_b + h * stride_mo_h + s[:, None] * stride_mo_s
+                   + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    token = tl.load(Tokens + b).to(tl.int64)
+    tl.store(Out + token * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty),
+             mask=d_mask)
+
+
+def _check_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    # the kernels address K and V with one set of strides
+    if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride() \
+            or k_pool.stride(-1) != 1:
+        raise ValueError("K and V pools must be alike, with contiguous head rows")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tokens: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out[tokens[b]] = attention of q[tokens[b]] over positions [0, seq_lens[b]) of table row
+    rows[b]. q/out: [T, H, D]; k/v_pool: [slots, KVH, D]; rows/seq_lens/tokens: [B] int32;
+    mid_o: [B, H, S, D] and mid_lse: [B, H, S] float32 scratch, S being the split count."""
+    _check_pool(k_pool, v_pool)
+    batch, heads, splits = mid_lse.shape
+    kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
+    group = heads // kv_heads
+    block_h = min(max(16, _pow2(group)), MAX_GROUP_BLOCK)
+    head_blocks = triton.cdiv(group, block_h)
+    block_d = head_block(head_dim)
+    upcast, precision = _dot_flags(k_pool.dtype)
+    _decode_split_kernel[(batch, kv_heads * head_blocks, splits)](
+        q, k_pool, v_pool, table, rows, seq_lens, tokens, mid_o, mid_lse,
+        scale * LOG2E, splits,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h,
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, UPCAST=upcast, PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, heads)](
+        mid_o, mid_lse, tokens, out, splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d, num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------- extend
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Table, BlockReq, BlockStart, ReqRow, ReqPrefix, ReqLen, ReqToken, Out,
+    scale_log2,
+    stride_qt, stride_qh, stride_s, stride_h, stride_tr, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // GROUP
+    r = tl.load(BlockReq + blk)
+    m0 = tl.load(BlockStart + blk)  # first new token of this block, within the request
+    row = tl.load(ReqRow + r).to(tl.int64)
+    prefix = tl.load(ReqPrefix + r)
+    n = tl.load(ReqLen + r)
+    token0 = tl.load(ReqToken + r).to(tl.int64)  # the request's first token in the batch
+
+    m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = m < n
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + (token0 + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    # New token m (position prefix + m) sees positions [0, prefix + m]: the whole prefix and
+    # new tokens 0..m. Nothing past the block's last token is seen by any of its rows; the
+    # padding rows past n see what the last real row sees (they are not stored).
+    hi = prefix + tl.minimum(n, m0 + BLOCK_M)
+    last = tl.minimum(prefix + m, hi - 1)
+    m_i, l_i, acc = _attend(q, K + kv_head * stride_h + d[None, :],
+                            V + kv_head * stride_h + d[None, :], Table + row * stride_tr,
+                            stride_s, 0, hi, last, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
+                            d_mask, UPCAST, PRECISION)
+    out = acc / l_i[:, None]  # l_i > 0: position 0 is visible to every row
+    tl.store(Out + (token0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    req_rows: torch.Tensor,
+    req_prefix: torch.Tensor,
+    req_lens: torch.Tensor,
+    req_tokens: torch.Tensor,
+    block_req: torch.Tensor,
+    block_start: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Extends: request r's req_lens[r] new tokens (flat batch rows req_tokens[r]...) at
+    positions req_prefix[r]... of table row req_rows[r], over its cached prefix and causally
+    over themselves, all read from the pool (the new tokens' K/V are stored already).
+    block_req/block_start: [NB] int32, one entry per BLOCK_M new tokens (`extend_blocks`)."""
+    _check_pool(k_pool, v_pool)
+    heads, head_dim = q.shape[1], q.shape[2]
+    block_m, block_n = extend_blocks(head_dim)
+    upcast, precision = _dot_flags(k_pool.dtype)
+    _extend_kernel[(block_req.shape[0], heads)](
+        q, k_pool, v_pool, table, block_req, block_start,
+        req_rows, req_prefix, req_lens, req_tokens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=head_block(head_dim), UPCAST=upcast, PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+
+
+def split_count(programs: int, longest: int, min_keys: int, max_splits: int,
+                target_programs: int) -> int:
+    """Splits per decode context: enough that `programs` (decodes x KV heads) x splits reaches
+    target_programs, but no split shorter than min_keys of the longest context, and at most
+    max_splits."""
+    by_length = math.ceil(longest / min_keys)
+    by_occupancy = math.ceil(target_programs / max(1, programs))
+    return max(1, min(max_splits, by_length, by_occupancy))

@@ -1,0 +1,201 @@
+"""The "triton" attention backend against the SDPA backend, layer by layer, and end to end.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
+triton is first imported), which executes each program in Python: about 10 ms per program or
+key block, so the shapes are picked to cover the kernels' cases, not to be large. What the
+interpreter covers here:
+
+- decodes: contexts of 1 to 5,000 keys (1, 2, 63, 64, 65, 200, 777 with forced small splits,
+  so empty and partial splits occur; 1,500, 3,000 and 5,000 with the default split policy, 16
+  splits); GQA ratios 1, 4 and 8 (and a group of 2); head_dim 64 and 24 (padded to 32);
+- extends of 2 to 300 new tokens over prefixes of 0 to 1,800 tokens (one to five 64-token
+  query blocks), causal within the new tokens; mixed decode + extend steps with the decodes
+  not contiguous in the flat batch;
+- tables with holes (each row's slots scattered over the pool) and stale entries past every
+  row's end (slots holding other data, some of them other rows' live slots);
+- float32 and bfloat16 pools (a float16 one once). Under the interpreter bfloat16 products run
+  in float32 (numpy has no bfloat16), so the GPU's bf16 tensor-core path is not what runs here.
+
+On a CUDA machine the same tests run the compiled kernels on the GPU instead.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":  # before triton is imported: it decides at decoration time
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from banyan import Engine, SamplingParams  # noqa: E402
+from banyan.attention.registry import create_backend  # noqa: E402
+from banyan.attention.torch_backend import SdpaBackend  # noqa: E402
+from banyan.attention.triton_backend import SplitPolicy, TritonBackend  # noqa: E402
+from banyan.kernels import triton_attention  # noqa: E402
+from banyan.mem.kv_pool import KVPool, kv_code_dtype  # noqa: E402
+from banyan.mem.req_table import ReqToTokenTable  # noqa: E402
+from tests.test_cascade_attention import Req, Scene  # noqa: E402
+
+if DEVICE == "cpu" and not triton_attention.INTERPRETED:
+    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET was set",
+                allow_module_level=True)
+
+F32, BF16 = torch.float32, torch.bfloat16
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+SMALL_SPLITS = SplitPolicy(min_keys=64, max_splits=8)  # several splits on short contexts
+
+
+def scattered(shapes: list[tuple[int, int]], seed: int = 0) -> list[Req]:
+    """Requests of (prefix, new tokens) whose slots are disjoint and scattered over the pool
+    (a table with holes: no row's slots are contiguous)."""
+    total = sum(p + n for p, n in shapes)
+    slots = list(range(1, 2 * total + 1))
+    random.Random(seed).shuffle(slots)
+    reqs, at = [], 0
+    for p, n in shapes:
+        reqs.append(Req(slots[at : at + p + n], extend=n))
+        at += p + n
+    return reqs
+
+
+def compare(scene: Scene, backend: TritonBackend, layers: int | None = None) -> None:
+    """Every layer (or the first `layers`) through both backends on the same q/k/v: outputs
+    within the pool dtype's tolerance, and the new tokens' K/V stored by the Triton one."""
+    sdpa = SdpaBackend(scene.pool, scene.table)
+    slots = scene.out_slots
+    metas = backend.plan(scene.batch, slots), sdpa.plan(scene.batch, slots)
+    dtype, tol = scene.pool.dtype, TOL[scene.pool.dtype]
+    for layer in range(scene.layers if layers is None else layers):
+        shape = (len(slots), scene.heads, scene.pool.head_dim)
+        q = torch.randn(shape, generator=scene.gen).to(dtype).to(slots.device)
+        k_shape = (len(slots), scene.pool.kv_heads, scene.pool.head_dim)
+        k, v = (torch.randn(k_shape, generator=scene.gen).to(dtype).to(slots.device)
+                for _ in range(2))
+        got = backend.forward(q, k, v, layer, metas[0])
+        assert torch.equal(scene.pool.k[layer][slots], k)
+        assert torch.equal(scene.pool.v[layer][slots], v)
+        want = sdpa.forward(q, k, v, layer, metas[1])
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def stale_live(reqs: list[Req]) -> dict[int, list[int]]:
+    """Stale entries past each row's end that are other rows' live slots (a reused row)."""
+    return {i: reqs[(i + 1) % len(reqs)].slots[:5] for i in range(len(reqs))}
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(2, 2, F32), (4, 1, F32), (8, 1, F32),
+                                                  (2, 2, BF16), (4, 1, BF16), (8, 1, BF16)])
+def test_decodes_with_small_splits(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    """Contexts 1..777 keys, 8 splits of >= 64 keys: empty, partial and full splits merge."""
+    reqs = scattered([(n - 1, 1) for n in (1, 2, 63, 64, 65, 200, 777)], seed=heads)
+    scene = Scene(reqs, heads, kv_heads, dim=64, dtype=dtype, layers=1, device=DEVICE,
+                  stale=stale_live(reqs))
+    backend = TritonBackend(scene.pool, scene.table, splits=SMALL_SPLITS)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    assert meta.decode is not None and meta.decode.splits == 8 and meta.extend is None
+    compare(scene, backend)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(4, 1, F32), (8, 1, BF16)])
+def test_long_decodes_default_splits(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    """Contexts of 1,500 to 5,000 keys with the default split policy (a GPU's 16 splits)."""
+    reqs = scattered([(4999, 1), (1499, 1), (2999, 1), (4, 1)], seed=3)
+    scene = Scene(reqs, heads, kv_heads, dim=64, dtype=dtype, layers=1, device=DEVICE)
+    backend = TritonBackend(scene.pool, scene.table)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    assert meta.decode is not None and meta.decode.splits == 16
+    compare(scene, backend)
+
+
+# (prefix, new tokens): one to five query blocks of 64, block edges, a speculative check
+EXTENDS = [(0, 300), (37, 65), (500, 2), (1, 64), (130, 129)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(2, 2, F32), (4, 1, BF16), (8, 1, F32)])
+def test_extends_over_prefixes(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    reqs = scattered(EXTENDS, seed=heads)
+    scene = Scene(reqs, heads, kv_heads, dim=24, dtype=dtype, layers=1, device=DEVICE,
+                  stale=stale_live(reqs))
+    backend = TritonBackend(scene.pool, scene.table)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    assert meta.decode is None and meta.extend is not None
+    # one block per 64 new tokens: 5 + 2 + 1 + 1 + 3
+    assert meta.extend.block_req.tolist() == [0] * 5 + [1] * 2 + [2, 3] + [4] * 3
+    assert meta.extend.block_start.tolist() == [0, 64, 128, 192, 256, 0, 64, 0, 0, 0, 64, 128]
+    compare(scene, backend)
+
+
+def test_a_long_extend() -> None:
+    """300 new tokens over a 1,800-token prefix."""
+    reqs = scattered([(1800, 300)], seed=7)
+    scene = Scene(reqs, 2, 1, dim=64, layers=1, device=DEVICE)
+    compare(scene, TritonBackend(scene.pool, scene.table))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float16])
+def test_mixed_decode_and_extend_step(dtype: torch.dtype) -> None:
+    """Decodes between extends (not contiguous in the flat batch), two layers."""
+    shapes = [(40, 1), (0, 9), (130, 1), (20, 70), (0, 1), (300, 1), (64, 3)]
+    reqs = scattered(shapes, seed=11)
+    scene = Scene(reqs, 8, 2, dim=64, dtype=dtype, device=DEVICE, stale=stale_live(reqs))
+    backend = TritonBackend(scene.pool, scene.table, splits=SMALL_SPLITS)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    assert meta.decode is not None and meta.extend is not None
+    # each decode's token in the flat batch: after the 9 and the 70 new tokens of the extends
+    assert meta.decode.tokens.tolist() == [0, 10, 81, 82]
+    assert meta.decode.splits == 5  # ceil(301 / 64)
+    compare(scene, backend)
+
+
+def test_split_count() -> None:
+    count = triton_attention.split_count
+    assert count(1, 4000, 256, 16, 264) == 16  # one long decode: as many as allowed
+    assert count(1, 1000, 256, 16, 264) == 4  # no split under 256 keys
+    assert count(64 * 8, 4000, 256, 16, 264) == 1  # 512 programs fill the GPU already
+    assert count(32, 4000, 256, 16, 264) == 9  # 32 x 9 = 288 programs >= 264
+    assert count(1, 1, 256, 16, 264) == 1
+
+
+def test_refusals_and_auto() -> None:
+    table = ReqToTokenTable(2, 16, "cpu")
+    int8 = KVPool(1, 8, 2, 16, torch.float32, "cpu", kv_code_dtype("int8"))
+    with pytest.raises(ValueError, match="reads unquantized KV only.*int8"):
+        create_backend("triton", int8, table)
+    with pytest.raises(ValueError, match="unquantized"):
+        TritonBackend(int8, table)
+    meta = KVPool(1, 8, 2, 16, torch.float32, "meta")
+    assert "runs on CUDA devices, not meta" in (TritonBackend.refusal(meta) or "")
+    # On CPU auto keeps its order (the interpreter is a test tool), even with it switched on.
+    cpu = KVPool(1, 8, 2, 16, torch.float32, "cpu")
+    assert TritonBackend.supports(cpu) == (DEVICE == "cpu")
+    assert create_backend("auto", cpu, table).name in ("cpu-native", "sdpa")
+    if DEVICE == "cpu":
+        assert create_backend("triton", cpu, table).name == "triton"
+
+
+@pytest.mark.cuda
+def test_auto_prefers_triton_on_cuda() -> None:
+    pool = KVPool(1, 8, 2, 16, torch.bfloat16, "cuda")
+    assert create_backend("auto", pool, ReqToTokenTable(2, 16, "cuda")).name == "triton"
+
+
+def test_engine_greedy_matches_sdpa(llama_dir: Path) -> None:
+    """The tiny llama (4 heads over 2 KV heads, head_dim 16): prompts of 5 and 90 tokens in
+    chunks of 32 (extends over a cached prefix), then decodes, equal greedy tokens."""
+    prompts = [[5 + i for i in range(5)], [7 + (i * 13) % 400 for i in range(90)]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    outputs = {}
+    for name in ("sdpa", "triton"):
+        with Engine(str(llama_dir), dtype="float32", device=DEVICE, disable_tqdm=True,
+                    attention_backend=name, chunked_prefill_size=32,
+                    max_prefill_tokens=64) as engine:
+            outputs[name] = [o.output_ids for o in engine.generate(input_ids=prompts,
+                                                                   sampling_params=params)]
+    assert outputs["triton"] == outputs["sdpa"]
+    assert all(len(o) == 6 for o in outputs["sdpa"])
