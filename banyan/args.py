@@ -172,6 +172,9 @@ class EngineArgs:
         "Seconds a structured-output request waits for its grammar to compile (off the step "
         "loop; other requests keep running) before it fails."))
     seed: int = field(default=0, metadata=_doc("Seed of the sampler for unseeded requests."))
+    disable_cuda_graph: bool = field(default=False, metadata=_doc(
+        "CUDA: run decode steps eagerly instead of replaying them from CUDA graphs captured "
+        "per batch size (captured where the attention backend allows: triton)."))
     num_threads: int | None = field(default=None, metadata=_doc(
         "CPU threads for the steps (default: all cores, fewer while other processes use some; "
         "a fixed count turns that off)."))

@@ -21,6 +21,7 @@ On a CUDA machine the same tests run the compiled kernels on the GPU instead.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from pathlib import Path
@@ -199,3 +200,65 @@ def test_engine_greedy_matches_sdpa(llama_dir: Path) -> None:
                                                                    sampling_params=params)]
     assert outputs["triton"] == outputs["sdpa"]
     assert all(len(o) == 6 for o in outputs["sdpa"])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_decode_graphs_replay_the_eager_step(dtype: torch.dtype) -> None:
+    """The backend's CUDA-graph hooks under runner/cuda_graph.py, with the fake device of
+    tests/test_cuda_graph.py (a replay re-runs what was captured over the static buffers):
+    decode steps of 1 to 5 requests through captured buckets of up to 8 give the eager step's
+    attention (split counts differ: a bucket's is fixed for the longest possible context)."""
+    from banyan.runner.cuda_graph import DecodeGraphs
+    from tests.test_cuda_graph import FakeGraphs
+
+    reqs = scattered([(n - 1, 1) for n in (70, 1, 300, 129, 5)], seed=5)
+    scene = Scene(reqs, 4, 2, dim=16, dtype=dtype, layers=1, device=DEVICE)
+    backend = TritonBackend(scene.pool, scene.table, splits=SMALL_SPLITS)
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(64, h, 16, generator=g).to(dtype).to(DEVICE) for h in (4, 2, 2)]
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor, meta: object) -> torch.Tensor:
+        q, k, v = (w[ids] for w in weights)
+        return backend.forward(q, k, v, 0, meta)  # type: ignore[arg-type]
+
+    api = FakeGraphs()
+    graphs = DecodeGraphs(forward, backend, 8, torch.device(DEVICE), api)
+    graphs.capture()
+    assert graphs.captured == [1, 2, 4, 8]
+    for b in (1, 3, 5):
+        batch = dataclasses.replace(scene.batch, rows=scene.batch.rows[:b],
+                                    prefix_lens=scene.batch.prefix_lens[:b],
+                                    extend_lens=[1] * b, input_ids=list(range(1, b + 1)),
+                                    out_slots=scene.batch.out_slots[:b])
+        ids = torch.arange(1, b + 1, device=DEVICE)
+        slots = scene.out_slots[:b]
+        got = graphs.run(batch, ids, torch.tensor(batch.prefix_lens, device=DEVICE), slots)
+        assert got is not None and api.replayed_rows() == graphs.bucket_for(b)
+        want = forward(ids, ids, backend.plan(batch, slots))
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_engine_decodes_replayed_from_graphs_match_eager(llama_dir: Path) -> None:
+    """The runner's graph path end to end (ModelRunner.enable_graphs with the fake device):
+    three prompts decoding together, then fewer as they end (buckets 1, 2, 4 replayed with
+    padded rows), give the greedy tokens of eager steps."""
+    from tests.test_cuda_graph import FakeGraphs
+
+    prompts = [[5 + i for i in range(5)], [9, 8, 7], [7 + (i * 13) % 400 for i in range(40)]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (3, 5, 7)]
+    outputs, replays = {}, 0
+    for graphs in (False, True):
+        with Engine(str(llama_dir), dtype="float32", device=DEVICE, disable_tqdm=True,
+                    attention_backend="triton", max_running_requests=4) as engine:
+            if graphs:
+                api = FakeGraphs()
+                runner = engine.core.scheduler.runner.model_runner  # type: ignore[attr-defined]
+                runner.enable_graphs(api)
+                assert runner.graphs.captured == [1, 2, 4]
+            outputs[graphs] = [o.output_ids for o in engine.generate(
+                input_ids=prompts, sampling_params=params, use_tqdm=False)]
+            if graphs:
+                replays = sum(kind == "replay" for kind, _ in api.events)
+    assert outputs[True] == outputs[False]
+    assert replays >= 6  # decode steps of 3, 2 and 1 requests went through the graphs

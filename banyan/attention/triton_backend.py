@@ -150,6 +150,51 @@ class TritonBackend(AttentionBackend):
             meta.extend = ExtendPlan(*(next(parts) for _ in range(6)))
         return meta
 
+    # ---------------------------------------------------------------- CUDA graphs (decodes)
+    # The decode plan's tensors become static buffers sized for the largest batch; a bucket's
+    # split count is fixed at capture (it sets the kernel grid) for the longest context a row
+    # can hold, so a replay's shorter contexts leave some splits empty, which the merge weighs 0.
+
+    supports_graphs = True
+
+    def init_graph_buffers(self, max_batch: int) -> None:
+        dev = self.pool.device
+        self._g_ints = torch.zeros(3, max_batch, dtype=torch.int32, device=dev)
+        self._g_out_slots = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._g_plans: dict[int, TritonMetadata] = {}
+
+    def plan_for_capture(self, batch_size: int) -> AttentionMetadata:
+        rows, seq_lens, tokens = (self._g_ints[i, :batch_size] for i in range(3))
+        self._fill_graph_buffers([], [], torch.zeros(0, dtype=torch.int64), batch_size)
+        splits = self.kernels.split_count(
+            batch_size * self.pool.kv_heads, self.table.max_context,
+            self.split_policy.min_keys, self.split_policy.max_splits, self.target_programs)
+        meta = TritonMetadata(backend=self, num_tokens=batch_size,
+                              out_slots=self._g_out_slots[:batch_size],
+                              decode=DecodePlan(rows, seq_lens, tokens, splits))
+        self._g_plans[batch_size] = meta
+        return meta
+
+    def plan_for_replay(self, batch: ForwardBatch, out_slots: torch.Tensor) -> AttentionMetadata:
+        self._fill_graph_buffers(batch.rows, [p + 1 for p in batch.prefix_lens], out_slots,
+                                 self._g_ints.shape[1])
+        return TritonMetadata(backend=self, num_tokens=batch.batch_size,
+                              out_slots=self._g_out_slots[:batch.batch_size])
+
+    def _fill_graph_buffers(self, rows: list[int], seq_lens: list[int],
+                            out_slots: torch.Tensor, size: int) -> None:
+        """Rows [0, b) from the batch; rows b.. padded: table row 0, one key, writing and
+        reading the padding slot 0 (their outputs are never read)."""
+        b = len(rows)
+        host = torch.zeros(3, size, dtype=torch.int32)
+        host[0, :b] = torch.tensor(rows, dtype=torch.int32)
+        host[1, :] = 1
+        host[1, :b] = torch.tensor(seq_lens, dtype=torch.int32)
+        host[2, :] = torch.arange(size, dtype=torch.int32)
+        self._g_ints[:, :size].copy_(host, non_blocking=True)
+        self._g_out_slots[b:size].zero_()
+        self._g_out_slots[:b].copy_(out_slots)
+
     # ---------------------------------------------------------------- forward (every layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

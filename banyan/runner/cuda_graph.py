@@ -14,13 +14,16 @@ and reads back its first b rows. The buckets are captured
 largest first and share one memory pool, so the smaller ones reuse the largest one's memory.
 
 The graph calls go through `GraphApi`, so the capture and replay logic is tested on CPU with a
-fake device that re-runs the recorded function at replay (tests/test_cuda_graph.py).
+fake device that re-runs the recorded function at replay (tests/test_cuda_graph.py; with the
+Triton backend under its interpreter, tests/test_triton_attention.py). The runner captures at
+start-up on CUDA when the backend supports it (ModelRunner.enable_graphs) and replays from
+`compute`, on the thread that runs the steps in order: a step prepared ahead (overlap) never
+touches the static buffers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,8 +46,9 @@ class GraphApi(Protocol):
     """What the runner needs of CUDA graphs (torch.cuda's, or a test's fake)."""
 
     def new_graph(self) -> Any: ...
-    def capture(self, graph: Any, pool: Any, run: Callable[[], torch.Tensor]
-                ) -> AbstractContextManager[None]: ...
+    def capture(self, graph: Any, pool: Any, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record `run` into `graph` (memory from `pool`; None: a new pool) -> its output."""
+        ...
     def replay(self, graph: Any) -> None: ...
     def pool_of(self, graph: Any) -> Any: ...
     def synchronize(self) -> None: ...
@@ -56,9 +60,9 @@ class TorchCudaGraphs:
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: Any, pool: Any, run: Callable[[], torch.Tensor]
-                ) -> AbstractContextManager[None]:
-        return torch.cuda.graph(graph, pool=pool)
+    def capture(self, graph: Any, pool: Any, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.cuda.graph(graph, pool=pool):
+            return run()
 
     def replay(self, graph: Any) -> None:
         graph.replay()
@@ -110,8 +114,7 @@ class DecodeGraphs:
             run()  # warm-up, outside the graph
             self.api.synchronize()
             graph = self.api.new_graph()
-            with self.api.capture(graph, pool, run):
-                hidden = run()
+            hidden = self.api.capture(graph, pool, run)
             if pool is None:
                 pool = self.api.pool_of(graph)
             self._graphs[size] = _Captured(graph, hidden)

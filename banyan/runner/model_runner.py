@@ -31,6 +31,7 @@ from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
 from banyan.models.native_stack import NativeLayerStack
+from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
     compute_prompt_logprobs,
@@ -62,6 +63,9 @@ class StepInputs:
     attn_meta: AttentionMetadata
     deferred: DeferredInputs | None = None
     prompt: PromptLogprobInputs | None = None  # prompt-logprob positions, when some request asks
+    # A decode step a captured CUDA graph may replay: its batch and out slots (the replay
+    # refills the static buffers when it runs, in step order, not when the step is prepared).
+    graph: tuple[ForwardBatch, torch.Tensor] | None = None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -105,6 +109,7 @@ class ModelRunner:
         linear_kernel: str = "auto",
         kv_cache_dtype: str = "auto",
         gguf_file: Path | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
@@ -114,7 +119,9 @@ class ModelRunner:
         linears of `gguf_file` (the file model_path was converted from) computed from its own
         blocks (layers/gguf_linear.py); auto: gguf where that can run, else none.
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
-        kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py)."""
+        kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py).
+        cuda_graphs: decode steps replayed from CUDA graphs (runner/cuda_graph.py) where the
+        device is CUDA and the attention backend can be captured."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
@@ -161,6 +168,9 @@ class ModelRunner:
         self.backend = create_backend(attention_backend, self.pool, self.table)
         # small steps' decoder layers in one native call where every piece has a kernel
         self.stack = NativeLayerStack.build(self.model, self.pool, self.backend)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and self.backend.supports_graphs:
+            self.enable_graphs()
         self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
         logger.info(
             "KV cache: %d slots (%s, %.1f MiB, %d bytes per token), table %d rows x %d "
@@ -249,6 +259,7 @@ class ModelRunner:
             linear_kernel=args.linear_kernel,
             kv_cache_dtype=args.kv_cache_dtype,
             gguf_file=gguf_source(args.model) if args.quantization in ("auto", "gguf") else None,
+            cuda_graphs=not args.disable_cuda_graph,
         )
 
     # ------------------------------------------------------------------ public surface
@@ -274,6 +285,13 @@ class ModelRunner:
         self.timings = {"prepare": t1 - t0, "forward": time.perf_counter() - t1}
         return logits
 
+    def enable_graphs(self, api: GraphApi | None = None) -> None:
+        """Capture the decode graphs now (api: torch.cuda's, or a test's fake device)."""
+        self.graphs = DecodeGraphs(self.model.__call__, self.backend, self.max_rows,
+                                   self.device, api)
+        self.graphs.capture()
+        logger.info("CUDA graphs captured for decode batches of %s", self.graphs.captured)
+
     def compute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The model over a prepared step -> logits at `inputs.logit_tokens`, float32.
         Host-side time: on CUDA this is launch time unless the caller synchronizes."""
@@ -283,8 +301,13 @@ class ModelRunner:
         """The model over a prepared step -> (logits at `inputs.logit_tokens`, float32; the
         prompt logprobs of each ForwardBatch.prompt_logprobs span, empty when none)."""
         with torch.inference_mode():
-            hidden = None if self.stack is None else self.stack.forward(
-                inputs.input_ids, inputs.positions, inputs.attn_meta)
+            hidden = None
+            if inputs.graph is not None and self.graphs is not None:
+                batch, out_slots = inputs.graph
+                hidden = self.graphs.run(batch, inputs.input_ids, inputs.positions, out_slots)
+            if hidden is None and self.stack is not None:
+                hidden = self.stack.forward(inputs.input_ids, inputs.positions,
+                                            inputs.attn_meta)
             if hidden is None:  # [T, hidden]
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
             prompt = ([] if inputs.prompt is None else
@@ -339,7 +362,9 @@ class ModelRunner:
         if batch.prompt_logprobs:
             first = torch.arange(batch.batch_size) if starts is None else starts
             prompt = prompt_logprob_inputs(batch, first.tolist(), dev)
-        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt)
+        graph = ((batch, out_slots) if self.graphs is not None and decode_only
+                 and not batch.prompt_logprobs else None)
+        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt, graph)
 
     def validate(self, batch: ForwardBatch) -> None:
         """ValueError on a batch that would index out of the pool, table or vocabulary."""
