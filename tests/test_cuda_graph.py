@@ -96,7 +96,7 @@ class FakeBackend(AttentionBackend):
         raise AssertionError("the fake model does not call attention")
 
 
-def fake_model(api: FakeGraphs | None) -> Callable[..., torch.Tensor]:
+def fake_model() -> Callable[..., torch.Tensor]:
     table = torch.randn(100, HIDDEN, generator=torch.Generator().manual_seed(0))
 
     def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -127,7 +127,7 @@ def test_buckets() -> None:
 
 def test_every_bucket_is_captured_largest_first_in_one_pool() -> None:
     api = FakeGraphs()
-    graphs = DecodeGraphs(fake_model(api), FakeBackend(), 20, torch.device("cpu"), api)
+    graphs = DecodeGraphs(fake_model(), FakeBackend(), 20, torch.device("cpu"), api)
     graphs.capture()
     assert graphs.captured == [1, 2, 4, 8, 16, 20]
     pools = [pool for kind, pool in api.events if kind == "capture"]
@@ -138,14 +138,14 @@ def test_every_bucket_is_captured_largest_first_in_one_pool() -> None:
 def test_a_replay_gives_the_eager_forward_of_its_rows(b: int) -> None:
     api = FakeGraphs()
     backend = FakeBackend()
-    model = fake_model(api)
+    model = fake_model()
     graphs = DecodeGraphs(model, backend, 20, torch.device("cpu"), api)
     graphs.capture()
     for seed in range(3):  # replays refill the same buffers: each sees only its own inputs
         batch, ids, pos, slots = decode([5 * i + seed for i in range(b)], seed)
         got = graphs.run(batch, ids, pos, slots)
         assert got is not None
-        want = fake_model(None)(ids, pos, backend.plan(batch, slots))
+        want = model(ids, pos, backend.plan(batch, slots))
         assert torch.equal(got, want)
     size = min(x for x in batch_buckets(20) if x >= b)  # the smallest bucket that holds b
     assert api.replayed_rows() == size
@@ -154,7 +154,7 @@ def test_a_replay_gives_the_eager_forward_of_its_rows(b: int) -> None:
 
 def test_steps_a_graph_does_not_cover_run_eagerly() -> None:
     api = FakeGraphs()
-    graphs = DecodeGraphs(fake_model(api), FakeBackend(), 8, torch.device("cpu"), api)
+    graphs = DecodeGraphs(fake_model(), FakeBackend(), 8, torch.device("cpu"), api)
     graphs.capture()
     batch, ids, pos, slots = decode([3] * 9, 0)
     assert graphs.run(batch, ids, pos, slots) is None  # more rows than the largest bucket
@@ -169,7 +169,7 @@ def test_a_backend_without_graph_buffers_captures_nothing() -> None:
         supports_graphs = False
 
     api = FakeGraphs()
-    graphs = DecodeGraphs(fake_model(api), Eager(), 8, torch.device("cpu"), api)
+    graphs = DecodeGraphs(fake_model(), Eager(), 8, torch.device("cpu"), api)
     graphs.capture()
     assert graphs.captured == [] and api.events == []
     batch, ids, pos, slots = decode([1, 2], 0)
