@@ -99,6 +99,9 @@ def test_other_types_stay_dense(tmp_path: Path, tokenizer_dir: Path,
     others = [n for n, m in layers.items() if n != "tied_head"]
     assert others and not any(isinstance(layers[n].method, _QuantMethod) for n in others)
     assert "keep dense weights" in caplog.text and "Q5_K" in caplog.text
+    # the loader skips only the linears the blocks replace: these were read
+    dense = _linears(_runner(path, "none"))
+    assert all(torch.equal(layers[n].weight, dense[n].weight) for n in others)
 
 
 @pytest.mark.parametrize("wtype", ["Q8_0", "Q4_1", "Q4_K"])

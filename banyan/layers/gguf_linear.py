@@ -175,9 +175,10 @@ def method_for_blocks(pieces: list[Decoded], group: int = BLOCK) -> _QuantMethod
     return Int4Method(BLOCK, given=(codes, scale, low))
 
 
-def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[str]]:
-    """Swap the dense linears of `model` (loaded from `gguf_file`'s conversion) for the file's
-    blocks where their type allows -> (layers repacked, names of those left dense)."""
+def _parts_by_linear(model: nn.Module, gguf_file: Path
+                     ) -> dict[str, list[tuple[int, GGUFTensor]]]:
+    """The file's tensors of each Linear of `model` (rows start, tensor), in row order; a tied
+    LM head in a layout of its own (model.tied_head) reads the embedding's."""
     from banyan.models.gguf_loader import iter_gguf_tensors, open_gguf
 
     modules = dict(model.named_modules())
@@ -195,22 +196,45 @@ def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[st
         owner = slot.param.removesuffix(".weight")
         if isinstance(modules.get(owner), Linear):
             parts[owner].append((slot.start, tensor))
+    for found in parts.values():
+        found.sort(key=lambda p: p[0])
+    return parts
+
+
+def _repackable(layer: Linear, found: list[tuple[int, GGUFTensor]]) -> bool:
+    kinds = [t.ggml_type.name for _, t in found]
+    rows = sum(t.shape[0] for _, t in found)
+    groups = {GROUP.get(kind, BLOCK) for kind in kinds}
+    # a fused projection may mix types (Q4_K_M files keep q, k as Q5_0 and v as Q8_0):
+    # fine when the parts decode to one method, i.e. the same group and min or no min
+    return not (any(k not in REPACKED_TYPES or layer.in_features % (SUPER if k.endswith("_K")
+                                                                       else BLOCK)
+                    for k in kinds)
+                or rows != layer.out_features or len(groups) != 1
+                or len({k in WITH_MIN for k in kinds}) != 1)
+
+
+def gguf_repacked_tensors(model: nn.Module, gguf_file: Path) -> set[str]:
+    """Checkpoint tensors (of the file's conversion) that repack_gguf_linears will replace by
+    the file's blocks: the loader need not read their dequantized copies (model on meta)."""
+    modules = dict(model.named_modules())
+    return {t.name for owner, found in _parts_by_linear(model, gguf_file).items()
+            if owner != "tied_head" and _repackable(modules[owner], found) for _, t in found}
+
+
+def repack_gguf_linears(model: nn.Module, gguf_file: Path) -> tuple[int, list[str]]:
+    """Swap the dense linears of `model` (loaded from `gguf_file`'s conversion) for the file's
+    blocks where their type allows -> (layers repacked, names of those left dense)."""
+    modules = dict(model.named_modules())
     repacked, dense = 0, []
-    for owner, found in parts.items():
+    for owner, found in _parts_by_linear(model, gguf_file).items():
         layer = modules[owner]
         assert isinstance(layer, Linear)
-        found.sort(key=lambda p: p[0])
-        kinds = [t.ggml_type.name for _, t in found]
-        rows = sum(t.shape[0] for _, t in found)
-        groups = {GROUP.get(kind, BLOCK) for kind in kinds}
-        # a fused projection may mix types (Q4_K_M files keep q, k as Q5_0 and v as Q8_0):
-        # fine when the parts decode to one method, i.e. the same group and min or no min
-        if any(k not in REPACKED_TYPES or layer.in_features % (SUPER if k.endswith("_K")
-                                                                 else BLOCK) for k in kinds) \
-                or rows != layer.out_features or len(groups) != 1 \
-                or len({k in WITH_MIN for k in kinds}) != 1:
-            dense.append(f"{owner} ({'/'.join(sorted(set(kinds)))})")
+        if not _repackable(layer, found):
+            kinds = {t.ggml_type.name for _, t in found}
+            dense.append(f"{owner} ({'/'.join(sorted(kinds))})")
             continue
+        groups = {GROUP.get(t.ggml_type.name, BLOCK) for _, t in found}
         pieces = [decode_blocks(t.raw, t.ggml_type.name, layer.in_features) for _, t in found]
         layer.convert(method_for_blocks(pieces, groups.pop()))
         repacked += 1

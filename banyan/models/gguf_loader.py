@@ -20,6 +20,7 @@ can be permuted before dequantization. Other architectures (qwen2, qwen3) are st
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -123,7 +124,14 @@ def gguf_model_dir(gguf_file: Path, show_progress: bool = True) -> Path:
 
 def open_gguf(gguf_file: Path) -> tuple[GGUFHeader, str]:
     """(the file's header and tensor index, architecture); ValueError for an architecture
-    Banyan does not run."""
+    Banyan does not run. Kept for the file as it is now: a model's start reads it twice
+    (which linears its blocks replace, then the blocks)."""
+    stat = gguf_file.stat()
+    return _open_gguf(gguf_file.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(gguf_file: Path, mtime_ns: int, size: int) -> tuple[GGUFHeader, str]:
     try:
         reader = GGUFHeader(gguf_file)
     except Exception as exc:  # noqa: BLE001 - the reader raises many types on a bad file

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -51,14 +52,18 @@ def load_model(
     device: str | torch.device = "cpu",
     show_progress: bool = True,
     config: ModelConfig | None = None,
+    not_read: Callable[[LlamaForCausalLM], set[str]] | None = None,
 ) -> LlamaForCausalLM:
-    """Build and fill the model from a local HF folder. dtype: None/'auto' = the config's."""
+    """Build and fill the model from a local HF folder. dtype: None/'auto' = the config's.
+    not_read(model on meta) -> checkpoint tensors left unread (their parameters uninitialised):
+    weights the caller replaces right after, such as linears computed from GGUF blocks."""
     cfg = config or ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     device = torch.device(device)
     files = checkpoint_files(path)  # before building anything: fail fast on a bad folder
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    skip = not_read(model) if not_read is not None else set()
     materialize(model, dtype, device)
     fill_from_safetensors(
         model,
@@ -66,6 +71,7 @@ def load_model(
         files,
         tied=cfg.tie_word_embeddings,
         show_progress=show_progress,
+        skip=skip,
     )
     model.eval()
     logger.info(
@@ -110,9 +116,10 @@ def fill_from_safetensors(
     files: list[Path],
     tied: bool,
     show_progress: bool = True,
+    skip: set[str] | None = None,
 ) -> None:
-    """Copy every checkpoint tensor into its slot of `model`; ValueError naming any tensor that
-    is missing, unexpected or of the wrong shape."""
+    """Copy every checkpoint tensor into its slot of `model` (but those in `skip`); ValueError
+    naming any tensor that is missing, unexpected or of the wrong shape."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -122,7 +129,8 @@ def fill_from_safetensors(
         handles = [
             stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files
         ]
-        _fill(params, layout, files, handles, tied, show_progress, seen, unexpected)
+        _fill(params, layout, files, handles, tied, show_progress, seen, unexpected,
+              skip or set())
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {_names(unexpected)}")
     missing = [name for name in layout if name not in seen]
@@ -139,6 +147,7 @@ def _fill(
     show_progress: bool,
     seen: set[str],
     unexpected: list[str],
+    skip: set[str],
 ) -> None:
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
@@ -146,6 +155,9 @@ def _fill(
             for name in handle.keys():
                 bar.update(1)
                 if _ignored(name, tied):
+                    continue
+                if name in skip and name in layout:
+                    seen.add(name)
                     continue
                 slot = layout.get(name)
                 if slot is None:
