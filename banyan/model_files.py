@@ -69,11 +69,8 @@ def default_served_name(model: str | None) -> str:
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_defaults(path: Path) -> dict[str, float]:
-    """The sampling settings generation_config.json recommends (only those it names), which the
-    server applies where a request is silent, as vLLM does; {} without the file."""
-    import json
-
+def generation_config(path: Path) -> dict[str, Any]:
+    """A model folder's generation_config.json as read ({} without one, or a bad one)."""
     file = path / "generation_config.json"
     if not file.is_file():
         return {}
@@ -82,6 +79,13 @@ def sampling_defaults(path: Path) -> dict[str, float]:
     except (OSError, ValueError) as exc:
         logger.warning("ignoring %s: %s", file, exc)
         return {}
+    return config if isinstance(config, dict) else {}
+
+
+def sampling_defaults(path: Path) -> dict[str, float]:
+    """The sampling settings generation_config.json recommends (only those it names), which the
+    server applies where a request is silent, as vLLM does; {} without the file."""
+    config = generation_config(path)
     found = {k: float(config[k]) for k in SAMPLING_DEFAULT_KEYS
              if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
     if found:
@@ -168,9 +172,6 @@ class EngineTokenizer:
                                          if eos is not None else None)
         self._hf: Any = None
         self._lock = threading.Lock()
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def hf(self) -> Any:
         with self._lock:

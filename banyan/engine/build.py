@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from banyan.cache.tier.mooncake_store import MooncakeStore
 from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
-from banyan.model_files import load_engine_tokenizer, resolve_model_dir
+from banyan.model_files import generation_config, load_engine_tokenizer, resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
 from banyan.runner.step import ModelStepRunner
 from banyan.runner.threads import ThreadGovernor
@@ -37,11 +36,8 @@ def eos_token_ids(model_dir: Path, tokenizer: Any, hf_config: Any) -> frozenset[
     """EOS ids from the tokenizer, the model config and generation_config.json."""
     ids: set[int] = set()
     candidates: list[Any] = [tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)]
-    try:  # read as JSON: transformers' GenerationConfig would import transformers (1 s)
-        generation = json.loads((model_dir / "generation_config.json").read_text())
-        candidates.append(generation.get("eos_token_id") if isinstance(generation, dict) else None)
-    except (OSError, ValueError):  # generation_config.json is optional
-        pass
+    # read as JSON: transformers' GenerationConfig would import transformers (1 s)
+    candidates.append(generation_config(model_dir).get("eos_token_id"))
     for value in candidates:
         if isinstance(value, int):
             ids.add(value)

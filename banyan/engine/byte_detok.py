@@ -164,7 +164,22 @@ class ByteDetokenizer:
         return text
 
 
-class ByteTextStream(ByteDetokenizer):
+class EmittedText:
+    """A text stream's emitted text, kept as chunks in `_parts` and joined on demand (appending
+    to one string would be quadratic)."""
+
+    __slots__ = ()
+    _parts: list[str]
+
+    @property
+    def text(self) -> str:
+        """The output text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+
+class ByteTextStream(ByteDetokenizer, EmittedText):
     """A request's text stream (what the scheduler calls of TextAccumulator: push_text, finish;
     and its `text`) for a byte-level tokenizer and no stop strings, in one object: nothing is
     held back for a stop string, so the text is the detokenizer's. Pushed once per generated
@@ -175,14 +190,7 @@ class ByteTextStream(ByteDetokenizer):
     def __init__(self, token_bytes: TokenBytes, prompt_ids: Sequence[int],
                  skip_special_tokens: bool = True) -> None:
         super().__init__(token_bytes, prompt_ids, skip_special_tokens)
-        self._parts: list[str] = []  # emitted text, joined on demand
-
-    @property
-    def text(self) -> str:
-        """The output text emitted so far."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
+        self._parts = []
 
     @property
     def stopped(self) -> bool:

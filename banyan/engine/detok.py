@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from banyan.engine.byte_detok import ByteDetokenizer, ByteTextStream, TokenBytes
+from banyan.engine.byte_detok import ByteDetokenizer, ByteTextStream, EmittedText, TokenBytes
 from banyan.sampling.params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token: tokenizers that strip the
@@ -184,9 +184,9 @@ class TextDelta:
     stop: str | None = None  # the stop string that matched
 
 
-class TextAccumulator:
+class TextAccumulator(EmittedText):
     """Incremental detokenizer plus stop strings for one request: push tokens, stream what is
-    safe."""
+    safe (`text`: what was emitted; after `finish()` or a stop, the whole output)."""
 
     __slots__ = ("_detok", "_matcher", "_plain", "_min_tokens", "_tokens", "_parts", "_pending",
                  "_stopped")
@@ -216,7 +216,7 @@ class TextAccumulator:
         # Emitted text as chunks (joined on demand: appending to one string would be quadratic)
         # and the held-back tail, the only place a stop string can still begin: any emitted
         # suffix that began one would have been held back.
-        self._parts: list[str] = []
+        self._parts = []
         self._pending = ""
         self._stopped = False
 
@@ -236,13 +236,6 @@ class TextAccumulator:
         if token_bytes is not None and not any(params.stop):
             return ByteTextStream(token_bytes, prompt_ids, params.skip_special_tokens)
         return TextAccumulator.from_params(tokenizer, prompt_ids, params, token_bytes)
-
-    @property
-    def text(self) -> str:
-        """The output text emitted so far (after `finish()` or a stop, the whole output)."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
 
     @property
     def stopped(self) -> bool:

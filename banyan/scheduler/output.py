@@ -76,3 +76,17 @@ def prompt_only_update(req: Request) -> RequestUpdate:
     text = req.text.finish() if req.text is not None else ""
     return RequestUpdate(req.rid, [], text, FinishReason.LENGTH, [], len(req.prompt_ids),
                          req.cached_tokens, prompt_logprobs=req.prompt_logprobs)
+
+
+def sampled_update(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
+                   max_model_len: int) -> RequestUpdate:
+    """What a step's sampled tokens make of a request that was still live: its tokens applied
+    (the prompt's logprobs ride with its first ones), or its prompt logprobs alone when it was
+    computed for nothing else (max_new_tokens=0)."""
+    if req.max_new_tokens == 0:
+        return prompt_only_update(req)
+    update = apply_tokens(req, tokens, logprobs, max_model_len)
+    if req.params.prompt_logprobs is not None and \
+            len(req.output_ids) == len(update.new_token_ids):  # its first tokens
+        update.prompt_logprobs = req.prompt_logprobs
+    return update

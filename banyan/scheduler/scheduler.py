@@ -26,7 +26,7 @@ from banyan.cache.base import LowerTier, PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.builder import BatchBuilder, BudgetConfig, ScheduledStep
 from banyan.scheduler.memory import KVManager
-from banyan.scheduler.output import add_prompt_logprobs, apply_tokens, prompt_only_update
+from banyan.scheduler.output import add_prompt_logprobs, sampled_update
 from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Status
@@ -236,21 +236,15 @@ class Scheduler:
             req.pending -= 1
             if req.status is finished:
                 continue  # ended while this step ran: what it computed for it is void
-            if req.max_new_tokens == 0:  # computed for its prompt logprobs only
-                updates.append(prompt_only_update(req))
-                continue
+            update = sampled_update(req, outputs[j], logprobs[j] if logprobs else [], max_len)
+            updates.append(update)
             proposed = batch.proposed[j] if batch.proposed else None
-            update = apply_tokens(req, outputs[j], logprobs[j] if logprobs else [], max_len)
-            if req.params.prompt_logprobs is not None and \
-                    len(req.output_ids) == len(update.new_token_ids):  # its first tokens
-                update.prompt_logprobs = req.prompt_logprobs
             if proposed:
                 assert self.speculation is not None
                 self.speculation.record(req, len(proposed), len(outputs[j]) - 1)
                 speculative.add(batch.sample_indices[j])
                 if req.status is running:  # KV is valid for the input and accepted tokens
                     self.kv.drop_tail(req, len(proposed) + 1 - len(update.new_token_ids))
-            updates.append(update)
         for i, (req, prefix, n) in enumerate(zip(step.reqs, batch.prefix_lens,
                                                  batch.extend_lens, strict=True)):
             req.inflight -= 1
@@ -262,11 +256,7 @@ class Scheduler:
             if status is finished:
                 self._release_if_collected(req)
             elif req.finish_reason is not None:  # ended by this step's tokens
-                if status is running:
-                    self.running.remove(req)
-                else:  # retracted while its last token was sampled
-                    self.waiting.remove(req)
-                self._finish(req)
+                self._end(req, status)
             elif n > 1 and status is running and i not in speculative:
                 # a prefill chunk: share it with waiting requests now, not at the end
                 self.kv.cache_unfinished(req, prefix + n)
@@ -292,19 +282,9 @@ class Scheduler:
                 continue
             if status is running and prefix >= req.written:
                 req.written = prefix + 1  # (a running request's slots hold this step's)
-            if req.max_new_tokens == 0:  # computed for its prompt logprobs only
-                append(prompt_only_update(req))
-            else:
-                update = apply_tokens(req, tokens, lps, max_len)
-                if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
-                    update.prompt_logprobs = req.prompt_logprobs  # with its first token
-                append(update)
+            append(sampled_update(req, tokens, lps, max_len))
             if req.finish_reason is not None:
-                if status is running:
-                    self.running.remove(req)
-                else:  # retracted while its last token was sampled
-                    self.waiting.remove(req)
-                self._finish(req)
+                self._end(req, status)
         if self.config.check_integrity:
             self.kv.check_integrity(self.running, self._ended_in_flight)
         return updates
@@ -340,6 +320,14 @@ class Scheduler:
             self._finish(req)
         return [RequestUpdate(r.rid, [], "", FinishReason.LENGTH,
                               prompt_tokens=len(r.prompt_ids)) for r in done]
+
+    def _end(self, req: Request, status: Status) -> None:
+        """A request its step's tokens ended: out of its queue, finished."""
+        if status is Status.RUNNING:
+            self.running.remove(req)
+        else:  # retracted while its last token was sampled
+            self.waiting.remove(req)
+        self._finish(req)
 
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED
