@@ -52,6 +52,12 @@ class SamplingRow:
     # The request's grammar matcher (structured output), shared, not a snapshot: the runner
     # fills its masks and advances it in step order (banyan/structured/masks.py).
     grammar: GrammarState | None = None
+    # Greedy with nothing that changes or reports its logits (params.plain_greedy), decided
+    # once per row: the sampler's whole-batch argmax when every row is.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = self.params.plain_greedy and self.grammar is None
 
     @property
     def generated(self) -> int:

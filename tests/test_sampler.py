@@ -314,3 +314,18 @@ def test_top_candidates_shortcut_draws_the_same_tokens_as_a_full_sort() -> None:
     full, shortcut = Sampler(vocab), Sampler(vocab)
     full.top_candidates, shortcut.top_candidates = None, 16
     assert full.sample(logits, rows).next_tokens == shortcut.sample(logits, rows).next_tokens
+
+
+def test_argmax_rows_is_torch_argmax() -> None:
+    """The numpy greedy path picks what torch.argmax picks: the first maximum of each row, on
+    strided (vocabulary-trimmed) views and every float dtype numpy takes."""
+    from banyan.sampling.greedy import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 1000, generator=gen)
+    x[3, 10] = x[3, 900] = 50.0  # a tie: the first wins
+    x[5, :] = 1.0  # a row of ties
+    for view in (x, x[:, :999], x[::2], x.double(), x.half(), x.bfloat16()):
+        got = argmax_rows(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1))
+    assert argmax_rows(x)[3] == 10 and argmax_rows(x)[5] == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
@@ -95,14 +96,22 @@ def plan_native(
         order_t = int64_tensor(order)
         start_t = int64_tensor(group_start)
         prefix_t = int64_tensor(group_prefix)
-    else:  # the usual step: everyone alone, in batch order (no Python loop per request)
+    elif all_decodes:  # the usual step: decodes alone, in batch order (numpy: cheaper calls)
+        n = len(rows)
+        order = np.arange(n + 1, dtype=np.int64)
+        order_t = torch.from_numpy(order[:n])
+        return NativePlan(num_tokens, int64_tensor(rows),
+                          torch.from_numpy(np.fromiter(prefix_lens, np.int64, n) + 1),
+                          order_t, torch.from_numpy(np.ones(n, np.int64)), order_t,
+                          torch.from_numpy(order), torch.from_numpy(np.zeros(n, np.int64)))
+    else:  # everyone alone, in batch order
         order_t = torch.arange(len(rows), dtype=torch.int64)
         start_t = torch.arange(len(rows) + 1, dtype=torch.int64)
         prefix_t = torch.zeros(len(rows), dtype=torch.int64)
 
     if all_decodes:
         n_new = torch.ones(len(rows), dtype=torch.int64)
-        q_start = order_t if not groups else torch.arange(len(rows), dtype=torch.int64)
+        q_start = torch.arange(len(rows), dtype=torch.int64)  # (grouped: order_t is not)
     else:
         assert starts is not None
         n_new = int64_tensor(extend_lens)

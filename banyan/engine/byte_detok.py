@@ -164,46 +164,20 @@ class ByteDetokenizer:
         return text
 
 
-class EmittedText:
-    """A text stream's emitted text, kept as chunks in `_parts` and joined on demand (appending
-    to one string would be quadratic)."""
+class ByteTextStream(ByteDetokenizer):
+    """A request's text stream (what the scheduler calls of TextAccumulator: push_text, finish)
+    for a byte-level tokenizer and no stop strings, in one object: nothing is held back for a
+    stop string, so the text is the detokenizer's. Pushed once per generated token: one object
+    and one call (the whole-character case inline), where TextAccumulator takes three. Keeps
+    no copy of the text: the engine's callers assemble it from the updates."""
 
     __slots__ = ()
-    _parts: list[str]
 
-    @property
-    def text(self) -> str:
-        """The output text emitted so far."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
-
-
-class ByteTextStream(ByteDetokenizer, EmittedText):
-    """A request's text stream (what the scheduler calls of TextAccumulator: push_text, finish;
-    and its `text`) for a byte-level tokenizer and no stop strings, in one object: nothing is
-    held back for a stop string, so the text is the detokenizer's. Pushed once per generated
-    token; one object fewer to reach than TextAccumulator over a ByteDetokenizer."""
-
-    __slots__ = ("_parts",)
-
-    def __init__(self, token_bytes: TokenBytes, prompt_ids: Sequence[int],
-                 skip_special_tokens: bool = True) -> None:
-        super().__init__(token_bytes, prompt_ids, skip_special_tokens)
-        self._parts = []
-
-    @property
-    def stopped(self) -> bool:
-        return False  # no stop strings
+    stopped = False  # no stop strings
 
     def push_text(self, token_id: int) -> tuple[str, bool]:
-        text = self.push(token_id)
-        if text:
-            self._parts.append(text)
-        return text, False
-
-    def finish(self) -> str:
-        text = super().finish()
-        if text:
-            self._parts.append(text)
-        return text
+        if not self._held and 0 <= token_id < self._size and token_id not in self._skip:
+            whole = self._texts[token_id]  # (push's common case, without the second call)
+            if whole is not None:
+                return whole, False
+        return self.push(token_id), False

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from banyan.engine.byte_detok import ByteDetokenizer, ByteTextStream, EmittedText, TokenBytes
+from banyan.engine.byte_detok import ByteDetokenizer, ByteTextStream, TokenBytes
 from banyan.sampling.params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token: tokenizers that strip the
@@ -182,6 +182,21 @@ class TextDelta:
     text: str  # safe to send to the client now
     stopped: bool = False  # a stop string completed: end the request, push nothing more
     stop: str | None = None  # the stop string that matched
+
+
+class EmittedText:
+    """A text stream's emitted text, kept as chunks in `_parts` and joined on demand (appending
+    to one string would be quadratic)."""
+
+    __slots__ = ()
+    _parts: list[str]
+
+    @property
+    def text(self) -> str:
+        """The output text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
 
 class TextAccumulator(EmittedText):

@@ -153,6 +153,8 @@ class ModelStepRunner:
         Sampling at each position and comparing is exact for proposals that are single
         guesses (the output follows the model's own distribution, greedy or not)."""
         if not any(batch.proposed):  # one token per request: nothing to check
+            if logprobs.count(None) == len(logprobs):  # none asked (StepOutput: may be empty)
+                return [[t] for t in sampled], []
             return ([[t] for t in sampled],
                     [[] if lp is None else [lp] for lp in logprobs])
         tokens: list[list[int]] = []

@@ -52,6 +52,13 @@ class SamplingParams:
         )
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy, and nothing changes the logits before the argmax (penalties, bias, the
+        min_new_tokens ban) or reads them after (logprobs)."""
+        return (self.greedy and not self.uses_penalties and not self.logit_bias
+                and self.min_new_tokens == 0 and self.logprobs is None)
+
+    @property
     def reads_history(self) -> bool:
         """Whether sampling reads what the request has generated so far: the tokens
         (penalties) or their count (a seed's per-position draw, the min_new_tokens ban)."""

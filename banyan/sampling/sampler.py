@@ -20,6 +20,7 @@ import torch
 
 from banyan.batch import SamplingRow, TokenLogprobs
 from banyan.sampling.filters import sample_plain, sample_top_k_top_p
+from banyan.sampling.greedy import argmax_rows
 from banyan.sampling.logprobs import compute_logprobs
 from banyan.sampling.penalties import (
     apply_bans,
@@ -115,13 +116,15 @@ class Sampler:
         raw = logits[:, : self.vocab_size]
         if raw.dtype != torch.float32:
             raw = raw.float()
+        if token_masks is None and all(r.plain for r in rows):  # the usual greedy batch
+            return SampleResult(argmax_rows(raw).tolist(), [None] * len(rows))
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         params = [r.params for r in rows]
 
         processed = self._process(raw, rows, eos, token_masks)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = processed.argmax(dim=-1)
+            tokens = argmax_rows(processed)
         else:
             tokens = self._sample_rows(processed, rows, greedy)
 
@@ -207,7 +210,7 @@ class Sampler:
             )
         if index is None:
             return picked
-        return processed.argmax(dim=-1).index_copy_(0, index, picked)
+        return argmax_rows(processed).index_copy_(0, index, picked)
 
     def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """[n] float64 uniforms in [0, 1): seeded rows from their (seed, step), the rest from one

@@ -37,16 +37,23 @@ def apply_tokens(req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
 
 def _push(req: Request, token: int, max_model_len: int) -> tuple[str, FinishReason | None]:
     """Stream one appended token's text and decide whether it ends the request (sets
-    req.finish_reason). Once per generated token: one function, no calls it can avoid."""
-    n_out = len(req.output_ids)
+    req.finish_reason)."""
     # A stop token, or a grammar that ended with this token (its stop token, taken even under
     # ignore_eos).
     stop_token = token in req.stop_ids or (req.grammar is not None
-                                           and req.grammar.ends_with(n_out))
+                                           and req.grammar.ends_with(len(req.output_ids)))
     text, stopped = "", False
     stream = req.text
     if stream is not None and not stop_token:
         text, stopped = stream.push_text(token)  # applies stop strings past min_new_tokens
+    return decide_end(req, text, stopped, stop_token, max_model_len)
+
+
+def decide_end(req: Request, text: str, stopped: bool, stop_token: bool,
+               max_model_len: int) -> tuple[str, FinishReason | None]:
+    """Whether the token just appended (and streamed: `text`, `stopped` by a stop string)
+    ends the request; sets req.finish_reason and flushes held-back text when it does."""
+    n_out = len(req.output_ids)
     # (stopped by text already respects min_new_tokens: the text stream knows it)
     if stopped or (stop_token and n_out >= req.params.min_new_tokens):
         reason: FinishReason | None = FinishReason.STOP
@@ -55,6 +62,7 @@ def _push(req: Request, token: int, max_model_len: int) -> tuple[str, FinishReas
     else:
         req.finish_reason = None
         return text, None
+    stream = req.text
     if stream is not None and not stopped:
         text += stream.finish()
     req.finish_reason = reason

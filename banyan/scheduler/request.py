@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from banyan.batch import SamplingRow, TokenLogprobs
 from banyan.sampling.params import SamplingParams
 
@@ -139,18 +141,20 @@ class Request:
         return self.prompt_ids + self.output_ids
 
 
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step did to one request: the new tokens and text, and whether it ended."""
+class RequestUpdate(msgspec.Struct, gc=False):
+    """What one step did to one request: the new tokens and text, and whether it ended.
+    A msgspec Struct rather than a dataclass: one is made per running request per step, and
+    a Struct is made in a third of the time (not tracked by the garbage collector: it holds
+    no references back to anything that could close a cycle)."""
 
     rid: str
     new_token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = []  # (msgspec copies an empty default per instance)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
     # The prompt's logprobs (Request.prompt_logprobs), all at once, in the update that carries
     # the request's first token (or ends a max_new_tokens=0 request).
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = []

@@ -26,7 +26,7 @@ from banyan.cache.base import LowerTier, PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.builder import BatchBuilder, BudgetConfig, ScheduledStep
 from banyan.scheduler.memory import KVManager
-from banyan.scheduler.output import add_prompt_logprobs, sampled_update
+from banyan.scheduler.output import add_prompt_logprobs, decide_end, sampled_update
 from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
 from banyan.scheduler.queue import WaitingQueue
 from banyan.scheduler.request import FinishReason, Request, RequestUpdate, Status
@@ -282,8 +282,24 @@ class Scheduler:
                 continue
             if status is running and prefix >= req.written:
                 req.written = prefix + 1  # (a running request's slots hold this step's)
-            append(sampled_update(req, tokens, lps, max_len))
-            if req.finish_reason is not None:
+            output, stream, token = req.output_ids, req.text, tokens[0]
+            if lps or stream is None or req.grammar is not None or len(tokens) != 1 \
+                    or token in req.stop_ids or len(output) + 1 >= req.max_new_tokens \
+                    or req.params.prompt_logprobs is not None:
+                append(sampled_update(req, tokens, lps, max_len))  # any rule may apply
+                if req.finish_reason is not None:
+                    self._end(req, status)
+                continue
+            # The usual decode: one token that neither stops nor reaches a limit (checked
+            # above); only a stop string can end it.
+            output.append(token)
+            text, stopped = stream.push_text(token)
+            reason = None
+            if stopped:
+                text, reason = decide_end(req, text, True, False, max_len)
+            append(RequestUpdate(req.rid, tokens, text, reason, prompt_tokens=len(req.prompt_ids),
+                                 cached_tokens=req.cached_tokens))
+            if stopped:
                 self._end(req, status)
         if self.config.check_integrity:
             self.kv.check_integrity(self.running, self._ended_in_flight)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from banyan.batch import ForwardBatch
+from banyan.sampling.greedy import argmax_rows
 from banyan.mem.allocator import SlotAllocator
 from banyan.runner.model_runner import ModelRunner
 from banyan.scheduler.request import Request
@@ -126,7 +127,7 @@ class DraftProposer:
             seq.tokens.extend(new)
             seq.slots.extend(taken)
         logits = self.runner.forward(batch)
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()
 
     def _drop_all(self) -> None:
         """Out of draft KV (more live requests than its pool holds): start over; every
