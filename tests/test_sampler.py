@@ -314,6 +314,34 @@ def test_top_candidates_shortcut_draws_the_same_tokens_as_a_full_sort() -> None:
     full, shortcut = Sampler(vocab), Sampler(vocab)
     full.top_candidates, shortcut.top_candidates = None, 16
     assert full.sample(logits, rows).next_tokens == shortcut.sample(logits, rows).next_tokens
+    # Equal logits (untrained tokens often have them) are taken in one order on every path:
+    # here each row's five most likely tokens tie.
+    top = logits.max(dim=1, keepdim=True).values + 1.0
+    tied = logits.index_fill(1, torch.tensor([7, 70, 140, 200, 299]), 0.0) + \
+        torch.zeros_like(logits).index_fill(1, torch.tensor([7, 70, 140, 200, 299]), 1.0) * top
+    drawn = full.sample(tied, rows).next_tokens
+    assert drawn == shortcut.sample(tied, rows).next_tokens
+    assert len(set(drawn) & {7, 70, 140, 200, 299}) >= 3  # (the ties were drawn from)
+
+
+def test_top_candidates_order_and_middle_tier() -> None:
+    """top_candidates answers what a full stable sort's first k are (ties by id), through the
+    partition (k >= 128) and through topk (small k); rows whose nucleus passes the candidates
+    are drawn from 8x as many before a full sort, with the same tokens."""
+    from banyan.sampling.filters import sort_descending, top_candidates
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 5000, generator=gen)
+    x[:, 10:20] = 9.0  # ties inside the candidates
+    for k in (16, 200, 1024):
+        values, ids = top_candidates(x, k)
+        full_values, full_ids = sort_descending(x)
+        assert torch.equal(values, full_values[:, :k]) and torch.equal(ids, full_ids[:, :k])
+    flat = torch.randn(16, 5000, generator=gen) * 0.05  # nuclei of thousands of tokens
+    rows = [row(seed=7 + i, temperature=1.0, top_p=p) for i, p in enumerate([0.05, 0.3] * 8)]
+    full, shortcut = Sampler(5000), Sampler(5000)
+    full.top_candidates, shortcut.top_candidates = None, 64  # 64, then 512, then all
+    assert full.sample(flat, rows).next_tokens == shortcut.sample(flat, rows).next_tokens
 
 
 def test_argmax_rows_is_torch_argmax() -> None:
