@@ -6,6 +6,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -76,6 +81,34 @@ struct E5M2 {
     static float load(T x) { return fp8_decode<2, 15>(x); }
     static constexpr bool kScaled = true;
 };
+
+#if defined(__AVX2__) && defined(__F16C__)
+// A row of d fp8 codes (d % 16 == 0) times `scale` -> float32, through half precision: an e5m2
+// code is a half's top byte; an e4m3 code's sign, exponent and mantissa land in a half's
+// fields by a shift, its bias (7 against 15) a factor 2^8 folded into the scale. Every code
+// is a half exactly and the factor is a power of two, so the floats equal fp8_decode's x scale
+// bit for bit; 16 codes take 6 instructions where fp8_decode's selects take ~4 per 8.
+template <typename K>
+inline void fp8_row_to_f32(const uint8_t* src, float scale, int d, float* dst) {
+    constexpr bool kE5M2 = std::is_same<K, E5M2>::value;
+    const __m256 s = _mm256_set1_ps(kE5M2 ? scale : scale * 256.0f);
+    for (int e = 0; e < d; e += 16) {
+        const __m256i w = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e)));
+        __m256i h;
+        if constexpr (kE5M2) {
+            h = _mm256_slli_epi16(w, 8);
+        } else {
+            h = _mm256_or_si256(
+                _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+        }
+        _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s));
+        _mm256_storeu_ps(dst + e + 8,
+                         _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s));
+    }
+}
+#endif
 
 // exp(x) for x in [-87, 88] (clamped outside), Cephes' expf: ~1 ulp, vectorisable.
 inline float exp_clamped(float x) {
