@@ -139,6 +139,13 @@ class EngineArgs:
         "model on CPU, none otherwise). CPU only; activations stay in --dtype (float32 is the "
         "fast one on CPUs without AVX512_BF16).",
         choices=["auto", "none", "int8", "int4", "gguf"]))
+    activation_quant: str = field(default="none", metadata=_doc(
+        "Activations of the quantized linears (--quantization int8, int4 or gguf): none (float32, "
+        "exact against the float32 product of the dequantized weights), int8 (each step's rows "
+        "quantized to 8 bits per block of 32 inputs and multiplied by integer dot products, as "
+        "llama.cpp does: faster on CPUs where the linears are compute-bound, outputs move "
+        "slightly; docs/performance.md).",
+        choices=["none", "int8"]))
     linear_kernel: str = field(default="auto", metadata=_doc(
         "Kernel of the unquantized linear layers: torch (F.linear; bfloat16 weights prepacked "
         "by oneDNN where it can), native (the C++ skinny kernel for steps of up to 16 tokens, "
@@ -202,10 +209,14 @@ class EngineArgs:
                 raise ValueError(f"hicache_block_tokens ({self.hicache_block_tokens}) must be a "
                                  f"positive multiple of page_size ({self.page_size})")
         for name, allowed in (("quantization", ("auto", "none", "int8", "int4", "gguf")),
-                              ("spec_draft_quantization", ("none", "int8", "int4"))):
+                              ("spec_draft_quantization", ("none", "int8", "int4")),
+                              ("activation_quant", ("none", "int8"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
+        if self.activation_quant != "none" and self.quantization == "none":
+            raise ValueError(f"activation_quant {self.activation_quant} runs the quantized "
+                             "linear kernels: it needs quantization int8, int4 or gguf")
         check_linear_kernel(self.linear_kernel)
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.disaggregation_mode not in ("null", "prefill", "decode"):

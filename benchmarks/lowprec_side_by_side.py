@@ -1,11 +1,12 @@
 """Low-precision weights side by side in one run: Banyan with --quantization none (bfloat16 and
-float32), int8 and int4 (float32 activations), then for every GGUF file given, Banyan with
---quantization gguf (the file's blocks) and llama.cpp (llama-cpp-python, in its own virtual
-environment) on that same file, all with the same threads.
+float32), int8 and int4 (float32 activations; int8 ones too with --configs int8-q8act,...),
+then for every GGUF file given, Banyan with --quantization gguf (the file's blocks; with
+--gguf-activations none,int8 both activation modes) and llama.cpp (llama-cpp-python, in its
+own virtual environment) on that same file, all with the same threads.
 
     python benchmarks/lowprec_side_by_side.py --llamacpp-python VENV/bin/python \
         --gguf Q8_0=smol-Q8_0.gguf --gguf Q4_0=smol-Q4_0.gguf [--batched] [--out FILE] \
-        [--note TEXT]
+        [--gguf-activations none,int8] [--note TEXT]
 
 Per configuration: batch-1 decode of 128 new tokens after a 128-token prompt (decode tok/s, and
 that as a fraction of the copy-bandwidth bound for the bytes its weights take), and with
@@ -29,8 +30,11 @@ from banyan.bench.offline import batch1, machine_info, memory_bandwidth_gbs, run
 from banyan.bench.workloads import random_workload
 from banyan.model_files import resolve_model_dir
 
-CONFIGS = {"none-bf16": ("bfloat16", "none"), "none-f32": ("float32", "none"),
-           "int8-f32": ("float32", "int8"), "int4-f32": ("float32", "int4")}
+# name -> (dtype, --quantization, --activation-quant)
+CONFIGS = {"none-bf16": ("bfloat16", "none", "none"), "none-f32": ("float32", "none", "none"),
+           "int8-f32": ("float32", "int8", "none"), "int4-f32": ("float32", "int4", "none"),
+           "int8-q8act": ("float32", "int8", "int8"), "int4-q8act": ("float32", "int4", "int8")}
+DEFAULT_CONFIGS = "none-bf16,none-f32,int8-f32,int4-f32"
 IN_LEN = OUT_LEN = 128
 
 LLAMACPP_SCRIPT = r"""
@@ -110,10 +114,12 @@ print(json.dumps({"random_64_output_tok_s": made / elapsed, "elapsed_s": elapsed
 
 
 def banyan_config(model: Path, dtype: str, quantization: str, threads: int,
-                  batched: bool, bandwidth: float) -> dict[str, Any]:
+                  batched: bool, bandwidth: float, activation_quant: str = "none"
+                  ) -> dict[str, Any]:
     """model: a Hugging Face folder, or the GGUF file itself for --quantization gguf."""
     with Engine(str(model), dtype=dtype, device="cpu", quantization=quantization,
-                num_threads=threads, disable_tqdm=True, kv_cache_memory="512MiB") as engine:
+                activation_quant=activation_quant, num_threads=threads, disable_tqdm=True,
+                kv_cache_memory="512MiB") as engine:
         vocab = engine.core.vocab_size
         batch1(engine, 16, 8, vocab)  # warm: first-call allocations and kernel builds
         one = batch1(engine, IN_LEN, OUT_LEN, vocab)
@@ -163,7 +169,10 @@ def main() -> None:
     parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batched", action="store_true")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
+    parser.add_argument("--gguf-activations", default="none",
+                        help="--activation-quant values each GGUF file runs with in Banyan, "
+                             "comma-separated (none,int8: both)")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"Banyan runs besides the GGUF files, of {', '.join(CONFIGS)} "
                              "(empty: none)")
     parser.add_argument("--reps", type=int, default=1,
@@ -182,13 +191,15 @@ def main() -> None:
 
     for _ in range(args.reps):  # every configuration once per round: drift hits them all
         for name in filter(None, args.configs.split(",")):
-            dtype, quantization = CONFIGS[name]
+            dtype, quantization, act = CONFIGS[name]
             record(f"banyan {name}", banyan_config(model, dtype, quantization, args.threads,
-                                                   args.batched, bandwidth))
+                                                   args.batched, bandwidth, act))
         for spec in args.gguf:
             name, file = spec.split("=", 1)
-            record(f"banyan gguf {name}", banyan_config(Path(file), "float32", "gguf",
-                                                        args.threads, args.batched, bandwidth))
+            for act in filter(None, args.gguf_activations.split(",")):
+                key = f"banyan gguf {name}" + ("" if act == "none" else f" {act}-act")
+                record(key, banyan_config(Path(file), "float32", "gguf", args.threads,
+                                          args.batched, bandwidth, act))
             if args.llamacpp_python:
                 record(f"llama.cpp {name}", llamacpp_config(args.llamacpp_python, Path(file),
                                                             args.threads, bandwidth,

@@ -122,6 +122,8 @@ def add_quality_parser(modes: Any) -> None:
                    help="text to score (default: a fixed ~600-token English text)")
     q.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
                    help="weight format of the linears (as for serve)")
+    q.add_argument("--activation-quant", default="none", choices=["none", "int8"],
+                   help="activations of the quantized linears (as for serve)")
     q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="storage of the KV cache (as for serve)")
     q.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
@@ -139,11 +141,12 @@ def run_quality(ns: argparse.Namespace) -> int:
     ids = list(load_tokenizer(folder).encode(text))
     runner = ModelRunner(folder, dtype=ns.dtype, num_slots=len(ids) + 1, max_rows=1,
                          max_context=len(ids), quantization=ns.quantization,
-                         kv_cache_dtype=ns.kv_cache_dtype,
+                         kv_cache_dtype=ns.kv_cache_dtype, activation_quant=ns.activation_quant,
                          gguf_file=gguf_source(ns.model) if ns.quantization == "gguf" else None)
     ours = banyan_perplexity(runner, ids, ns.chunk)
     report: dict[str, Any] = {"model": str(folder), "dtype": str(runner.dtype),
                               "quantization": ns.quantization,
+                              "activation_quant": ns.activation_quant,
                               "kv_cache_dtype": ns.kv_cache_dtype, **asdict(ours),
                               "ppl": ours.ppl}
     if ns.reference:

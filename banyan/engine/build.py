@@ -70,7 +70,10 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
 def kv_identity(runner: ModelRunner) -> str:
     """What K/V computed by this runner depends on besides the tokens (model_identity)."""
     pool = runner.pool
-    return model_identity(runner.model, pool.dtype, f"{runner.quantization}|{pool.kv_cache_dtype}")
+    # K/V computed with int8 activations differ from the float path's: not to be shared
+    act = "" if runner.activation_quant == "none" else f"|act-{runner.activation_quant}"
+    return model_identity(runner.model, pool.dtype,
+                          f"{runner.quantization}|{pool.kv_cache_dtype}{act}")
 
 
 def attach_disaggregation(core: EngineCore, args: EngineArgs, runner: ModelRunner) -> None:

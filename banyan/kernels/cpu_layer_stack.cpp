@@ -46,6 +46,18 @@ void banyan_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group
 void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                              const int8_t* w, const float* scale, const float* bias, float* out,
                              int64_t N, int64_t n_threads);
+void banyan_q8_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                               const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
+                               const float* bias, float* out, int64_t N, int64_t n_threads);
+void banyan_q8_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                                const uint8_t* w, const float* scale, const float* mins,
+                                const float* bias, float* out, int64_t N, int64_t n_threads);
+void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                               const int8_t* w, const float* scale, const float* bias,
+                               float* out, int64_t N, int64_t n_threads);
+void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
+                               const uint16_t* scale, const uint16_t* mins, const float* bias,
+                               float* out, int64_t N, int64_t n_threads);
 }
 
 namespace {
@@ -56,7 +68,12 @@ enum LinearKind : int64_t {
     kInt8Rows = 1,   // int8, a scale per output row
     kInt4 = 2,       // int4, float16 scale and minimum per group
     kInt4Wide = 3,   // int4, float32 scale and minimum per group (GGUF K-quants)
-    kInt8Groups = 4  // int8, a float32 scale per group (GGUF Q8_0 / Q5_0 / Q6_K)
+    kInt8Groups = 4,  // int8, a float32 scale per group (GGUF Q8_0 / Q5_0 / Q6_K)
+    // the same weights with 8-bit activations (--activation-quant int8, cpu_int8act_linear.cpp)
+    kQ8Int4 = 5,
+    kQ8Int4Wide = 6,
+    kQ8Int8 = 7,  // int8 per group or per row (group = K)
+    kQ8Int5 = 8   // GGUF Q5_0 as 5-bit codes
 };
 
 struct StackLinear {
@@ -131,6 +148,30 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
                                     static_cast<const float*>(l.scale),
                                     static_cast<const float*>(l.mins), l.bias, out, l.out,
                                     xsum, n_threads);
+            break;
+        case kQ8Int4:
+            banyan_q8_int4_linear_f32(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
+                                      static_cast<const uint16_t*>(l.scale),
+                                      static_cast<const uint16_t*>(l.mins), l.bias, out, l.out,
+                                      n_threads);
+            break;
+        case kQ8Int4Wide:
+            banyan_q8_int4s_linear_f32(x, T, l.in, l.group,
+                                       static_cast<const uint8_t*>(l.weight),
+                                       static_cast<const float*>(l.scale),
+                                       static_cast<const float*>(l.mins), l.bias, out, l.out,
+                                       n_threads);
+            break;
+        case kQ8Int8:
+            banyan_q8_int8_linear_f32(x, T, l.in, l.group, static_cast<const int8_t*>(l.weight),
+                                      static_cast<const float*>(l.scale), l.bias, out, l.out,
+                                      n_threads);
+            break;
+        case kQ8Int5:
+            banyan_q8_int5_linear_f32(x, T, l.in, static_cast<const uint8_t*>(l.weight),
+                                      static_cast<const uint16_t*>(l.scale),
+                                      static_cast<const uint16_t*>(l.mins), l.bias, out, l.out,
+                                      n_threads);
             break;
         default:
             banyan_int8g_linear_f32(x, T, l.in, l.group, static_cast<const int8_t*>(l.weight),

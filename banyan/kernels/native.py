@@ -46,7 +46,7 @@ def kernel_range(name: str) -> AbstractContextManager[object]:
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
-           "cpu_layer_stack.cpp")
+           "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -149,6 +149,16 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4s_linear_f32.restype = None
     lib.banyan_int8g_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_int8g_linear_f32.restype = None
+    # 8-bit activations (cpu_int8act_linear.cpp, layers/int8_activations.py)
+    lib.banyan_q8_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
+                                              i64]
+    lib.banyan_q8_int4s_linear_f32.argtypes = lib.banyan_q8_int4_linear_f32.argtypes
+    lib.banyan_q8_int8_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
+    lib.banyan_q8_int5_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
+    lib.banyan_q8_quantize_f32.argtypes = [ptr, i64, i64, ptr, ptr]
+    for name in ("int4", "int4s", "int8", "int5"):
+        getattr(lib, f"banyan_q8_{name}_linear_f32").restype = None
+    lib.banyan_q8_quantize_f32.restype = None
     lib.banyan_int8_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64]
     lib.banyan_int8g_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64]
     lib.banyan_int4_dequant_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64]

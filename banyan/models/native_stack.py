@@ -35,7 +35,9 @@ from banyan.models.llama import LlamaForCausalLM
 # The kernels' own switches: skinny float32 up to SKINNY_ROWS tokens, quantized GEMV-style
 # kernels below DEQUANT_MIN_TOKENS; the stack runs only where every one of them applies.
 MAX_TOKENS = min(SkinnyF32Method.SKINNY_ROWS, DEQUANT_MIN_TOKENS - 1)
-LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4}
+LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4,
+                # with 8-bit activations (layers/int8_activations.py)
+                "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -25,6 +25,7 @@ from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.host_tensors import int64_tensor
 from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
 from banyan.layers.gguf_linear import gguf_repacked_tensors, repack_gguf_linears
+from banyan.layers.int8_activations import check_activation_quant, enable_int8_activations
 from banyan.layers.quant import check_quantization, quantization_runs, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
@@ -108,6 +109,7 @@ class ModelRunner:
         quantization: str = "none",
         linear_kernel: str = "auto",
         kv_cache_dtype: str = "auto",
+        activation_quant: str = "none",
         gguf_file: Path | None = None,
         cuda_graphs: bool = True,
     ) -> None:
@@ -120,6 +122,8 @@ class ModelRunner:
         blocks (layers/gguf_linear.py); auto: gguf where that can run, else none.
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
         kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py).
+        activation_quant: none | int8: activations of the quantized linears
+        (layers/int8_activations.py).
         cuda_graphs: decode steps replayed from CUDA graphs (runner/cuda_graph.py) where the
         device is CUDA and the attention backend can be captured."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
@@ -132,6 +136,7 @@ class ModelRunner:
         if quantization == "auto":  # a GGUF model computes from its blocks where it can
             runnable = gguf_file is not None and quantization_runs("gguf", self.device, self.dtype)
             quantization = "gguf" if runnable else "none"
+        check_activation_quant(activation_quant, quantization)  # before the weights load
         # The linears the file's blocks replace are not read from its dequantized conversion
         # (0.25 s of the default model's start; a 7B file's float32 copy is 28 GB).
         gguf_path = gguf_file if quantization == "gguf" else None
@@ -141,6 +146,9 @@ class ModelRunner:
                                   lambda model: gguf_repacked_tensors(model, gguf_path)))
         self.quantization = quantization
         self._convert_linears(quantization, linear_kernel, gguf_file)
+        self.activation_quant = activation_quant
+        if activation_quant == "int8":
+            enable_int8_activations(self.model)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
         if num_slots is None and kv_cache_bytes is not None:
@@ -262,6 +270,7 @@ class ModelRunner:
             quantization=args.quantization,
             linear_kernel=args.linear_kernel,
             kv_cache_dtype=args.kv_cache_dtype,
+            activation_quant=args.activation_quant,
             gguf_file=gguf_source(args.model) if args.quantization in ("auto", "gguf") else None,
             cuda_graphs=not args.disable_cuda_graph,
         )
