@@ -262,3 +262,69 @@ def test_decode_hot_path_builds_the_batches_the_general_one_does(
             b.rows, b.prefix_lens, b.extend_lens, b.input_ids, b.out_slots,
             b.sample_indices, b.deferred_inputs, b.row_prefixes)
         assert [_sampler_view(r) for r in a.sampling] == [_sampler_view(r) for r in b.sampling]
+
+
+class _ToyStream:
+    """A stateful text stream for the scheduler alone: a token's text is its number; a token
+    divisible by 11 completes a "stop string" once min_tokens tokens were pushed (its text
+    withheld); finish() releases a marker, as held-back text would be."""
+
+    def __init__(self, min_tokens: int) -> None:
+        self.pushed, self.min_tokens = 0, min_tokens
+
+    def push_text(self, token_id: int) -> tuple[str, bool]:
+        self.pushed += 1
+        if token_id % 11 == 0 and self.pushed >= self.min_tokens:
+            return "", True
+        return f"{token_id} ", False
+
+    def finish(self) -> str:
+        return "<held>"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_inline_decode_updates_equal_the_general_path(
+        overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scheduler._update_decodes applies the usual decode token inline; every update (tokens,
+    text, finish reason) must equal what sampled_update makes of it, through stop tokens, stop
+    strings, min_new_tokens, length limits and retractions."""
+    import banyan.scheduler.scheduler as scheduler_module
+
+    inline_made = 0
+    made_by = scheduler_module.RequestUpdate
+
+    def counted(*args: object, **kwargs: object) -> object:  # (updates made in scheduler.py)
+        nonlocal inline_made
+        inline_made += 1
+        return made_by(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "RequestUpdate", counted)
+
+    def updates(inline: bool) -> list[tuple[object, ...]]:
+        sched, _ = build(overlap=overlap, num_slots=300, chunk=17)
+        sched.inline_decode_updates = inline
+        rng = random.Random(11)
+        for i in range(30):
+            prompt = [rng.randrange(3, 97) for _ in range(rng.randint(1, 60))]
+            m = rng.randint(1, 40)
+            params = SamplingParams(max_new_tokens=m, temperature=0.0,
+                                    min_new_tokens=min(m, 4) if i % 4 == 0 else 0)
+            sched.add_request(Request(str(i), prompt, params, m, eos_ids=frozenset({
+                rng.randrange(3, 97)}) if i % 3 == 0 else frozenset(),
+                text=_ToyStream(params.min_new_tokens)))
+        seen = []
+        for _ in range(5000):
+            if not sched.has_work:
+                break
+            seen += [(u.rid, list(u.new_token_ids), u.text, u.finish_reason, u.prompt_tokens)
+                     for u in sched.step()]
+        assert not sched.has_work
+        return seen
+
+    general = updates(False)
+    assert inline_made == 0
+    fast = updates(True)
+    assert inline_made > 50  # the inline path ran
+    assert fast == general
+    reasons = {u[3] for u in general}
+    assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons

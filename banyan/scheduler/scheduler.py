@@ -80,6 +80,10 @@ class StepStats:
 
 
 class Scheduler:
+    # The usual decode token applied inline in _update_decodes (False: every token through
+    # sampled_update; tests compare the two).
+    inline_decode_updates = True
+
     def __init__(self, runner: Runner, config: SchedulerConfig, allocator: SlotAllocator,
                  cache: PrefixCache, proposer: Proposer | None = None,
                  tier: LowerTier | None = None) -> None:
@@ -272,6 +276,7 @@ class Scheduler:
         max_len = self.config.max_model_len
         running, finished = Status.RUNNING, Status.FINISHED
         logprobs = out.logprobs or [[]] * len(step.sampled)
+        inline = self.inline_decode_updates
         for req, tokens, lps, prefix in zip(step.sampled, out.sampled_token_ids, logprobs,
                                             step.batch.prefix_lens, strict=True):
             req.pending -= 1
@@ -283,7 +288,7 @@ class Scheduler:
             if status is running and prefix >= req.written:
                 req.written = prefix + 1  # (a running request's slots hold this step's)
             output, stream, token = req.output_ids, req.text, tokens[0]
-            if lps or stream is None or req.grammar is not None or len(tokens) != 1 \
+            if not inline or lps or stream is None or req.grammar is not None or len(tokens) != 1 \
                     or token in req.stop_ids or len(output) + 1 >= req.max_new_tokens \
                     or req.params.prompt_logprobs is not None:
                 append(sampled_update(req, tokens, lps, max_len))  # any rule may apply
