@@ -113,6 +113,15 @@ for _group in (32, 64, 128):
         return layer
 
 
+@_format("int4 symmetric (Q4_0)")
+def _int4_symmetric(out_f: int, in_f: int) -> Linear:
+    """GGUF's Q4_0: value (q - 8) d, i.e. min = -8 d exactly: the kernels read no minimums."""
+    codes, scale, _ = _int4_given(out_f, in_f, 32, False, in_f + 2)
+    layer = _dense(out_f, in_f)
+    layer.convert(Int4Method(32, given=(codes, scale, scale * -8)))
+    return layer
+
+
 @_format("int4 float32 scales (Q4_K)")
 def _int4_wide(out_f: int, in_f: int) -> Linear:
     layer = _dense(out_f, in_f)
@@ -175,11 +184,14 @@ def test_kernel_matches_float64_of_the_quantized_activations(fmt: str, out_f: in
     enable_int8_activations(layer)
     assert isinstance(layer.method, Int8ActivationMethod)
     assert layer.method.kind == ("int4_wide" if "Q4_K" in fmt else fmt[:4])
+    # minimums read from memory only where they are not a fixed multiple of the scale
+    assert (layer.method.mins is None) == ("Q4_0" in fmt or "Q5_0" in fmt or "int8" in fmt)
     for tokens in ROWS:
         _check(layer, tokens, _through_method, tokens)
 
 
-@pytest.mark.parametrize("fmt", ["int4 g32", "int8 rows", "int8 g16", "int5 (Q5_0)"])
+@pytest.mark.parametrize("fmt", ["int4 g32", "int4 symmetric (Q4_0)", "int8 rows", "int8 g16",
+                                 "int5 (Q5_0)"])
 def test_wrapping_keeps_the_values_and_long_steps_take_the_kernel(fmt: str) -> None:
     """The repacked codes dequantize to the wrapped method's very weights, and prefill-sized
     steps (the float path's GEMM range) quantize their activations too."""
@@ -215,7 +227,7 @@ def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> Lib:
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 flags")
 @pytest.mark.parametrize("fmt", ["int8 rows", "int4 g64", "int4 float32 scales (Q4_K)",
-                                 "int8 g16", "int5 (Q5_0)"])
+                                 "int4 symmetric (Q4_0)", "int8 g16", "int5 (Q5_0)"])
 def test_portable_loops_match_too(portable_lib: Lib, fmt: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     x = _activations(5, 256, 0)
@@ -257,7 +269,7 @@ def test_stack_and_logits(model_dirs: dict[str, Path], quantization: str, arch: 
 
 
 @pytest.mark.parametrize("wtype,kind", [("Q5_0", "int5"), ("Q4_K", "int4_wide"),
-                                        ("Q8_0", "int8"), ("Q6_K", "int8")])
+                                        ("Q8_0", "int8"), ("Q6_K", "int8"), ("Q4_0", "int4")])
 def test_stack_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Path, wtype: str, kind: str,
                               monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("gguf")
@@ -274,6 +286,8 @@ def test_stack_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Path, wtype: str, k
     before = [m.method.dequantized_weight(m) for m in layers]
     enable_int8_activations(runner.model)
     assert {m.method.kind for m in layers} == {kind}
+    if wtype == "Q4_0":  # its minimum is -8 d: the kernels read none
+        assert all(m.method.mins is None for m in layers)
     assert all(torch.equal(m.method.dequantized_weight(m), w) for m, w in zip(layers, before))
     runner.stack = NativeLayerStack.build(runner.model, runner.pool, runner.backend)
     assert runner.stack is not None

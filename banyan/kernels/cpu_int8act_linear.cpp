@@ -36,6 +36,10 @@ namespace {
 constexpr int QB = 32;   // activations quantized per block of 32 inputs
 constexpr int HALF = 8;  // rows of a half panel: 8 rows x 4 inputs fill a 256-bit register
 constexpr int ATB = 4;   // tokens sharing one pass over a half panel (AVX2's 16 registers)
+// Without stored minimums (mins null) a group's minimum is its scale times these: GGUF's Q4_0
+// (q - 8) d and Q5_0 (q - 16) d, whose minimums are exact multiples of d (the same float:
+// a power of two times a float16), so not reading them saves 1/10 of a Q4_0 weight's bytes.
+constexpr float kInt4Min = -8.0f, kInt5Min = -16.0f;
 
 // One call's quantized activations: q [T, K], per block d and d * sum(q) [T, K / 32].
 struct QRows {
@@ -141,7 +145,9 @@ void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8
             }
         }
         // g = b / per, counted: an idiv per block cost as much as its multiplies
-        const __m256 sc = load_scale8(scale + g * PANEL), mn = load_scale8(mins + g * PANEL);
+        const __m256 sc = load_scale8(scale + g * PANEL);
+        const __m256 mn = mins ? load_scale8(mins + g * PANEL)
+                               : _mm256_mul_ps(sc, _mm256_set1_ps(kInt4Min));
         if (++in_group == per) in_group = 0, ++g;
         for (int i = 0; i < TB; ++i) {
             const int64_t at = (t0 + i) * blocks + b;
@@ -228,7 +234,9 @@ void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const ui
             for (int i = 0; i < TB; ++i)
                 s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(s16[i], ones));
         }
-        const __m256 sc = load_scale8(scale + b * PANEL), mn = load_scale8(mins + b * PANEL);
+        const __m256 sc = load_scale8(scale + b * PANEL);
+        const __m256 mn = mins ? load_scale8(mins + b * PANEL)
+                               : _mm256_mul_ps(sc, _mm256_set1_ps(kInt5Min));
         for (int i = 0; i < TB; ++i) {
             const int64_t at = (t0 + i) * blocks + b;
             const __m256 isum = _mm256_cvtepi32_ps(s32[i]);
@@ -259,7 +267,7 @@ void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8
                         sum += (byte & 0xF) * q[8 * j + e] + (byte >> 4) * q[8 * j + 4 + e];
                     }
                 const float sc = scale_value(scale[(b / per) * PANEL + r]);
-                const float mn = scale_value(mins[(b / per) * PANEL + r]);
+                const float mn = mins ? scale_value(mins[(b / per) * PANEL + r]) : kInt4Min * sc;
                 res[i * HALF + r] += static_cast<float>(sum) * (sc * a.d[at]) + mn * a.dsum[at];
             }
         }
@@ -306,7 +314,7 @@ void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const ui
                         sum += lo * q[8 * j + e] + hi * q[8 * j + 4 + e];
                     }
                 const float sc = scale_value(scale[b * PANEL + r]);
-                const float mn = scale_value(mins[b * PANEL + r]);
+                const float mn = mins ? scale_value(mins[b * PANEL + r]) : kInt5Min * sc;
                 res[i * HALF + r] += static_cast<float>(sum) * (sc * a.d[at]) + mn * a.dsum[at];
             }
         }
@@ -349,7 +357,8 @@ struct Int4Half {
     void run(int64_t t0, int64_t u, float* res) const {
         const int64_t p = u / 2, h = u % 2, groups = K / group;
         const int64_t at = p * groups * PANEL + h * HALF;
-        int4_half<TB>(a, t0, K, group, w + u * (K * HALF / 2), scale + at, mins + at, res);
+        int4_half<TB>(a, t0, K, group, w + u * (K * HALF / 2), scale + at,
+                      mins ? mins + at : nullptr, res);
     }
 };
 
@@ -376,11 +385,12 @@ struct Int5Half {  // groups of 32 (Q5_0): float16 scale and min per block
         const int64_t at = (u / 2) * (K / QB) * PANEL + (u % 2) * HALF;
         const uint8_t* wu = w + u * (K * HALF / 2);
         const uint8_t* hu = high + u * (K / QB) * 32;
+        const uint16_t* mu = mins ? mins + at : nullptr;
         for (int i = 0; i < TB; i += 2) {
             if (TB - i >= 2)
-                int5_half<2>(a, t0 + i, K, wu, hu, scale + at, mins + at, res + i * HALF);
+                int5_half<2>(a, t0 + i, K, wu, hu, scale + at, mu, res + i * HALF);
             else
-                int5_half<1>(a, t0 + i, K, wu, hu, scale + at, mins + at, res + i * HALF);
+                int5_half<1>(a, t0 + i, K, wu, hu, scale + at, mu, res + i * HALF);
         }
     }
 };
@@ -398,7 +408,8 @@ void q8_int4(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t*
 extern "C" {
 
 // x [T, K] float32 (K % 32 == 0, group % 32 == 0), w: the int4 half panels (see the top),
-// scale and mins [panels, K / group, 16] float16 (or float32 for _q8_int4s_), bias [N] or null,
+// scale and mins [panels, K / group, 16] float16 (or float32 for _q8_int4s_; mins null: -8 x
+// scale, Q4_0), bias [N] or null,
 // out [T, N].
 void banyan_q8_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                                const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
@@ -421,9 +432,9 @@ void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t gro
     over_halves(T, N, bias, out, n_threads, Int8Half{a, K, group, w, scale});
 }
 
-// As banyan_q8_int4_linear_f32 for 5-bit codes (group 32): w the low nibbles as int4, then
-// the fifth bits, [panels * 2, K / 32, 32] (see int5_half): one buffer, as the layer stack
-// passes one pointer a weight.
+// As banyan_q8_int4_linear_f32 for 5-bit codes (group 32; mins null: -16 x scale, Q5_0): w the
+// low nibbles as int4, then the fifth bits, [panels * 2, K / 32, 32] (see int5_half): one
+// buffer, as the layer stack passes one pointer a weight.
 void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
                                const uint16_t* scale, const uint16_t* mins, const float* bias,
                                float* out, int64_t N, int64_t n_threads) {

@@ -112,14 +112,16 @@ class Int8ActivationMethod(_QuantMethod):
             self.kind = "int4_wide" if layer.scale.dtype == torch.float32 else "int4"
             self.group = inner.group
             packed = pack_int4(unpack_int4(layer))
-            self.mins = layer.mins
+            self.mins: torch.Tensor | None = layer.mins
+            if self.kind == "int4" and torch.equal(layer.mins.float(), layer.scale.float() * -8):
+                self.mins = None  # GGUF's Q4_0: the kernels take -8 d, not read from memory
         elif isinstance(inner, GroupInt8Method) and self._five_bits(layer, inner.group):
             # Q5_0 (codes -16..15, float16 d): 5-bit codes q + 16 with min -16 d (exact), 0.75
             # bytes a weight instead of 1.25 as int8 (a Q4_K_M file's most common type)
             self.kind, self.group = "int5", BLOCK
             codes = _from_panels(layer.codes, layer.codes.shape[0] * PANEL)
             packed = pack_int5((codes.to(torch.int16) + 16).to(torch.uint8))
-            self.mins: torch.Tensor | None = (layer.scale * -16.0).half()
+            self.mins = None  # -16 d, taken by the kernels from d
             layer.scale = layer.scale.half()
         elif isinstance(inner, (Int8Method, GroupInt8Method)):
             self.kind = "int8"
@@ -164,25 +166,28 @@ class Int8ActivationMethod(_QuantMethod):
                                           layer.q8_codes.data_ptr(), self.scale.data_ptr(), bias,
                                           out.data_ptr(), n, threads)
             return
-        assert self.mins is not None
+        mins = None if self.mins is None else self.mins.data_ptr()  # None: -8 d / -16 d
         if self.kind == "int5":
             lib.banyan_q8_int5_linear_f32(flat.data_ptr(), t, k, layer.q8_codes.data_ptr(),
-                                          self.scale.data_ptr(), self.mins.data_ptr(), bias,
-                                          out.data_ptr(), n, threads)
+                                          self.scale.data_ptr(), mins, bias, out.data_ptr(), n,
+                                          threads)
             return
         fn = lib.banyan_q8_int4s_linear_f32 if self.kind == "int4_wide" else \
             lib.banyan_q8_int4_linear_f32
         fn(flat.data_ptr(), t, k, self.group, layer.q8_codes.data_ptr(), self.scale.data_ptr(),
-           self.mins.data_ptr(), bias, out.data_ptr(), n, threads)
+           mins, bias, out.data_ptr(), n, threads)
 
     def native(self, layer: Linear) -> NativeLinear:
         return NativeLinear("q8_" + self.kind, layer.q8_codes, self.scale, self.mins,
                             self.group)
 
     def weight_bytes(self, layer: Linear) -> int:
-        if self.kind == "int5":  # 5 bits and two float16 per 32 inputs
-            return layer.out_features * (layer.in_features * 5 // 8 + layer.in_features // 8)
-        return self.inner.weight_bytes(layer)  # the same codes and scales, in another order
+        if self.kind == "int5":  # 5 bits and a float16 scale per 32 inputs
+            return layer.out_features * (layer.in_features * 5 // 8 + layer.in_features // 16)
+        own = self.inner.weight_bytes(layer)  # the same codes and scales, in another order
+        if self.mins is None and self.kind == "int4":  # (Q4_0: no minimums read)
+            own -= layer.out_features * (layer.in_features // self.group) * 2
+        return own
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         """The values the layer computes with, as the wrapped method gave them (float32)."""
@@ -194,9 +199,10 @@ class Int8ActivationMethod(_QuantMethod):
         if self.kind == "int5":
             codes -= 16  # q d + (-16 d) = (q - 16) d, as the wrapped method computes it
         value = codes * scale.repeat_interleave(self.group, dim=1)
-        if self.mins is None or self.kind == "int5":
+        if self.kind == "int5" or self.kind == "int8":
             return value
-        low = _from_panels(self.mins, n).float()
+        low = (_from_panels(self.mins, n).float() if self.mins is not None
+               else scale * -8)  # Q4_0's implied minimum
         return value + low.repeat_interleave(self.group, dim=1)
 
 
