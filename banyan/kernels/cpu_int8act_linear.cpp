@@ -249,13 +249,17 @@ void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const ui
 
 #else  // portable loops: the same integer sums and the same float steps per lane
 
+// TB tokens x one half panel of 4-bit codes, with a plane of fifth bits when `high` is given
+// (int5: the layout of the AVX2 int5_half above), scale and min per group (mins null: k_min x
+// scale).
 template <int TB, typename S>
-void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
-               const S* scale, const S* mins, float* res) {
+void nibble_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
+                 const uint8_t* high, const S* scale, const S* mins, float k_min, float* res) {
     const int64_t blocks = K / QB, per = group / QB;
     for (int i = 0; i < TB * HALF; ++i) res[i] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* wb = w + b * (QB * HALF / 2);
+        const uint8_t* hb = high ? high + b * 32 : nullptr;
         for (int i = 0; i < TB; ++i) {
             const int8_t* q = a.q.data() + (t0 + i) * K + b * QB;
             const int64_t at = (t0 + i) * blocks + b;
@@ -263,15 +267,29 @@ void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8
                 int32_t sum = 0;
                 for (int j = 0; j < 4; ++j)
                     for (int e = 0; e < 4; ++e) {
-                        const uint8_t byte = wb[(j * HALF + r) * 4 + e];
-                        sum += (byte & 0xF) * q[8 * j + e] + (byte >> 4) * q[8 * j + 4 + e];
+                        const int byte = wb[(j * HALF + r) * 4 + e], bits = hb ? hb[r * 4 + e] : 0;
+                        const int lo = (byte & 0xF) | ((bits >> (2 * j)) & 1) << 4;
+                        const int hi = (byte >> 4) | ((bits >> (2 * j + 1)) & 1) << 4;
+                        sum += lo * q[8 * j + e] + hi * q[8 * j + 4 + e];
                     }
                 const float sc = scale_value(scale[(b / per) * PANEL + r]);
-                const float mn = mins ? scale_value(mins[(b / per) * PANEL + r]) : kInt4Min * sc;
+                const float mn = mins ? scale_value(mins[(b / per) * PANEL + r]) : k_min * sc;
                 res[i * HALF + r] += static_cast<float>(sum) * (sc * a.d[at]) + mn * a.dsum[at];
             }
         }
     }
+}
+
+template <int TB, typename S>
+void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
+               const S* scale, const S* mins, float* res) {
+    nibble_half<TB>(a, t0, K, group, w, nullptr, scale, mins, kInt4Min, res);
+}
+
+template <int TB>
+void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint8_t* high,
+               const uint16_t* scale, const uint16_t* mins, float* res) {
+    nibble_half<TB>(a, t0, K, QB, w, high, scale, mins, kInt5Min, res);
 }
 
 template <int TB>
@@ -291,34 +309,6 @@ void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_
                 res[i * HALF + r] += static_cast<float>(sum) * (sc * d);
             }
         }
-}
-
-template <int TB>
-void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint8_t* high,
-               const uint16_t* scale, const uint16_t* mins, float* res) {
-    const int64_t blocks = K / QB;
-    for (int i = 0; i < TB * HALF; ++i) res[i] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* wb = w + b * (QB * HALF / 2);
-        const uint8_t* hb = high + b * 32;
-        for (int i = 0; i < TB; ++i) {
-            const int8_t* q = a.q.data() + (t0 + i) * K + b * QB;
-            const int64_t at = (t0 + i) * blocks + b;
-            for (int r = 0; r < HALF; ++r) {
-                int32_t sum = 0;
-                for (int j = 0; j < 4; ++j)
-                    for (int e = 0; e < 4; ++e) {
-                        const int at_byte = (j * HALF + r) * 4 + e, bits = hb[r * 4 + e];
-                        const int lo = (wb[at_byte] & 0xF) | ((bits >> (2 * j)) & 1) << 4;
-                        const int hi = (wb[at_byte] >> 4) | ((bits >> (2 * j + 1)) & 1) << 4;
-                        sum += lo * q[8 * j + e] + hi * q[8 * j + 4 + e];
-                    }
-                const float sc = scale_value(scale[b * PANEL + r]);
-                const float mn = mins ? scale_value(mins[b * PANEL + r]) : kInt5Min * sc;
-                res[i * HALF + r] += static_cast<float>(sum) * (sc * a.d[at]) + mn * a.dsum[at];
-            }
-        }
-    }
 }
 
 #endif  // AVX2
