@@ -96,36 +96,20 @@ def plan_native(
         order_t = int64_tensor(order)
         start_t = int64_tensor(group_start)
         prefix_t = int64_tensor(group_prefix)
-    elif all_decodes:  # the usual step: decodes alone, in batch order (numpy: cheaper calls)
-        n = len(rows)
-        order = np.arange(n + 1, dtype=np.int64)
-        order_t = torch.from_numpy(order[:n])
-        return NativePlan(num_tokens, int64_tensor(rows),
-                          torch.from_numpy(np.fromiter(prefix_lens, np.int64, n) + 1),
-                          order_t, torch.from_numpy(np.ones(n, np.int64)), order_t,
-                          torch.from_numpy(order), torch.from_numpy(np.zeros(n, np.int64)))
-    else:  # everyone alone, in batch order
-        order_t = torch.arange(len(rows), dtype=torch.int64)
-        start_t = torch.arange(len(rows) + 1, dtype=torch.int64)
-        prefix_t = torch.zeros(len(rows), dtype=torch.int64)
-
+    else:  # the usual step: everyone alone, in batch order (numpy: cheaper calls than torch's)
+        iota = np.arange(len(rows) + 1, dtype=np.int64)
+        order_t, start_t = torch.from_numpy(iota[:-1]), torch.from_numpy(iota)
+        prefix_t = torch.from_numpy(np.zeros(len(rows), np.int64))
     if all_decodes:
-        n_new = torch.ones(len(rows), dtype=torch.int64)
-        q_start = torch.arange(len(rows), dtype=torch.int64)  # (grouped: order_t is not)
+        n_new = np.ones(len(rows), np.int64)
+        q_start = torch.from_numpy(np.arange(len(rows), dtype=np.int64))  # (grouped: not order)
     else:
         assert starts is not None
-        n_new = int64_tensor(extend_lens)
+        n_new = np.fromiter(extend_lens, np.int64, len(extend_lens))
         q_start = int64_tensor(starts)
-    return NativePlan(
-        num_tokens,
-        int64_tensor(rows),
-        int64_tensor(prefix_lens) + n_new,
-        q_start,
-        n_new,
-        order_t,
-        start_t,
-        prefix_t,
-    )
+    req_len = np.fromiter(prefix_lens, np.int64, len(prefix_lens)) + n_new
+    return NativePlan(num_tokens, int64_tensor(rows), torch.from_numpy(req_len), q_start,
+                      torch.from_numpy(n_new), order_t, start_t, prefix_t)
 
 
 def native_attention(

@@ -93,14 +93,11 @@ def find_shared_prefixes(
     usable = prefix_lens  # the longest prefix a request may share
     if min(usable, default=0) >= policy.min_prefix:  # everyone (the usual decode step)
         eligible: Sequence[int] = range(len(usable))
-        longest = max(usable)
     else:
         eligible = [i for i, u in enumerate(usable) if u >= policy.min_prefix]
-        if len(eligible) < 2:
-            return []
-        longest = max(usable[i] for i in eligible)
-    if len(eligible) < 2:  # (one request alone)
+    if len(eligible) < 2:
         return []
+    longest = max(usable) if len(eligible) == len(usable) else max(usable[i] for i in eligible)
     probes: list[int] = []  # probe columns c, shared length c + 1 <= longest
     c = policy.min_prefix
     while c <= longest:
