@@ -168,16 +168,12 @@ class ByteTextStream(ByteDetokenizer):
     """A request's text stream (what the scheduler calls of TextAccumulator: push_text, finish)
     for a byte-level tokenizer and no stop strings, in one object: nothing is held back for a
     stop string, so the text is the detokenizer's. Pushed once per generated token: one object
-    and one call (the whole-character case inline), where TextAccumulator takes three. Keeps
-    no copy of the text: the engine's callers assemble it from the updates."""
+    where TextAccumulator takes three. Keeps no copy of the text: the engine's callers assemble
+    it from the updates."""
 
     __slots__ = ()
 
     stopped = False  # no stop strings
 
     def push_text(self, token_id: int) -> tuple[str, bool]:
-        if not self._held and 0 <= token_id < self._size and token_id not in self._skip:
-            whole = self._texts[token_id]  # (push's common case, without the second call)
-            if whole is not None:
-                return whole, False
         return self.push(token_id), False
