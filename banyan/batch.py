@@ -113,6 +113,10 @@ class ForwardBatch:
     # Requests that want the logits at prompt positions too (prompt logprobs); others only get
     # them at their sampling positions.
     prompt_logprobs: list[PromptLogprobSpan] = field(default_factory=list)
+    # No two requests of the step hold the same KV slots in more than their first this many
+    # positions (shared slots are a cached prefix both locked); None: not known. Lets the
+    # attention backends skip looking for shared prefixes (prefix_groups.py) every step.
+    max_shared_prefix: int | None = None
 
     @property
     def batch_size(self) -> int:

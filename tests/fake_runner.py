@@ -87,6 +87,11 @@ class FakeRunner:
                 assert written_pos == pos, f"slot {row[pos]} holds position {written_pos}, not {pos}"
                 context.append(tok)
             contexts.append(context)
+        bound = batch.max_shared_prefix
+        if bound is not None:  # no two rows hold the same slot at that position (nor past it)
+            held = [self.table[r][bound] for r, p in zip(batch.rows, batch.prefix_lens)
+                    if p > bound]
+            assert len(set(held)) == len(held), f"rows share more than {bound} slots"
         out: list[list[int]] = []
         proposed = batch.proposed or [[] for _ in batch.sample_indices]
         for i, guess in zip(batch.sample_indices, proposed, strict=True):

@@ -328,3 +328,74 @@ def test_inline_decode_updates_equal_the_general_path(
     assert fast == general
     reasons = {u[3] for u in general}
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
+
+
+@pytest.mark.parametrize("num_slots", [2000, 260], ids=["roomy", "retracting"])
+def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
+    """Steady decode steps through the decode lane against the general path: the same batches
+    and the same updates (tokens, text, finish reasons), through stop tokens, stop strings,
+    length limits, requests whose sampling reads history (the lane steps aside), arrivals,
+    aborts, retractions and a prefix cache; the lane must have taken most decode steps."""
+
+    def trace(lane: bool) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]], int]:
+        sched, runner = build(overlap=False, num_slots=num_slots, cache=True, chunk=17)
+        sched.use_decode_lane = lane
+        lane_steps = 0
+        build_step = sched.lane.build
+
+        def counted(running: list[Request]) -> object:
+            nonlocal lane_steps
+            step = build_step(running)
+            lane_steps += step is not None
+            return step
+
+        sched.lane.build = counted  # type: ignore[method-assign]
+        rng = random.Random(3)
+        seen: list[tuple[object, ...]] = []
+
+        prompts: dict[str, list[int]] = {}
+        generated: dict[str, list[int]] = {}
+
+        def add(i: int) -> None:
+            prompt = [rng.randrange(3, 97) for _ in range(rng.randint(1, 50))]
+            done = sorted(rid for rid in prompts if rid not in sched.requests)
+            if i >= 100 and done:  # a follow-up turn: reuses a finished request's whole KV
+                prompt = prompts[done[0]] + generated.get(done[0], []) + prompt[:3]
+            prompts[str(i)] = prompt
+            m = rng.randint(1, 60)
+            params = SamplingParams(max_new_tokens=m, temperature=0.0,
+                                    seed=7 if i % 7 == 3 else None)
+            # an EOS the request will sample half-way (unless something ends it before)
+            eos = frozenset(reference(prompt, m)[m // 2 : m // 2 + 1]) if i % 3 == 0 else None
+            sched.add_request(Request(str(i), prompt, params, m, eos_ids=eos or frozenset(),
+                                      text=_ToyStream(0) if i % 2 else None))
+
+        for i in range(8):
+            add(i)
+        for turn in range(5000):
+            if not sched.has_work:
+                break
+            if turn in (12, 13, 30, 45):  # arrivals while the lane runs
+                add(100 + turn)
+            if turn == 35 and sched.running:
+                aborted = sched.abort(sched.running[len(sched.running) // 2].rid)
+                assert aborted is not None
+                seen.append((aborted.rid, [], aborted.text, aborted.finish_reason,
+                             aborted.prompt_tokens, aborted.cached_tokens))
+            for u in sched.step():
+                generated.setdefault(u.rid, []).extend(u.new_token_ids)
+                seen.append((u.rid, list(u.new_token_ids), u.text, u.finish_reason,
+                             u.prompt_tokens, u.cached_tokens))
+        assert not sched.has_work
+        assert sum(u[5] for u in seen) > 0  # follow-up turns found their KV cached
+        batches = [(b.rows, b.prefix_lens, b.extend_lens, b.input_ids, b.out_slots,
+                    b.sample_indices, b.row_prefixes, [_sampler_view(r) for r in b.sampling])
+                   for b in runner.batches]
+        return batches, seen, lane_steps  # type: ignore[return-value]
+
+    general_batches, general, none = trace(False)
+    lane_batches, fast, lane_steps = trace(True)
+    assert none == 0 and lane_steps > 10
+    assert lane_batches == general_batches
+    assert fast == general
+    assert {FinishReason.STOP, FinishReason.LENGTH} <= {u[3] for u in general}

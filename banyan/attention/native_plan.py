@@ -62,9 +62,11 @@ def plan_native(
     prefix_lens: list[int],
     extend_lens: list[int],
     starts: list[int] | None,
+    max_shared: int | None = None,
 ) -> NativePlan:
     """Per request given (decodes and extends alike): table row, tokens already in KV, new
-    tokens, first new token in the flat batch (None: all are decodes, in flat order)."""
+    tokens, first new token in the flat batch (None: all are decodes, in flat order);
+    max_shared: ForwardBatch.max_shared_prefix."""
     num_tokens = sum(extend_lens)
     all_decodes = starts is None  # (a subset of a step's decodes has starts of its own)
     decodes = range(len(rows)) if all_decodes else [
@@ -76,6 +78,7 @@ def plan_native(
             rows if all_decodes else [rows[i] for i in decodes],
             prefix_lens if all_decodes else [prefix_lens[i] for i in decodes],
             NATIVE_GROUPING,
+            max_shared,
         )
         groups = [([decodes[j] for j in g.members], g.length) for g in found]
 

@@ -83,13 +83,17 @@ def find_shared_prefixes(
     rows: list[int],
     prefix_lens: list[int],
     policy: CascadePolicy,
+    max_shared: int | None = None,
 ) -> list[SharedPrefix]:
     """Disjoint groups of >= 2 requests sharing P >= policy.min_prefix slots with
     (members - 1) * P >= policy.min_saved. P is capped at every member's prefix_len (tokens
     already in KV), so each keeps at least its new tokens in its own part.
 
-    table: [rows, max_context] slot table; rows/prefix_lens: per request.
+    table: [rows, max_context] slot table; rows/prefix_lens: per request; max_shared: what
+    the scheduler knows of the longest shared prefix (ForwardBatch.max_shared_prefix).
     """
+    if max_shared is not None and max_shared < policy.min_prefix:
+        return []  # (~0.14 ms a step at 256 decodes on Zen 3, its caches cold after a forward)
     usable = prefix_lens  # the longest prefix a request may share
     if min(usable, default=0) >= policy.min_prefix:  # everyone (the usual decode step)
         eligible: Sequence[int] = range(len(usable))

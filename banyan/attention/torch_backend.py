@@ -157,7 +157,8 @@ class SdpaBackend(AttentionBackend):
             return prefix_lens[j] - p + extend_lens[j]
 
         groups: list[SharedPrefix] = []
-        for g in find_shared_prefixes(self.table.table, rows, prefix_lens, policy):
+        for g in find_shared_prefixes(self.table.table, rows, prefix_lens, policy,
+                                      batch.max_shared_prefix):
             kept = [j for j in g.members if prefix_ratio * own(j, g.length) <= g.length]
             if len(kept) >= 2 and (len(kept) - 1) * g.length >= policy.min_saved:
                 groups.append(SharedPrefix(kept, g.length))

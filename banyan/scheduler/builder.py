@@ -42,6 +42,7 @@ class ScheduledStep:
     reqs: list[Request] = field(default_factory=list)  # batch order
     sampled: list[Request] = field(default_factory=list)  # order of batch.sample_indices
     retracted: list[Request] = field(default_factory=list)
+    lane: bool = False  # built by the decode lane (decode_lane.py), applied by it
 
     @property
     def empty(self) -> bool:
@@ -71,6 +72,11 @@ class BatchBuilder:
             # requests sharing them must not compute the same tokens alongside.
             prefilling = [r for r in running if r.written < len(r.prompt_ids)]
             self._admit(step, running, waiting, budget, prefilling)
+        self.adapt_ratio(step)
+        return step
+
+    def adapt_ratio(self, step: ScheduledStep) -> None:
+        """After each step built: the reservation ratio decays, or jumps back on a retraction."""
         if step.retracted:
             self.new_token_ratio = self.config.new_token_ratio_init
         elif step.reqs:
@@ -78,7 +84,6 @@ class BatchBuilder:
                 self.config.new_token_ratio_min,
                 self.new_token_ratio - self.config.new_token_ratio_decay,
             )
-        return step
 
     def _schedule_decodes(
         self, step: ScheduledStep, running: list[Request], waiting: WaitingQueue

@@ -25,6 +25,7 @@ from banyan.batch import ForwardBatch, StepOutput
 from banyan.cache.base import LowerTier, PrefixCache
 from banyan.mem.allocator import SlotAllocator
 from banyan.scheduler.builder import BatchBuilder, BudgetConfig, ScheduledStep
+from banyan.scheduler.decode_lane import DecodeLane
 from banyan.scheduler.memory import KVManager
 from banyan.scheduler.output import add_prompt_logprobs, decide_end, sampled_update
 from banyan.scheduler.policy import PolicyConfig, SchedulePolicy
@@ -83,6 +84,8 @@ class Scheduler:
     # The usual decode token applied inline in _update_decodes (False: every token through
     # sampled_update; tests compare the two).
     inline_decode_updates = True
+    # Steady decode steps through the decode lane (False: the general path; tests compare).
+    use_decode_lane = True
 
     def __init__(self, runner: Runner, config: SchedulerConfig, allocator: SlotAllocator,
                  cache: PrefixCache, proposer: Proposer | None = None,
@@ -94,6 +97,7 @@ class Scheduler:
                             if proposer is not None else None)
         self.builder = BatchBuilder(config.budget, self.kv, SchedulePolicy(config.policy, cache),
                                     self.speculation)
+        self.lane = DecodeLane(self.kv, self.builder, config.max_model_len)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -191,7 +195,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """Build the next step: admit, chunk, retract; allocates its KV slots."""
-        step = self.builder.build(self.running, self.waiting)
+        step = None
+        if self.use_decode_lane and not (self.config.overlap or self.speculation is not None
+                                         or self.waiting or self._nothing_to_do):
+            step = self.lane.build(self.running)
+        if step is None:
+            self.lane.clear()  # the general path changes what the lane keeps
+            step = self.builder.build(self.running, self.waiting)
         self.total_retractions += len(step.retracted)
         if step.retracted:
             logger.info("retracted %d request(s): KV cache full", len(step.retracted))
@@ -204,6 +214,8 @@ class Scheduler:
             out = handle.result()
         except Exception as exc:  # one bad step must not kill the engine or other requests
             logger.exception("step failed; aborting its %d request(s)", len(step.reqs))
+            if step.lane:
+                self.lane.settle(step)
             return self._fail(step, exc)
         t1 = time.perf_counter()
         if self.kv.tier is not None:  # prompt compute speed, for the tier's load-or-recompute
@@ -227,6 +239,16 @@ class Scheduler:
         if len(out.sampled_token_ids) != len(step.sampled):
             raise RuntimeError(f"runner answered {len(out.sampled_token_ids)} rows for "
                                f"{len(step.sampled)} sampling requests")
+        if step.lane:
+            applied = self.lane.apply(step, out)
+            if applied is not None:
+                updates, ended = applied
+                for req in ended:
+                    self._end(req, Status.RUNNING)
+                if self.config.check_integrity:
+                    self.kv.check_integrity(self.running, self._ended_in_flight)
+                return updates
+            self.lane.settle(step)  # the general rules apply to this step
         if len(step.sampled) == len(step.reqs) == batch.num_tokens and not batch.prompt_logprobs:
             return self._update_decodes(step, out)
         updates: list[RequestUpdate] = []

@@ -1,0 +1,186 @@
+"""The decode lane: steady decoding scheduled and applied with the least work per request.
+
+Most steps of a busy engine are the same: the same running requests, each decoding one plain
+token, nobody waiting. The general path (builder.py, Scheduler.update) classifies every request,
+looks up its sampling row, counts pending and in-flight tokens, checks stop tokens and limits one
+by one: ~20 Python operations per request per step, which at 256 running requests is most of the
+host's time (an operation costs 30-60 ns there, the forward between two steps having evicted the
+requests from the caches). The lane keeps what does not change between such steps (members,
+rows, sampling rows, the union of their stop tokens, how many steps until the first could reach
+its length limit) and does per request only what a step must: take a KV slot, append the token,
+stream its text, make its update.
+
+It runs only when it gives exactly what the general path would (tests/test_step_pipeline.py
+compares both, batch for batch and update for update): no overlap (a request's pending and
+in-flight counts stay 0 between sequential steps, so the lane need not count them), no
+speculation, nothing waiting, every member decoding with sampling that reads no history (its
+SamplingRow is reused), no logprobs, no grammar. A sampled stop token, a short pool, a failed step
+or a change of members hands the step back to the general path (`settle`); stop strings (the
+text stream reports them) and length limits (checked only in the steps where one may be
+reached) end members inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from banyan.batch import SamplingRow, StepOutput
+from banyan.scheduler.builder import BatchBuilder, ScheduledStep
+from banyan.scheduler.memory import KVManager
+from banyan.scheduler.output import decide_end
+from banyan.scheduler.request import Request, RequestUpdate, Status
+
+
+def _no_text(token: int) -> tuple[str, bool]:
+    return "", False
+
+
+class DecodeLane:
+    def __init__(self, kv: KVManager, builder: BatchBuilder, max_model_len: int) -> None:
+        self.kv = kv
+        self.builder = builder
+        self.max_model_len = max_model_len
+        self.members: list[Request] = []  # batch order (== the running list); empty: none
+        self._rows: list[int] = []
+        self._sampling: list[SamplingRow] = []
+        self._push: list[Callable[[int], tuple[str, bool]]] = []  # each member's text stream
+        self._meta: list[tuple[str, int, int]] = []  # rid, prompt tokens, cached tokens
+        self._inputs: list[int] = []  # the next step's input tokens (the last ones sampled)
+        self._stops: frozenset[int] = frozenset()  # any member's stop tokens
+        # Lane steps before a member could reach its length limit (until then the limits go
+        # unchecked)
+        self._horizon = 0
+        # Shared KV slots are a cached prefix that two members locked: no two share more than
+        # the second longest locked prefix (ForwardBatch.max_shared_prefix)
+        self._max_shared = 0
+        # Members refused for good (their parameters), so a step does not retry forming
+        self._refused: list[Request] | None = None
+
+    def clear(self) -> None:
+        self.members = []
+
+    def build(self, running: list[Request]) -> ScheduledStep | None:
+        """The step of every running request decoding, or None when the lane cannot take it
+        (the general path builds it then)."""
+        if running != self.members and not self._form(running):
+            return None
+        n = len(running)
+        if self.kv.allocator.num_free < n:
+            self.clear()  # a short pool: the general path's rules (eviction, retraction)
+            return None
+        step = ScheduledStep(lane=True)
+        batch = step.batch
+        prefix: list[int] = []
+        out_slots: list[int] = []
+        alloc_for = self.kv.alloc_for
+        for req in running:
+            slots, run = req.slots, req.decode_run
+            start = len(slots)
+            if len(run) > 1:
+                slot = run.pop()
+            else:
+                taken = alloc_for(req, 1)
+                assert taken is not None, "checked: free slots cover every member"
+                slot = taken[0]
+            slots.append(slot)
+            prefix.append(start)
+            out_slots.append(slot)
+            req.row_synced = start + 1
+        # (copies: a batch's lists belong to it, whatever keeps it)
+        batch.rows = list(self._rows)
+        batch.prefix_lens = prefix
+        batch.extend_lens = [1] * n
+        batch.input_ids = self._inputs
+        batch.out_slots = out_slots
+        batch.sample_indices = list(range(n))
+        batch.sampling = list(self._sampling)
+        batch.max_shared_prefix = self._max_shared
+        step.reqs = list(running)
+        step.sampled = list(running)
+        self.builder.adapt_ratio(step)
+        return step
+
+    def apply(self, step: ScheduledStep, out: StepOutput
+              ) -> tuple[list[RequestUpdate], list[Request]] | None:
+        """The lane step's tokens applied: (updates, members that ended: a stop string or a
+        length limit), or None when the step needs the general path (a stop token sampled);
+        `settle` it then."""
+        outputs = out.sampled_token_ids
+        flat = [t[0] for t in outputs]
+        # (members asked for no logprobs: a runner may still answer empty lists for them)
+        if not self._stops.isdisjoint(flat) or any(len(t) != 1 for t in outputs) \
+                or any(out.logprobs):
+            self.clear()
+            return None
+        updates: list[RequestUpdate] = []
+        append = updates.append
+        ended: list[Request] = []
+        at_limits = self._horizon < 2  # some member may reach its length limit now
+        max_len = self.max_model_len
+        for req, tokens, token, start, push, (rid, prompt_tokens, cached) in zip(
+                step.reqs, outputs, flat, step.batch.prefix_lens, self._push, self._meta):
+            req.written = start + 1
+            req.output_ids.append(token)
+            text, stopped = push(token)
+            reason = None
+            if stopped or at_limits:
+                text, reason = decide_end(req, text, stopped, False, max_len)
+                if reason is not None:
+                    ended.append(req)
+            append(RequestUpdate(rid, tokens, text, reason, [], prompt_tokens, cached))
+        self._inputs = flat
+        self._horizon -= 1
+        if ended:
+            self.clear()
+        return updates, ended
+
+    def settle(self, step: ScheduledStep) -> None:
+        """Make a lane step what the general path would have built (its requests' sampled
+        token pending, the step in flight for each), for the general update or failure."""
+        for req in step.reqs:
+            req.pending += 1
+            req.inflight += 1
+        self.clear()
+
+    def _form(self, running: list[Request]) -> bool:
+        """Take the running requests as members when every one qualifies (see the module)."""
+        self.clear()
+        if not running or running == self._refused:
+            return False
+        self._refused = None
+        rows, sampling, pushes, meta, inputs = [], [], [], [], []
+        stops: set[int] = set()
+        seen_stops: set[int] = set()  # ids of stop sets already merged (mostly one, shared)
+        horizon = self.max_model_len
+        locked = [0, 0]  # the two longest locked prefixes
+        for req in running:
+            srow, row, output, slots = req.sampling_row, req.row, req.output_ids, req.slots
+            params = req.params
+            if params.logprobs is not None or params.prompt_logprobs is not None \
+                    or params.reads_history or req.grammar is not None:
+                self._refused = list(running)  # for as long as these members run
+                return False
+            if req.pending or req.inflight or srow is None or srow.row != row \
+                    or len(req.prompt_ids) + len(output) - len(slots) != 1 \
+                    or req.row_synced != len(slots) or req.status is not Status.RUNNING:
+                return False  # not (or not yet) in a steady decode: the general path
+            assert row is not None
+            rows.append(row)
+            sampling.append(srow)
+            stream = req.text
+            pushes.append(_no_text if stream is None else stream.push_text)
+            meta.append((req.rid, len(req.prompt_ids), req.cached_tokens))
+            inputs.append(output[-1] if output else req.prompt_ids[-1])
+            if id(req.stop_ids) not in seen_stops:
+                seen_stops.add(id(req.stop_ids))
+                stops.update(req.stop_ids)
+            if req.locked_len > locked[0]:
+                locked[0] = req.locked_len
+                locked.sort()
+            horizon = min(horizon, req.max_new_tokens - len(output),
+                          self.max_model_len - len(req.prompt_ids) - len(output))
+        self.members = list(running)
+        self._rows, self._sampling, self._push, self._meta = rows, sampling, pushes, meta
+        self._inputs, self._stops, self._horizon = inputs, frozenset(stops), horizon
+        self._max_shared = locked[0]
+        return True
