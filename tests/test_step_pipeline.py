@@ -330,23 +330,25 @@ def test_inline_decode_updates_equal_the_general_path(
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
 
 
-@pytest.mark.parametrize("num_slots", [2000, 260], ids=["roomy", "retracting"])
+@pytest.mark.parametrize("num_slots", [2000, 100], ids=["roomy", "retracting"])
 def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
     """Steady decode steps through the decode lane against the general path: the same batches
     and the same updates (tokens, text, finish reasons), through stop tokens, stop strings,
     length limits, requests whose sampling reads history (the lane steps aside), arrivals,
-    aborts, retractions and a prefix cache; the lane must have taken most decode steps."""
+    requests waiting for a place, aborts, retractions and a prefix cache; the lane must have
+    taken many decode steps."""
 
     def trace(lane: bool) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]], int]:
         sched, runner = build(overlap=False, num_slots=num_slots, cache=True, chunk=17)
         sched.use_decode_lane = lane
-        lane_steps = 0
+        lane_steps = lane_while_waiting = 0
         build_step = sched.lane.build
 
         def counted(running: list[Request]) -> object:
-            nonlocal lane_steps
+            nonlocal lane_steps, lane_while_waiting
             step = build_step(running)
             lane_steps += step is not None
+            lane_while_waiting += step is not None and bool(sched.waiting)
             return step
 
         sched.lane.build = counted  # type: ignore[method-assign]
@@ -364,13 +366,13 @@ def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
             prompts[str(i)] = prompt
             m = rng.randint(1, 60)
             params = SamplingParams(max_new_tokens=m, temperature=0.0,
-                                    seed=7 if i % 7 == 3 else None)
+                                    seed=7 if i == 130 else None)  # the lane steps aside
             # an EOS the request will sample half-way (unless something ends it before)
             eos = frozenset(reference(prompt, m)[m // 2 : m // 2 + 1]) if i % 3 == 0 else None
             sched.add_request(Request(str(i), prompt, params, m, eos_ids=eos or frozenset(),
                                       text=_ToyStream(0) if i % 2 else None))
 
-        for i in range(8):
+        for i in range(11):  # (8 run at most: some wait while the lane runs)
             add(i)
         for turn in range(5000):
             if not sched.has_work:
@@ -391,6 +393,8 @@ def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
         batches = [(b.rows, b.prefix_lens, b.extend_lens, b.input_ids, b.out_slots,
                     b.sample_indices, b.row_prefixes, [_sampler_view(r) for r in b.sampling])
                    for b in runner.batches]
+        assert lane_while_waiting > 0 or not lane or num_slots < 2000  # (8 places taken)
+        assert sched.total_retractions > 0 or num_slots == 2000
         return batches, seen, lane_steps  # type: ignore[return-value]
 
     general_batches, general, none = trace(False)

@@ -133,8 +133,10 @@ class BatchBuilder:
         budget: int,
         prefilling: list[Request],
     ) -> None:
-        if step.retracted:
-            return  # memory is short: admitting now would only retract again
+        if step.retracted or self.admission_closed(running):
+            # memory is short: admitting now would only retract again; or no room for anyone
+            # (then the waiting queue is not even ordered)
+            return
         reserved = self._reserved(running)
         for req in self.policy.order(waiting, prefilling):
             # (rows of requests that ended while a step still reads them come back a step later)
@@ -159,6 +161,10 @@ class BatchBuilder:
             self._add(step, req, n)
             budget -= n
             reserved += math.ceil((own_need - n) * self.new_token_ratio)
+
+    def admission_closed(self, running: list[Request]) -> bool:
+        """No request can be admitted now, whatever it asks: no row or no running place."""
+        return len(running) >= self.config.max_running_requests or not self.kv.free_rows
 
     def _reserved(self, running: list[Request]) -> int:
         clip = self.config.reserve_clip

@@ -197,7 +197,8 @@ class Scheduler:
         """Build the next step: admit, chunk, retract; allocates its KV slots."""
         step = None
         if self.use_decode_lane and not (self.config.overlap or self.speculation is not None
-                                         or self.waiting or self._nothing_to_do):
+                                         or self._nothing_to_do) \
+                and (not self.waiting or self.builder.admission_closed(self.running)):
             step = self.lane.build(self.running)
         if step is None:
             self.lane.clear()  # the general path changes what the lane keeps
