@@ -136,6 +136,27 @@ def test_locked_nodes_survive_eviction_and_sizes_move() -> None:
     cache.check_invariants()
 
 
+def test_shared_len_is_the_prefix_another_lock_holds() -> None:
+    """What the decode lane bounds attention's prefix search with: the part of a handle's
+    path that another lock also passes through."""
+    _, cache = make()
+    a = cache.insert([1, 2, 3, 4], [11, 12, 13, 14]).handle
+    b = cache.insert([1, 2, 3, 5, 6], [11, 12, 13, 15, 16]).handle  # splits after [1, 2, 3]
+    c = cache.insert([7, 8], [17, 18]).handle
+    cache.lock(a)
+    assert cache.shared_len(a) == 0  # alone on its path
+    cache.lock(b)
+    assert (cache.shared_len(a), cache.shared_len(b)) == (3, 3)
+    cache.lock(c)
+    assert cache.shared_len(c) == 0
+    cache.lock(a)  # a second holder of the same node: the whole path is shared
+    assert (cache.shared_len(a), cache.shared_len(b)) == (4, 3)
+    cache.unlock(a)
+    cache.unlock(b)
+    assert cache.shared_len(a) == 0
+    assert cache.shared_len(None) == 0
+
+
 def test_split_of_a_locked_node_keeps_it_locked() -> None:
     alloc, cache = make()
     leaf = cache.insert([1, 2, 3, 4], [11, 12, 13, 14]).handle

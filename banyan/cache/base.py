@@ -62,6 +62,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, num_slots: int) -> int: ...
 
+    def shared_len(self, handle: Any) -> int | None:
+        """How many of a locked handle's first slots another lock may also hold (another
+        running request's prefix); None: not known."""
+        return None if handle is not None else 0
+
     @property
     @abstractmethod
     def evictable_size(self) -> int:

@@ -219,6 +219,22 @@ class RadixCache(PrefixCache):
             node.lock += 1
             node = node.parent  # type: ignore[assignment]  # non-roots have parents
 
+    def shared_len(self, handle: Any) -> int | None:
+        """The length of the handle's path up to the deepest node that another lock also
+        passes through (a node's count includes every lock at or below it)."""
+        node = self._node(handle)
+        below = 0  # slots of the path's nodes under the deepest shared one
+        while node is not None and not node.is_root and node.lock < 2:
+            below += len(node.slots)
+            node = node.parent
+        if node is None or node.is_root:
+            return 0
+        total = below
+        while not node.is_root:
+            total += len(node.slots)
+            node = node.parent  # type: ignore[assignment]  # non-roots have parents
+        return total - below
+
     def unlock(self, handle: Any) -> None:
         start = self._node(handle)
         if start is None or start.is_root:

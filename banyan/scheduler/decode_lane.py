@@ -51,8 +51,8 @@ class DecodeLane:
         # unchecked)
         self._horizon = 0
         # Shared KV slots are a cached prefix that two members locked: no two share more than
-        # the second longest locked prefix (ForwardBatch.max_shared_prefix)
-        self._max_shared = 0
+        # this (ForwardBatch.max_shared_prefix; None: not known)
+        self._max_shared: int | None = 0
         # Members refused for good (their parameters), so a step does not retry forming
         self._refused: list[Request] | None = None
 
@@ -152,7 +152,8 @@ class DecodeLane:
         stops: set[int] = set()
         seen_stops: set[int] = set()  # ids of stop sets already merged (mostly one, shared)
         horizon = self.max_model_len
-        locked = [0, 0]  # the two longest locked prefixes
+        max_shared: int | None = 0
+        shared_len = self.kv.cache.shared_len
         for req in running:
             srow, row, output, slots = req.sampling_row, req.row, req.output_ids, req.slots
             params = req.params
@@ -174,13 +175,13 @@ class DecodeLane:
             if id(req.stop_ids) not in seen_stops:
                 seen_stops.add(id(req.stop_ids))
                 stops.update(req.stop_ids)
-            if req.locked_len > locked[0]:
-                locked[0] = req.locked_len
-                locked.sort()
+            if req.locked_len and max_shared is not None:
+                shared = shared_len(req.cache_handle)
+                max_shared = None if shared is None else max(max_shared, shared)
             horizon = min(horizon, req.max_new_tokens - len(output),
                           self.max_model_len - len(req.prompt_ids) - len(output))
         self.members = list(running)
         self._rows, self._sampling, self._push, self._meta = rows, sampling, pushes, meta
         self._inputs, self._stops, self._horizon = inputs, frozenset(stops), horizon
-        self._max_shared = locked[0]
+        self._max_shared = max_shared
         return True
