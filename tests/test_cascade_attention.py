@@ -383,7 +383,7 @@ def greedy_plans_match_transformers(
     plans: list[TorchAttentionMetadata] = []
 
     native = bool(backend.pop("native", False))
-    if native:  # the kernel's extends too, on CPUs where the engine would give them to SDPA
+    if native:  # the row kernel's extends too, where the engine gives them to the prefill one
         backend.setdefault("max_extend", MAX_NATIVE_EXTEND)
 
     class Recording(CpuNativeBackend if native else SdpaBackend):  # type: ignore[misc]

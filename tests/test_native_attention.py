@@ -109,16 +109,16 @@ def test_extends_match_naive(
     heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:
     """Prefill chunks attend causally in the kernel, over cached tokens or none (lengths around
-    the 16-key block); chunks past MAX_NATIVE_EXTEND stay on SDPA."""
+    the 16-key block); chunks past MAX_NATIVE_EXTEND go to the prefill kernel."""
     c = [1]
     reqs = [
         Req(fresh(c, 5 + 2), extend=2),
         Req(fresh(c, 40 + 16), extend=16),
         Req(fresh(c, 100 + 17), extend=17),
         Req(fresh(c, 1 + 33), extend=33),
-        Req(fresh(c, 3 + 300), extend=300),  # too long: SDPA
+        Req(fresh(c, 3 + 300), extend=300),  # too long: the prefill kernel
         Req(fresh(c, 20), extend=20),  # nothing cached: the kernel too
-        Req(fresh(c, 260), extend=260),  # nothing cached, too long: SDPA
+        Req(fresh(c, 260), extend=260),  # nothing cached, too long: the prefill kernel
         Req(fresh(c, 70)),  # a decode
     ]
     scene = Scene(reqs, heads, kv_heads, dim=dim, dtype=dtype)
@@ -126,7 +126,8 @@ def test_extends_match_naive(
     meta = scene.check(native_backend(scene), atol=atol)
     assert meta.native is not None
     assert sorted(meta.native.n_new.tolist()) == [1, 2, 16, 17, 20, 33]
-    assert sorted(e.length for e in meta.extends) == [260, 300]
+    assert meta.prefill is not None and sorted(meta.prefill.n_new.tolist()) == [260, 300]
+    assert not meta.extends  # SDPA takes nothing
 
 
 def test_greedy_matches_transformers_with_the_native_kernel(
@@ -147,7 +148,7 @@ def test_quantized_pool_matches_naive_over_its_dequantized_values(
 ) -> None:
     """The kernel reads int8 / fp8 codes in place, each (slot, head) row times its scale:
     grouped decodes, plain decodes and extends over a cached prefix against naive attention
-    over the codes x scales; the SDPA paths (a long chunk) dequantize what they gather."""
+    over the codes x scales; so does the prefill kernel (a long chunk)."""
     c = [1]
     shared = fresh(c, 150)  # past one chunk of dequantized keys (QCHUNK, 128)
     reqs = [
@@ -155,14 +156,14 @@ def test_quantized_pool_matches_naive_over_its_dequantized_values(
         Req(fresh(c, 33)),  # a plain decode
         Req(fresh(c, 20 + 17), extend=17),  # an extend over a cached prefix
         Req(fresh(c, 200 + 60), extend=60),  # causal rows across a chunk boundary
-        Req(fresh(c, 5 + 300), extend=300),  # too long for the kernel: SDPA, dequantized
+        Req(fresh(c, 5 + 300), extend=300),  # too long for the row kernel: the prefill one
     ]
     scene = Scene(reqs, heads, kv_heads, dim=64, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     assert scene.pool.k[0].element_size() == 1 and scene.pool.quantized
     # values up to 2x the other tests': float32 rounding grows with them
     meta = scene.check(native_backend(scene), atol=5e-5 if dtype == torch.float32 else 4e-2)
     assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 1, 1, 17, 60]
-    assert [e.length for e in meta.extends] == [300]
+    assert meta.prefill is not None and meta.prefill.n_new.tolist() == [300]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -1,10 +1,20 @@
-"""The "cpu-native" attention backend: decodes and prefill chunks of up to MAX_NATIVE_EXTEND
-tokens through the C++ CPU kernel (native_plan.py; decodes only where it has no AVX-512 paths),
-everything else (longer chunks) on the SDPA paths it inherits.
+"""The "cpu-native" attention backend: every CPU step through the C++ kernels, SDPA never.
+
+Decodes and prefill chunks of up to `max_extend` tokens go to the row kernel
+(cpu_paged_attention.cpp; see native_plan.py), longer chunks to the blocked prefill kernel
+(cpu_prefill_attention.cpp). The SDPA paths this backend inherits run only when the prefill
+kernel is switched off (`prefill_kernel=False`, or BANYAN_NATIVE_PREFILL=0 for a whole process:
+the A/B switch of benchmarks/prefill_roofline.py); the registry picks the "sdpa" backend itself
+where the kernels cannot load or the dtype is unsupported.
+
+On Zen 3 (SmolLM2's 9 x 3 heads of 64, 2 threads; benchmarks/prefill_attention.py) the prefill
+kernel took a fresh 2,048-token prefill in 38-48 ms against SDPA's 47-60 (float32; 100-126
+GFLOP/s), 512 tokens in 3.2 ms against 6 (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +23,12 @@ from banyan.attention.base import AttentionMetadata
 from banyan.attention.prefix_groups import CascadePolicy
 from banyan.attention.native_plan import (
     NativePlan,
+    PrefillPlan,
     default_max_extend,
     native_attention,
     plan_native,
+    plan_prefill,
+    prefill_attention,
 )
 from banyan.attention.registry import register_backend
 from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata, token_starts
@@ -24,20 +37,29 @@ from banyan.kernels import native as native_kernels
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 
+PREFILL_SWITCH = "BANYAN_NATIVE_PREFILL"  # "0": chunks past max_extend on SDPA, as before
+
 
 @dataclass(slots=True)
 class NativeMetadata(TorchAttentionMetadata):
-    native: NativePlan | None = None  # the kernel's requests; the inherited paths get the rest
+    native: NativePlan | None = None  # the row kernel's requests
+    prefill: PrefillPlan | None = None  # the prefill kernel's; the inherited paths get the rest
 
 
 @register_backend("cpu-native")
 class CpuNativeBackend(SdpaBackend):
     def __init__(self, pool: KVPool, table: ReqToTokenTable, scale: float | None = None, *,
                  cascade: CascadePolicy | None = CascadePolicy(),
-                 max_extend: int | None = None) -> None:
+                 max_extend: int | None = None, prefill_kernel: bool | None = None) -> None:
         super().__init__(pool, table, scale, cascade=cascade)
-        # Extends of up to this many tokens go to the kernel (decodes always do).
-        self.max_extend = default_max_extend() if max_extend is None else max_extend
+        # Extends of up to this many tokens go to the row kernel (decodes always do).
+        if max_extend is None:
+            max_extend = default_max_extend(pool.dtype, pool.code_dtype)
+        self.max_extend = max_extend
+        # Longer ones to the prefill kernel (else to the SDPA paths).
+        if prefill_kernel is None:
+            prefill_kernel = os.environ.get(PREFILL_SWITCH, "1") != "0"
+        self.prefill_kernel = prefill_kernel
 
     @classmethod
     def supports(cls, pool: KVPool) -> bool:
@@ -45,12 +67,12 @@ class CpuNativeBackend(SdpaBackend):
 
     def plan(self, batch: ForwardBatch, out_slots: torch.Tensor) -> NativeMetadata:
         meta = NativeMetadata(backend=self, num_tokens=batch.num_tokens, out_slots=out_slots)
-        if batch.num_tokens == batch.batch_size:  # decodes only: the kernel takes all
+        if batch.num_tokens == batch.batch_size:  # decodes only: the row kernel takes all
             meta.native = plan_native(self.table.table, batch.rows, batch.prefix_lens,
-                                      batch.extend_lens, None)
+                                      batch.extend_lens, None, batch.max_shared_prefix)
             return meta
         starts = token_starts(batch)
-        if max(batch.extend_lens) <= self.max_extend:  # the usual step: the kernel takes all
+        if max(batch.extend_lens) <= self.max_extend:  # the usual step: the row kernel takes all
             meta.native = plan_native(self.table.table, batch.rows, batch.prefix_lens,
                                       batch.extend_lens, starts)
             return meta
@@ -63,21 +85,36 @@ class CpuNativeBackend(SdpaBackend):
                 [batch.extend_lens[i] for i in taken],
                 [starts[i] for i in taken],
             )
-        self._plan_paths(meta, batch, starts, set(taken))
+        if not self.prefill_kernel:
+            self._plan_paths(meta, batch, starts, set(taken))
+            return meta
+        long = [i for i, n in enumerate(batch.extend_lens) if n > self.max_extend]
+        meta.prefill = plan_prefill(
+            [batch.rows[i] for i in long],
+            [batch.prefix_lens[i] for i in long],
+            [batch.extend_lens[i] for i in long],
+            [starts[i] for i in long],
+        )
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
         assert isinstance(meta, NativeMetadata)
-        nat = meta.native
-        if nat is None:
+        nat, pre = meta.native, meta.prefill
+        if nat is None and pre is None:  # (the prefill kernel off: all on SDPA)
             return super().forward(q, k, v, layer_id, meta)
         T, H, D = q.shape
-        # the kernel reads the pool; only the SDPA paths (longer chunks) read k, v
-        k, v = self.pool.store(layer_id, meta.out_slots, k, v, seen=nat.num_tokens < T)
+        # the kernels read the pool; only the SDPA paths (prefill kernel off) read k, v
+        covered = (nat.num_tokens if nat is not None else 0) + (
+            pre.num_tokens if pre is not None else 0)
+        k, v = self.pool.store(layer_id, meta.out_slots, k, v, seen=covered < T)
         q = q.contiguous()
         out = q.new_empty((T, H, D))
-        native_attention(q, self.pool.layer(layer_id), self.table.table, nat, self.scale, out)
-        if nat.num_tokens < T:  # longer chunks: the SDPA paths
+        layer = self.pool.layer(layer_id)
+        if nat is not None:
+            native_attention(q, layer, self.table.table, nat, self.scale, out)
+        if pre is not None:
+            prefill_attention(q, layer, self.table.table, pre, self.scale, out)
+        if covered < T:
             self._attend_paths(q, k, v, layer_id, meta, out)
         return out

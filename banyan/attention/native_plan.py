@@ -1,17 +1,19 @@
-"""Decodes, and extends over a cached prefix, through the native CPU kernel
-(banyan/kernels/cpu_paged_attention.cpp).
+"""Decodes, and extends over a cached prefix, through the native CPU kernels: the row kernel
+(banyan/kernels/cpu_paged_attention.cpp) for decodes and short extends, the blocked prefill
+kernel (cpu_prefill_attention.cpp) for longer ones.
 
-The kernel reads K/V in place from the pool through the table, so these requests copy no
-context at all, and it writes each request's rows of the step's output directly. Decodes sharing
-a cached prefix are grouped as for the torch cascade (`prefix_groups.find_shared_prefixes`), but
-with a much lower bar: in the kernel a group costs nothing extra, and each shared key is read
-once and dotted with all the group's query rows. Extends (prefill chunks, causal) each run
-alone: they already reuse every key for n queries. Extends of more than `MAX_NATIVE_EXTEND`
-tokens stay on SDPA, which is as fast there. On AVX2 CPUs without AVX-512 (Zen 2/3) the
-kernel's AVX2 loops take extends of up to AVX2_NATIVE_EXTEND tokens (measured below); with the
+Both read K/V in place from the pool through the table, so these requests copy no context at
+all, and they write each request's rows of the step's output directly. Decodes sharing a cached
+prefix are grouped as for the torch cascade (`prefix_groups.find_shared_prefixes`), but with a
+much lower bar: in the kernel a group costs nothing extra, and each shared key is read once and
+dotted with all the group's query rows. Extends (prefill chunks, causal) each run alone: they
+already reuse every key for n queries. Extends of more than `default_max_extend()` tokens go to
+the prefill kernel (`plan_prefill`), which multiplies blocks of queries by blocks of keys. On AVX2
+CPUs without AVX-512 (Zen 2/3) the row kernel's AVX2 loops take float32 extends of up to
+AVX2_NATIVE_EXTEND tokens and the prefill kernel every other extend (measured below); with the
 portable loops alone (before them, on Zen 3: 4 / 16 / 64 / 256 tokens over 2,048 cached took
-156 / 308 / 868 / 3,819 ms in the kernel and 112 / 152 / 265 / 1,043 ms through SDPA) only
-decodes.
+156 / 308 / 868 / 3,819 ms in the row kernel and 112 / 152 / 265 / 1,043 ms through SDPA) the
+row kernel takes only decodes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ MAX_NATIVE_EXTEND = 256
 # 112 / 98 -> 87 ms, 64 tokens 346 -> 375 / 305 -> 307 ms. 16 is also the longest step the
 # native layer stack takes (a speculative check of k + 1 tokens).
 AVX2_NATIVE_EXTEND = 16
-
+# Without AVX-512 the prefill kernel beats the row kernel from 4 tokens on. One layer of
+# SmolLM2 (9 x 3 heads of 64) on Zen 3, 1 thread, row -> prefill kernel, over 512 / 2,048
+# cached tokens: float32 8 tokens 0.35 -> 0.29 / 0.98 -> 0.91 ms, 16 tokens 0.65 -> 0.44 /
+# 1.80 -> 1.26 ms; bf16 4 tokens 0.54 -> 0.17 ms (512), 16 tokens 1.95 -> 0.40 / 5.75 -> 1.41
+# ms (bf16 has no AVX2 row loops); float32 over fp8_e4m3 / int8 codes, 16 tokens over 2,048:
+# 2.10 -> 1.27 / 2.64 -> 1.65 ms. Float32 over float32 or int8 keeps AVX2_NATIVE_EXTEND all
+# the same: the native layer stack (models/native_stack.py, those pools only) runs a step of up
+# to 16 tokens only when the row kernel takes all of it, and saves more than the 1.1-1.5x.
 
 @dataclass(slots=True)
 class NativePlan:
@@ -49,11 +58,19 @@ class NativePlan:
     group_prefix: torch.Tensor  # [G] shared slots of each group (0: alone)
 
 
-def default_max_extend() -> int:
-    """Longest extend (a prefill chunk, with or without cached tokens) the kernel should take
-    on this machine: MAX_NATIVE_EXTEND with its AVX-512 paths, AVX2_NATIVE_EXTEND with the
-    AVX2 ones, else none (decodes only)."""
-    return {512: MAX_NATIVE_EXTEND, 256: AVX2_NATIVE_EXTEND}.get(native.vector_bits(), 1)
+def default_max_extend(dtype: torch.dtype = torch.float32,
+                       code_dtype: torch.dtype | None = None) -> int:
+    """Longest extend (a prefill chunk, with or without cached tokens) the row kernel should
+    take on this machine for a pool of this compute dtype and these K/V codes (None: the dtype
+    itself); longer ones go to the prefill kernel. MAX_NATIVE_EXTEND with the AVX-512 paths;
+    with the AVX2 ones AVX2_NATIVE_EXTEND for float32 over float32 or int8 (the native layer
+    stack's steps); else 1 (decodes only: see above)."""
+    bits = native.vector_bits()
+    if bits == 512:
+        return MAX_NATIVE_EXTEND
+    if bits == 256 and dtype == torch.float32 and code_dtype in (None, torch.float32, torch.int8):
+        return AVX2_NATIVE_EXTEND
+    return 1
 
 
 def plan_native(
@@ -141,3 +158,37 @@ def native_attention(
         layer.k_scale,
         layer.v_scale,
     )
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """The prefill kernel's per-step arguments for R extends (int64 [R])."""
+
+    num_tokens: int  # new tokens of these requests
+    req_row: torch.Tensor  # table rows
+    req_len: torch.Tensor  # context lengths, new tokens included
+    q_start: torch.Tensor  # first new token of each request in the flat batch
+    n_new: torch.Tensor  # new tokens of each request
+
+
+def plan_prefill(rows: list[int], prefix_lens: list[int], extend_lens: list[int],
+                 starts: list[int]) -> PrefillPlan:
+    """Per extend: table row, tokens already in KV, new tokens, first new token in the batch."""
+    n_new = np.fromiter(extend_lens, np.int64, len(extend_lens))
+    req_len = np.fromiter(prefix_lens, np.int64, len(prefix_lens)) + n_new
+    return PrefillPlan(int(n_new.sum()), int64_tensor(rows), torch.from_numpy(req_len),
+                       int64_tensor(starts), torch.from_numpy(n_new))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    layer: LayerKV,
+    table: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written)."""
+    return native.prefill_attention(q, layer.k, layer.v, table, plan.req_row, plan.req_len,
+                                    plan.q_start, plan.n_new, scale, out, layer.k_scale,
+                                    layer.v_scale)

@@ -46,7 +46,7 @@ def kernel_range(name: str) -> AbstractContextManager[object]:
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
-           "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp")
+           "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -129,6 +129,10 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"banyan_paged_attention_{q_sfx}_{kv_sfx}")
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
             fn.argtypes += [i64, ptr, i64, i64, i64, f32, i64]
+            fn.restype = None
+            fn = getattr(lib, f"banyan_prefill_attention_{q_sfx}_{kv_sfx}")
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
+                           i64, i64, f32, i64]
             fn.restype = None
     for sfx in ("f32", "bf16"):
         signatures = {
@@ -281,6 +285,53 @@ def paged_attention(
             req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
             group_prefix.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    table: torch.Tensor,
+    req_row: torch.Tensor,
+    req_len: torch.Tensor,
+    q_start: torch.Tensor,
+    n_new: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the given requests' new tokens (prefill chunks: blocks of queries
+    against blocks of keys, cpu_prefill_attention.cpp) over their whole context, read in place
+    from the pool. The arguments are paged_attention's without the grouping: q, out [T, H, D]
+    contiguous (only the listed requests' rows are read and written); pool_k/v [slots, KVH, D]
+    of one layer; table [rows, stride] int32; per request (int64 [R]) req_row, req_len (context
+    with its new tokens, all stored), q_start, n_new; k_scale, v_scale [slots, KVH] float32 for
+    a quantized pool. Returns out."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable: check supports() first"
+    quantized = pool_k.dtype != q.dtype
+    kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
+    fn = getattr(lib, f"banyan_prefill_attention_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}")
+    tensors = (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new)
+    if quantized:
+        assert k_scale is not None and v_scale is not None
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        tensors += (k_scale, v_scale)
+    for t in tensors:
+        assert t.is_contiguous()
+    _, H, D = q.shape
+    with kernel_range("banyan::prefill_attention"):
+        fn(
+            q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
+            k_scale.data_ptr() if quantized else None,
+            v_scale.data_ptr() if quantized else None,
+            table.data_ptr(), table.shape[1],
+            req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
+            req_row.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,
             torch.get_num_threads(),
         )
     return out

@@ -1,0 +1,420 @@
+// Causal attention of prefill chunks (extends of many tokens, over a cached prefix or none) on
+// CPU, flash-style, reading K/V in place from the pool through the token table.
+//
+// The row kernel (cpu_paged_attention.cpp) attends each query row to each key block in turn:
+// right for decodes, but a long chunk then does matrix products as row-by-row dot products.
+// Here a work item is a block of BQ query positions of one request times the G query heads of
+// one KV head (BQ x G rows), so each key block, converted to float32 once, serves all of them:
+//
+//   per block of BK keys: K, V rows -> float32 [BK][D] (bf16 widened, int8 / fp8 codes times
+//   their (slot, head) scale as they are packed: no dequantized copy of the pool);
+//   S^T = K Q^T (scores with keys as rows), a register tile of KM keys x 2 vectors of rows;
+//   online softmax per row in float32 (running max and sum; masked on the diagonal only);
+//   O = O x corr + P V, a register tile of PM rows x 2 vectors of head-dim columns.
+//
+// Scores are computed transposed so that Q (transposed once per item) is the vector operand and
+// K is read by broadcasts in its natural layout: no per-block transpose of K, and the softmax
+// then runs down the columns, vectorised over rows. The tiles are plain arrays with fixed trip
+// counts that GCC keeps in registers and turns into FMAs for whatever -march=native offers
+// (two 8-lane vectors on AVX2, two 16-lane on AVX-512): one code path on every x86-64.
+// -ffp-contract=off is on, so the products are fused explicitly (fmadd below).
+//
+// Every row's arithmetic (dot products in head-dim order, key blocks from 0 in steps of BK,
+// keys in order within them) is the same whatever BQ, the tile a row falls in, or the thread
+// count: BQ adapts to the thread count and the output bits do not change with it.
+//
+// Built at run time by banyan/kernels/native.py; see native.prefill_attention.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#include "cpu_dtypes.h"
+
+// GCC vectorises for 256-bit registers on most AVX-512 CPUs unless told otherwise; the tiles
+// below are sized for two registers of the widest kind (12 accumulators), so ask for 512.
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VLEN = 16;  // floats per vector register
+#else
+constexpr int VLEN = 8;  // AVX2 (and the SSE / portable builds: GCC splits the tiles)
+#endif
+constexpr int NV = 2 * VLEN;  // the vector width of a tile: rows of S^T, columns of O
+constexpr int KM = 6;         // keys per S^T tile (6 x 2 accumulator registers)
+constexpr int PM = 6;         // rows per P V tile
+constexpr int BK = 64;        // keys per block
+
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;  // no FMA unit: a library fmaf call would be far slower
+#endif
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// st[j][0, NV) = sum_e kb[j][e] * qt[e][0, NV) for the M keys j of the tile; kMax: and
+// mx[0, NV) = max(mx, the tile's scores) (a block no row stops inside: no mask to apply).
+template <int M, bool kMax>
+inline void qk_tile(const float* kb, int64_t ldk, const float* qt, int64_t ldq, int64_t d,
+                    float* st, int64_t lds, float* mx) {
+    float acc[M][NV];
+#pragma GCC unroll 6
+    for (int j = 0; j < M; ++j)
+#pragma omp simd
+        for (int r = 0; r < NV; ++r) acc[j][r] = 0.0f;
+    for (int64_t e = 0; e < d; ++e) {
+        const float* qe = qt + e * ldq;
+#pragma GCC unroll 6
+        for (int j = 0; j < M; ++j) {
+            const float kj = kb[j * ldk + e];
+#pragma omp simd
+            for (int r = 0; r < NV; ++r) acc[j][r] = fmadd(kj, qe[r], acc[j][r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < M; ++j)
+#pragma omp simd
+        for (int r = 0; r < NV; ++r) st[j * lds + r] = acc[j][r];
+    if constexpr (kMax) {
+#pragma GCC unroll 6
+        for (int j = 0; j < M; ++j)
+#pragma omp simd
+            for (int r = 0; r < NV; ++r) mx[r] = mx[r] > acc[j][r] ? mx[r] : acc[j][r];
+    }
+}
+
+// o[i][0, NV) = o[i][0, NV) * corr[i] + sum_{j < nk} pt[j][i] * vb[j][0, NV) for the M rows i.
+template <int M>
+inline void pv_tile(const float* pt, int64_t ldp, const float* vb, int64_t ldv, int64_t nk,
+                    const float* corr, float* o, int64_t ldo) {
+    float acc[M][NV];
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+        const float c = corr[i];
+#pragma omp simd
+        for (int x = 0; x < NV; ++x) acc[i][x] = o[i * ldo + x] * c;
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+        const float* vj = vb + j * ldv;
+#pragma GCC unroll 6
+        for (int i = 0; i < M; ++i) {
+            const float p = pt[j * ldp + i];
+#pragma omp simd
+            for (int x = 0; x < NV; ++x) acc[i][x] = fmadd(p, vj[x], acc[i][x]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i)
+#pragma omp simd
+        for (int x = 0; x < NV; ++x) o[i * ldo + x] = acc[i][x];
+}
+
+// S^T for nk keys (kb [nk][d]) x NV rows (qt [d][..] from its column 0): tiles of KM keys,
+// the last one of nk % KM (each tile size a compile-time constant: registers).
+template <bool kMax>
+void qk_tiles(int64_t nk, const float* kb, int64_t d, const float* qt, int64_t ldq, float* st,
+              int64_t lds, float* mx) {
+    int64_t j0 = 0;
+    for (; j0 + KM <= nk; j0 += KM)
+        qk_tile<KM, kMax>(kb + j0 * d, d, qt, ldq, d, st + j0 * lds, lds, mx);
+    const float* k = kb + j0 * d;
+    float* s = st + j0 * lds;
+    switch (nk - j0) {
+        case 1: qk_tile<1, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
+        case 2: qk_tile<2, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
+        case 3: qk_tile<3, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
+        case 4: qk_tile<4, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
+        case 5: qk_tile<5, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
+        default: break;
+    }
+}
+
+// P V into NV columns of O for `rows` rows: tiles of PM rows, the last one of rows % PM.
+inline void pv_tiles(int64_t rows, const float* pt, int64_t ldp, const float* vb, int64_t ldv,
+                     int64_t nk, const float* corr, float* o, int64_t ldo) {
+    int64_t i0 = 0;
+    for (; i0 + PM <= rows; i0 += PM)
+        pv_tile<PM>(pt + i0, ldp, vb, ldv, nk, corr + i0, o + i0 * ldo, ldo);
+    const float* p = pt + i0;
+    const float* c = corr + i0;
+    float* oi = o + i0 * ldo;
+    switch (rows - i0) {
+        case 1: pv_tile<1>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
+        case 2: pv_tile<2>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
+        case 3: pv_tile<3>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
+        case 4: pv_tile<4>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
+        case 5: pv_tile<5>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
+        default: break;
+    }
+}
+
+// A pool row (one slot, one KV head) -> d float32 values: codes times the row's scale.
+template <typename K>
+inline void load_row(const typename K::T* src, float s, int64_t d, float* dst) {
+    if constexpr (K::kScaled) {
+#if defined(__AVX2__) && defined(__F16C__)
+        if constexpr (std::is_same<K, E4M3>::value || std::is_same<K, E5M2>::value) {
+            if (d % 16 == 0) {
+                fp8_row_to_f32<K>(src, s, static_cast<int>(d), dst);
+                return;
+            }
+        }
+#endif
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) dst[e] = K::load(src[e]) * s;
+    } else {
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) dst[e] = K::load(src[e]);
+    }
+}
+
+// One thread's buffers. rp: rows padded to NV; dv: head dim padded to NV (the padding columns
+// of V stay zero, so the padding columns of O are zero and never written out).
+struct Buffers {
+    std::vector<float> qt, kb, vb, st, o, m, l, corr;
+    std::vector<int32_t> lim;  // keys each row sees (contexts < 2^31)
+    int64_t rp = 0, dv = 0;
+    void fit(int64_t rows, int64_t d) {
+        const int64_t rp_new = round_up(rows, NV), dv_new = round_up(d, NV);
+        if (rp_new <= rp && dv_new == dv) return;
+        rp = std::max(rp, rp_new);
+        dv = dv_new;
+        qt.assign(d * rp, 0.0f);
+        kb.assign(BK * d, 0.0f);
+        vb.assign(BK * dv, 0.0f);
+        st.assign(BK * rp, 0.0f);
+        o.assign(rp * dv, 0.0f);
+        m.assign(rp, 0.0f);
+        l.assign(rp, 0.0f);
+        corr.assign(rp, 0.0f);
+        lim.assign(rp, 0);
+    }
+};
+
+// exp(x) for x <= 0 (clamped at -87): exp_clamped's polynomial with fused multiply-adds,
+// as the AVX2 row kernel's exp256_nonpos computes it.
+inline float exp_nonpos_fma(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float fx = std::floor(fmadd(x, 1.44269504088896341f, 0.5f));
+    float r = fmadd(fx, -0.693359375f, x);
+    r = fmadd(fx, 2.12194440e-4f, r);
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = fmadd(y, r, 1.3981999507e-3f);
+    y = fmadd(y, r, 8.3334519073e-3f);
+    y = fmadd(y, r, 4.1665795894e-2f);
+    y = fmadd(y, r, 1.6666665459e-1f);
+    y = fmadd(y, r, 5.0000001201e-1f);
+    y = fmadd(y, z, r + 1.0f);
+    const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+// The online-softmax update of rows [0, rp) for one block of nk keys starting at key k0:
+// st [nk][rp] scores in, probabilities out (0 where masked); corr: the rows' new maxima in
+// (merged by the score tiles, unless kCausal), exp(m_old - m_new) out. kCausal (the diagonal
+// blocks only): row r sees keys < lim[r]; the scores of the others become -inf.
+template <bool kCausal>
+void softmax_block(Buffers& b, int64_t k0, int64_t nk) {
+    const int64_t rp = b.rp;
+    float* st = b.st.data();
+    float* mx = b.corr.data();
+    const int32_t* lim = b.lim.data();
+    if constexpr (kCausal) {
+        for (int64_t j = 0; j < nk; ++j) {
+            float* s = st + j * rp;
+            const int32_t key = static_cast<int32_t>(k0 + j);
+#pragma omp simd
+            for (int64_t r = 0; r < rp; ++r) {
+                const float v = key < lim[r] ? s[r] : -INFINITY;
+                s[r] = v;
+                mx[r] = mx[r] > v ? mx[r] : v;
+            }
+        }
+    }
+    // NV rows at a time, their maxima and sums in registers
+    for (int64_t r0 = 0; r0 < rp; r0 += NV) {
+        float mv[NV], sum[NV];
+#pragma omp simd
+        for (int r = 0; r < NV; ++r) {
+            mv[r] = mx[r0 + r];
+            sum[r] = 0.0f;
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+            float* s = st + j * rp + r0;
+            const int32_t key = static_cast<int32_t>(k0 + j);
+            // exp(-inf - max) clamps to exp(-87), not 0: masked keys are zeroed explicitly
+#pragma omp simd
+            for (int r = 0; r < NV; ++r) {
+                const float p = exp_nonpos_fma(s[r] - mv[r]);
+                s[r] = (!kCausal || key < lim[r0 + r]) ? p : 0.0f;
+                sum[r] += s[r];
+            }
+        }
+        // Rows that have seen no key yet hold m = -inf: the correction clamps to ~1e-38 and
+        // multiplies l = 0 and o = 0 (never NaN). A row whose max stays: exactly 1.
+#pragma omp simd
+        for (int r = 0; r < NV; ++r) {
+            const float c = exp_nonpos_fma(b.m[r0 + r] - mv[r]);
+            b.m[r0 + r] = mv[r];
+            mx[r0 + r] = c;
+            b.l[r0 + r] = fmadd(b.l[r0 + r], c, sum[r]);
+        }
+    }
+}
+
+// One work item: query positions [t0, t0 + bq) of a request, the G query heads of KV head h.
+template <typename C, typename K>
+void attend_block(Buffers& b, const typename C::T* q, const typename K::T* kpool,
+                  const typename K::T* vpool, const float* kscale, const float* vscale,
+                  const int32_t* slots, int64_t prefix, int64_t t0, int64_t bq, int64_t h,
+                  int64_t heads, int64_t kvh, int64_t d, float scale, typename C::T* out) {
+    const int64_t g = heads / kvh, rows = bq * g;
+    b.fit(rows, d);
+    const int64_t rp = b.rp, dv = b.dv;
+    const int64_t kend = prefix + t0 + bq;  // keys the block's last row sees
+    // Q^T [d][rp], scaled; row r = (position t, head gh) = t * g + gh sees keys < lim[r].
+    // Padding rows (zeros) see every key, so their state stays finite; never written out.
+    for (int64_t r = 0; r < rp; ++r) {
+        b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
+        b.m[r] = -INFINITY;
+        b.l[r] = 0.0f;
+    }
+    for (int64_t t = 0; t < bq; ++t)
+        for (int64_t gh = 0; gh < g; ++gh) {
+            const typename C::T* src = q + ((t0 + t) * heads + h * g + gh) * d;
+            for (int64_t e = 0; e < d; ++e) b.qt[e * rp + t * g + gh] = C::load(src[e]) * scale;
+        }
+    for (int64_t r = rows; r < rp; ++r)
+        for (int64_t e = 0; e < d; ++e) b.qt[e * rp + r] = 0.0f;
+    std::fill(b.o.begin(), b.o.begin() + rp * dv, 0.0f);
+
+    // (Software prefetching of the next block's rows measured no faster on Zen 3, even over
+    // slots scattered through a pool larger than L3: a block's products hide its loads.)
+    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+        const int64_t nk = std::min<int64_t>(BK, kend - k0);
+        for (int64_t j = 0; j < nk; ++j) {
+            const int64_t row = static_cast<int64_t>(slots[k0 + j]) * kvh + h;
+            load_row<K>(kpool + row * d, K::kScaled ? kscale[row] : 1.0f, d, &b.kb[j * d]);
+            load_row<K>(vpool + row * d, K::kScaled ? vscale[row] : 1.0f, d, &b.vb[j * dv]);
+        }
+        // causal masking only where some row stops inside the block
+        const bool diagonal = k0 + nk > prefix + t0 + 1;
+        std::copy_n(b.m.begin(), rp, b.corr.begin());  // the maxima so far
+        // S^T: rows in vectors of NV, keys in tiles of KM (the key block stays in L1)
+        for (int64_t r0 = 0; r0 < rp; r0 += NV) {
+            if (diagonal)
+                qk_tiles<false>(nk, b.kb.data(), d, &b.qt[r0], rp, &b.st[r0], rp, &b.corr[r0]);
+            else
+                qk_tiles<true>(nk, b.kb.data(), d, &b.qt[r0], rp, &b.st[r0], rp, &b.corr[r0]);
+        }
+        if (diagonal)
+            softmax_block<true>(b, k0, nk);
+        else
+            softmax_block<false>(b, k0, nk);
+        for (int64_t c0 = 0; c0 < dv; c0 += NV)
+            pv_tiles(rows, b.st.data(), rp, &b.vb[c0], dv, nk, b.corr.data(), &b.o[c0], dv);
+    }
+    for (int64_t t = 0; t < bq; ++t)
+        for (int64_t gh = 0; gh < g; ++gh) {
+            const int64_t r = t * g + gh;
+            const float inv = 1.0f / b.l[r];
+            typename C::T* dst = out + ((t0 + t) * heads + h * g + gh) * d;
+            const float* src = &b.o[r * dv];
+            for (int64_t e = 0; e < d; ++e) dst[e] = C::store(src[e] * inv);
+        }
+}
+
+template <typename C, typename K>
+void prefill_attention(const typename C::T* q, const typename K::T* kpool,
+                       const typename K::T* vpool, const float* kscale, const float* vscale,
+                       const int32_t* table, int64_t table_stride, const int64_t* req_row,
+                       const int64_t* req_len, const int64_t* q_start, const int64_t* n_new,
+                       int64_t n_reqs, typename C::T* out, int64_t heads, int64_t kvh, int64_t d,
+                       float scale, int64_t n_threads) {
+    const int64_t g = heads / kvh;
+    // Query positions per item: up to about 192 rows (each key block, converted once, serves
+    // them all; on Zen 3 192 rows measured up to 10% faster than 96 on one core), a power of two
+    // in [8, 64]; halved while there are fewer items than threads (a short chunk on many cores).
+    // Each row's result does not depend on it (see the top).
+    int64_t bq = 64;
+    while (bq > 8 && bq * g > 192) bq /= 2;
+    auto count = [&](int64_t block) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < n_reqs; ++i) n += (n_new[i] + block - 1) / block * kvh;
+        return n;
+    };
+    while (bq > 8 && count(bq) < n_threads) bq /= 2;
+    struct Item {
+        int64_t req, t0, h, cost;
+    };
+    std::vector<Item> items;
+    for (int64_t i = 0; i < n_reqs; ++i)
+        for (int64_t t0 = 0; t0 < n_new[i]; t0 += bq)
+            for (int64_t h = 0; h < kvh; ++h) {
+                const int64_t prefix = req_len[i] - n_new[i];
+                items.push_back({i, t0, h, prefix + t0 + std::min(bq, n_new[i] - t0)});
+            }
+    // the longest items first (the diagonal's last blocks), so the dynamic schedule ends even
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, n_threads)))
+    {
+        Buffers buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            const Item& w = items[it];
+            const int64_t i = w.req, prefix = req_len[i] - n_new[i];
+            const int64_t bqi = std::min(bq, n_new[i] - w.t0);
+            attend_block<C, K>(buf, q + q_start[i] * heads * d, kpool, vpool, kscale, vscale,
+                               table + req_row[i] * table_stride, prefix, w.t0, bqi, w.h, heads,
+                               kvh, d, scale, out + q_start[i] * heads * d);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out: [T, H, D] (the step's flat tokens; only the listed requests' rows are read and
+// written); k, v: one layer of the pool [slots, KVH, D]; kscale, vscale: [slots, KVH] float32
+// for a quantized pool, else null; table: [rows, stride] int32. Per request (int64 [n_reqs]):
+// req_row, req_len (context with its new tokens, all stored), q_start (its first token in q),
+// n_new (its new tokens, attending causally).
+#define BANYAN_PREFILL_ATTENTION(NAME, C, K)                                                  \
+    void NAME(const C::T* q, const K::T* k, const K::T* v, const float* kscale,               \
+              const float* vscale, const int32_t* table, int64_t table_stride,              \
+              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,       \
+              const int64_t* n_new, int64_t n_reqs, C::T* out, int64_t heads, int64_t kvh,  \
+              int64_t d, float scale, int64_t n_threads) {                                  \
+        prefill_attention<C, K>(q, k, v, kscale, vscale, table, table_stride, req_row,       \
+                                req_len, q_start, n_new, n_reqs, out, heads, kvh, d, scale,  \
+                                n_threads);                                                  \
+    }
+
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_f32, F32, F32)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_bf16, BF16, BF16)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_int8, F32, I8)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_int8, BF16, I8)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e4m3, F32, E4M3)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e4m3, BF16, E4M3)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e5m2, F32, E5M2)
+BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
+
+}  // extern "C"

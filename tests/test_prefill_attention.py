@@ -1,0 +1,172 @@
+"""The blocked prefill attention kernel (banyan/kernels/cpu_prefill_attention.cpp) through the
+cpu-native backend, against a float64 softmax attention (tests.test_attention.naive): ragged
+prefixes, chunks around the edges of its query and key tiles, MHA / GQA 3 and 4 / MQA, head dims
+64, 128 and 40 (not a multiple of the tiles' vector width), float32 and bf16, quantized pools,
+table rows with holes, several chunks in one step beside the row kernel's decodes and short
+extends, outputs independent of the thread count, and greedy generation against the SDPA
+backend."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from banyan import Engine, SamplingParams
+from banyan.attention import cpu_native
+from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
+from banyan.kernels import native
+from tests.test_cascade_attention import Req, Scene, fresh
+
+pytestmark = pytest.mark.skipif(
+    native.load() is None, reason="native CPU kernels unavailable (no C++ compiler?)"
+)
+
+KEY_BLOCK = 64  # the kernel's BK
+
+
+def query_tile(group: int) -> int:
+    """The kernel's query positions per work item for G query heads per KV head (before it
+    halves them for want of items; a row's result does not depend on it)."""
+    bq = 64
+    while bq > 8 and bq * group > 192:
+        bq //= 2
+    return bq
+
+
+def scattered(counter: list[int], n: int, seed: int) -> list[int]:
+    """n slots never used before, out of order and with holes between them."""
+    return random.Random(seed).sample(fresh(counter, 2 * n), n)
+
+
+def prefill_backend(scene: Scene) -> CpuNativeBackend:
+    """Every extend (2 tokens and more) on the prefill kernel, decodes on the row kernel."""
+    return CpuNativeBackend(scene.pool, scene.table, max_extend=1, prefill_kernel=True)
+
+
+def tile_edge_requests(group: int) -> list[Req]:
+    """(prefix, chunk) around the query tile (bq - 1, bq, bq + 1), the key block (contexts of
+    63 / 64 / 65 / 128 keys, chunks ending in a block's first key) and several blocks; no
+    prefix, one key, odd ones; slots scattered; and a decode."""
+    bq, c = query_tile(group), [1]
+    shapes = [(0, bq - 1), (0, bq), (1, bq + 1), (37, 2 * bq + 1), (KEY_BLOCK - 3, 2),
+              (KEY_BLOCK - 2, 2), (KEY_BLOCK - 1, 2), (KEY_BLOCK, KEY_BLOCK), (200, 3),
+              (KEY_BLOCK + 1, 70)]
+    reqs = [Req(scattered(c, p + n, seed=i), extend=n) for i, (p, n) in enumerate(shapes)]
+    return reqs + [Req(fresh(c, 40))]
+
+
+# (heads, KV heads, head dim): MHA, GQA 3 and 4, MQA at 64; the other dims on fewer of them
+SHAPES = [(4, 4, 64), (6, 2, 64), (8, 2, 64), (6, 1, 64), (6, 2, 128), (8, 2, 128), (4, 4, 40),
+          (6, 1, 40)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_match_the_reference(heads: int, kv_heads: int, dim: int,
+                                    dtype: torch.dtype) -> None:
+    reqs = tile_edge_requests(heads // kv_heads)
+    scene = Scene(reqs, heads, kv_heads, dim=dim, dtype=dtype, layers=1)
+    # float32: the kernel's rounding is ~1e-6 of the values; bf16: the output's own rounding
+    meta = scene.check(prefill_backend(scene), atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert meta.prefill is not None and meta.prefill.num_tokens == len(scene.out_slots) - 1
+    assert meta.native is not None and meta.native.n_new.tolist() == [1]
+    assert not meta.extends and meta.dec_count == 0  # nothing on SDPA
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_pools_match_their_dequantized_values(kv_cache_dtype: str,
+                                                        dtype: torch.dtype) -> None:
+    """int8 / fp8 codes read in place, each (slot, head) row times its scale, against the
+    reference over codes x scales."""
+    c = [1]
+    shapes = [(0, 33), (150, 65), (5, 130)]
+    reqs = [Req(scattered(c, p + n, seed=i), extend=n) for i, (p, n) in enumerate(shapes)]
+    scene = Scene(reqs, 6, 2, dim=64, dtype=dtype, kv_cache_dtype=kv_cache_dtype, layers=1)
+    assert scene.pool.quantized
+    meta = scene.check(prefill_backend(scene), atol=5e-5 if dtype == torch.float32 else 4e-2)
+    assert meta.prefill is not None and meta.prefill.n_new.tolist() == [33, 65, 130]
+
+
+def test_a_step_of_long_chunks_decodes_and_short_extends() -> None:
+    """The engine's split: decodes and chunks up to max_extend on the row kernel, longer chunks
+    (several requests in one call) on the prefill kernel, both writing one output."""
+    c = [1]
+    system = fresh(c, 80)
+    reqs = [
+        Req(system + fresh(c, 3)),  # decodes sharing a prefix: a row-kernel group
+        Req(fresh(c, 300), extend=300),  # a fresh prefill
+        Req(system + fresh(c, 9)),
+        Req(fresh(c, 20 + 12), extend=12),  # short: the row kernel
+        Req(scattered(c, 500 + 100, seed=3), extend=100),  # a chunk over a cached prefix
+        Req(fresh(c, 17 + 40), extend=40),
+    ]
+    scene = Scene(reqs, 6, 2, dim=64)
+    backend = CpuNativeBackend(scene.pool, scene.table, max_extend=16, prefill_kernel=True)
+    meta = scene.check(backend)
+    assert meta.native is not None and sorted(meta.native.n_new.tolist()) == [1, 1, 12]
+    assert meta.prefill is not None and meta.prefill.n_new.tolist() == [300, 100, 40]
+    assert not meta.extends
+
+
+def test_switched_off_the_long_chunks_take_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BANYAN_NATIVE_PREFILL=0 (the benchmarks' "before"): chunks past max_extend on SDPA."""
+    monkeypatch.setenv(cpu_native.PREFILL_SWITCH, "0")
+    c = [1]
+    scene = Scene([Req(fresh(c, 100), extend=100), Req(fresh(c, 30))], 6, 2, dim=64)
+    backend = CpuNativeBackend(scene.pool, scene.table, max_extend=16)
+    meta = scene.check(backend)
+    assert meta.prefill is None and [e.length for e in meta.extends] == [100]
+
+
+def test_the_output_does_not_depend_on_the_thread_count() -> None:
+    """The kernel shrinks its query blocks when it has fewer work items than threads; each row's
+    arithmetic stays the same, so the bits do too (the engine may change its thread count
+    between steps)."""
+    c = [1]
+    scene = Scene([Req(fresh(c, 90 + 70), extend=70)], 6, 3, dim=64, layers=1)
+    backend = prefill_backend(scene)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    assert isinstance(meta, NativeMetadata) and meta.prefill is not None
+    q = torch.randn(70, 6, 64, generator=torch.Generator().manual_seed(3))
+    k, v = (x[scene.out_slots].float() for x in scene.values(0))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 16):
+            torch.set_num_threads(threads)
+            outs.append(backend.forward(q, k, v, 0, meta))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_greedy_matches_the_sdpa_backend(model_dirs: dict[str, Path],
+                                         monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """Prompts prefilled in chunks of up to 96 tokens through the prefill kernel (max_extend 16,
+    as on AVX2 CPUs, so AVX-512 ones send the chunks there too) give SDPA's greedy tokens."""
+    calls = []
+    kernel = cpu_native.prefill_attention
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_native, "prefill_attention", counted)
+    monkeypatch.setattr(cpu_native, "default_max_extend", lambda *dtypes: 16)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (250, 97, 20)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("sdpa", "cpu-native"):
+        with Engine(str(model_dirs[arch]), dtype="float32", device="cpu", disable_tqdm=True,
+                    attention_backend=backend, chunked_prefill_size=96,
+                    max_prefill_tokens=96) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+            outputs[backend] = [o.output_ids for o in outs]
+    assert calls  # the chunks did go through the kernel
+    assert outputs["cpu-native"] == outputs["sdpa"]
