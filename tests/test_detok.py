@@ -209,6 +209,25 @@ def test_byte_table_when_the_prompt_ends_inside_a_character(bytelevel: Any) -> N
     assert "".join(byte_stream(bytelevel, prompt, emoji[1:] + tail)) == "😀cd"
 
 
+def test_push_many_equals_push_on_each_stream(bytelevel: Any) -> None:
+    """The decode lane's step of many byte-level streams at once against one push per
+    stream: the same text at every step, through unfinished characters, prompts ending inside
+    one, special tokens skipped or kept, and ids past the tokenizer's table (a padded vocab)."""
+    table = TokenBytes.of(bytelevel)
+    assert table is not None
+    rng = random.Random(2)
+    vocab = len(bytelevel) + 3  # ids past the table
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 6))] for _ in range(40)]
+    skips = [i % 3 != 0 for i in range(40)]
+    batched = [ByteTextStream(table, p, skip_special_tokens=k) for p, k in zip(prompts, skips)]
+    single = [ByteTextStream(table, p, skip_special_tokens=k) for p, k in zip(prompts, skips)]
+    for _ in range(60):
+        tokens = [rng.randrange(vocab) for _ in batched]
+        assert ByteTextStream.push_many(batched, tokens) == [
+            s.push_text(t)[0] for s, t in zip(single, tokens)]
+    assert [s.finish() for s in batched] == [s.finish() for s in single]
+
+
 def test_text_accumulator_with_the_byte_table(bytelevel: Any) -> None:
     table = TokenBytes.of(bytelevel)
     ids = bytelevel.encode(" ".join(TEXTS), add_special_tokens=False)

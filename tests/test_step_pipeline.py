@@ -330,8 +330,30 @@ def test_inline_decode_updates_equal_the_general_path(
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
 
 
-@pytest.mark.parametrize("num_slots", [2000, 100], ids=["roomy", "retracting"])
-def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
+class _ToyManyStream:
+    """A toy stream that never stops, of a kind that pushes many streams at once (what the
+    byte-level stream offers the decode lane): text tells the token and its place."""
+
+    def __init__(self) -> None:
+        self.pushed = 0
+
+    def push_text(self, token_id: int) -> tuple[str, bool]:
+        self.pushed += 1
+        return f"{token_id}@{self.pushed} ", False
+
+    def finish(self) -> str:
+        return "<end>"
+
+    @staticmethod
+    def push_many(streams: Sequence[_ToyManyStream], tokens: Sequence[int]) -> list[str]:
+        return [s.push_text(t)[0] for s, t in zip(streams, tokens, strict=True)]
+
+
+@pytest.mark.parametrize(("num_slots", "streams"), [(2000, "mixed"), (100, "mixed"),
+                                                    (2000, "many")],
+                         ids=["roomy", "retracting", "push-many"])
+def test_decode_lane_equals_the_general_path(num_slots: int, streams: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Steady decode steps through the decode lane against the general path: the same batches
     and the same updates (tokens, text, finish reasons), through stop tokens, stop strings,
     length limits, requests whose sampling reads history (the lane steps aside), arrivals,
@@ -370,7 +392,8 @@ def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
             # an EOS the request will sample half-way (unless something ends it before)
             eos = frozenset(reference(prompt, m)[m // 2 : m // 2 + 1]) if i % 3 == 0 else None
             sched.add_request(Request(str(i), prompt, params, m, eos_ids=eos or frozenset(),
-                                      text=_ToyStream(0) if i % 2 else None))
+                                      text=_ToyManyStream() if streams == "many"
+                                      else _ToyStream(0) if i % 2 else None))
 
         for i in range(11):  # (8 run at most: some wait while the lane runs)
             add(i)
@@ -396,13 +419,25 @@ def test_decode_lane_equals_the_general_path(num_slots: int) -> None:
         assert lane_while_waiting > 0 or not lane or num_slots < 2000  # (8 places taken)
         # (follow-ups sharing a prefix ran in the lane: FakeRunner checked the bound there)
         assert any(b.max_shared_prefix for b in runner.batches) or not lane \
-            or num_slots < 2000
+            or num_slots < 2000 or streams == "many"
         assert sched.total_retractions > 0 or num_slots == 2000
         return batches, seen, lane_steps  # type: ignore[return-value]
 
+    many = _ToyManyStream.push_many
+    calls = 0
+
+    def counted_many(*args: object) -> list[str]:
+        nonlocal calls
+        calls += 1
+        return many(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ToyManyStream, "push_many", staticmethod(counted_many))
     general_batches, general, none = trace(False)
+    assert calls == 0
     lane_batches, fast, lane_steps = trace(True)
     assert none == 0 and lane_steps > 10
+    # one call per lane step that sampled no stop token (those go to the general path)
+    assert (lane_steps // 2 < calls <= lane_steps) if streams == "many" else calls == 0
     assert lane_batches == general_batches
     assert fast == general
     assert {FinishReason.STOP, FinishReason.LENGTH} <= {u[3] for u in general}

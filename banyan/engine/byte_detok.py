@@ -177,3 +177,20 @@ class ByteTextStream(ByteDetokenizer):
 
     def push_text(self, token_id: int) -> tuple[str, bool]:
         return self.push(token_id), False
+
+    @staticmethod
+    def push_many(streams: Sequence[ByteTextStream], tokens: Sequence[int]) -> list[str]:
+        """`push` of one token on each stream, a step's streams at once (the scheduler's
+        decode lane, scheduler/request.py's TextStream): the usual token, whole characters at a
+        character boundary, is looked up here (push's first lines, inlined: a call or two per
+        stream is what this saves, ~1 us a request in a busy loop); the rest goes through push."""
+        out: list[str] = []
+        append = out.append
+        for stream, token in zip(streams, tokens, strict=True):
+            if not stream._held and token not in stream._skip and 0 <= token < stream._size:
+                whole = stream._texts[token]
+                if whole is not None:
+                    append(whole)
+                    continue
+            append(stream.push(token))
+        return out

@@ -22,7 +22,8 @@ reached) end members inline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
 from banyan.batch import SamplingRow, StepOutput
 from banyan.scheduler.builder import BatchBuilder, ScheduledStep
@@ -44,6 +45,9 @@ class DecodeLane:
         self._rows: list[int] = []
         self._sampling: list[SamplingRow] = []
         self._push: list[Callable[[int], tuple[str, bool]]] = []  # each member's text stream
+        # All members' streams of one kind that pushes many at once (request.py's TextStream)
+        self._push_many: Callable[[Sequence[object], Sequence[int]], list[str]] | None = None
+        self._streams: list[object] = []
         self._meta: list[tuple[str, int, int]] = []  # rid, prompt tokens, cached tokens
         self._inputs: list[int] = []  # the next step's input tokens (the last ones sampled)
         self._stops: frozenset[int] = frozenset()  # any member's stop tokens
@@ -108,7 +112,7 @@ class DecodeLane:
         outputs = out.sampled_token_ids
         flat = [t[0] for t in outputs]
         # (members asked for no logprobs: a runner may still answer empty lists for them)
-        if not self._stops.isdisjoint(flat) or any(len(t) != 1 for t in outputs) \
+        if not self._stops.isdisjoint(flat) or sum(map(len, outputs)) != len(outputs) \
                 or any(out.logprobs):
             self.clear()
             return None
@@ -117,11 +121,15 @@ class DecodeLane:
         ended: list[Request] = []
         at_limits = self._horizon < 2  # some member may reach its length limit now
         max_len = self.max_model_len
-        for req, tokens, token, start, push, (rid, prompt_tokens, cached) in zip(
-                step.reqs, outputs, flat, step.batch.prefix_lens, self._push, self._meta):
+        pushed: Iterable[tuple[str, bool]]
+        if self._push_many is not None:  # (streams that never stop)
+            pushed = zip(self._push_many(self._streams, flat), repeat(False))
+        else:
+            pushed = [push(token) for push, token in zip(self._push, flat)]
+        for req, tokens, token, start, (text, stopped), (rid, prompt_tokens, cached) in zip(
+                step.reqs, outputs, flat, step.batch.prefix_lens, pushed, self._meta):
             req.written = start + 1
             req.output_ids.append(token)
-            text, stopped = push(token)
             reason = None
             if stopped or at_limits:
                 text, reason = decide_end(req, text, stopped, False, max_len)
@@ -182,6 +190,10 @@ class DecodeLane:
                           self.max_model_len - len(req.prompt_ids) - len(output))
         self.members = list(running)
         self._rows, self._sampling, self._push, self._meta = rows, sampling, pushes, meta
+        kinds = {type(req.text) for req in running}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        self._push_many = getattr(kind, "push_many", None)
+        self._streams = [req.text for req in running] if self._push_many is not None else []
         self._inputs, self._stops, self._horizon = inputs, frozenset(stops), horizon
         self._max_shared = max_shared
         return True

@@ -39,6 +39,10 @@ class TextStream(Protocol):
         """Held-back text, released when the request ends for another reason."""
         ...
 
+    # Optional, on a kind of stream that never reports a stop (no stop strings): a static
+    # `push_many(streams, tokens) -> list[str]`, push_text's texts for one token on each of
+    # many streams of that kind at once (the decode lane's steps).
+
 
 @dataclass(slots=True, eq=False)
 class Request:
