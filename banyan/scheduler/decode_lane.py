@@ -58,10 +58,13 @@ class DecodeLane:
         # this (ForwardBatch.max_shared_prefix; None: not known)
         self._max_shared: int | None = 0
         # Members refused for good (their parameters), so a step does not retry forming
-        self._refused: list[Request] | None = None
+        # (ids, not the requests: a request that ends must not be kept alive by this)
+        self._refused: list[int] = []
 
     def clear(self) -> None:
-        self.members = []
+        """Forget the members (and every reference to them and their streams)."""
+        self.members, self._rows, self._sampling, self._push, self._meta = [], [], [], [], []
+        self._inputs, self._streams, self._push_many = [], [], None
 
     def build(self, running: list[Request]) -> ScheduledStep | None:
         """The step of every running request decoding, or None when the lane cannot take it
@@ -153,9 +156,10 @@ class DecodeLane:
     def _form(self, running: list[Request]) -> bool:
         """Take the running requests as members when every one qualifies (see the module)."""
         self.clear()
-        if not running or running == self._refused:
+        ids = list(map(id, running))
+        if not running or ids == self._refused:
             return False
-        self._refused = None
+        self._refused = []
         rows, sampling, pushes, meta, inputs = [], [], [], [], []
         stops: set[int] = set()
         seen_stops: set[int] = set()  # ids of stop sets already merged (mostly one, shared)
@@ -167,7 +171,7 @@ class DecodeLane:
             params = req.params
             if params.logprobs is not None or params.prompt_logprobs is not None \
                     or params.reads_history or req.grammar is not None:
-                self._refused = list(running)  # for as long as these members run
+                self._refused = ids  # for as long as these members run
                 return False
             if req.pending or req.inflight or srow is None or srow.row != row \
                     or len(req.prompt_ids) + len(output) - len(slots) != 1 \
