@@ -19,6 +19,7 @@ row kernel takes only decodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -116,20 +117,31 @@ def plan_native(
         order_t = int64_tensor(order)
         start_t = int64_tensor(group_start)
         prefix_t = int64_tensor(group_prefix)
-    else:  # the usual step: everyone alone, in batch order (numpy: cheaper calls than torch's)
-        iota = np.arange(len(rows) + 1, dtype=np.int64)
-        order_t, start_t = torch.from_numpy(iota[:-1]), torch.from_numpy(iota)
-        prefix_t = torch.from_numpy(np.zeros(len(rows), np.int64))
+    else:  # the usual step: everyone alone, in batch order
+        order_t, start_t, prefix_t, _ = _everyone_alone(len(rows))
+    req_len = np.fromiter(prefix_lens, np.int64, len(prefix_lens))
     if all_decodes:
-        n_new = np.ones(len(rows), np.int64)
-        q_start = torch.from_numpy(np.arange(len(rows), dtype=np.int64))  # (grouped: not order)
+        req_len += 1
+        # (decodes are in flat order: request i's token is at i, whatever `order` says)
+        q_start, _, _, n_new_t = _everyone_alone(len(rows))
     else:
         assert starts is not None
         n_new = np.fromiter(extend_lens, np.int64, len(extend_lens))
-        q_start = int64_tensor(starts)
-    req_len = np.fromiter(prefix_lens, np.int64, len(prefix_lens)) + n_new
+        req_len += n_new
+        n_new_t, q_start = torch.from_numpy(n_new), int64_tensor(starts)
     return NativePlan(num_tokens, int64_tensor(rows), torch.from_numpy(req_len), q_start,
-                      torch.from_numpy(n_new), order_t, start_t, prefix_t)
+                      n_new_t, order_t, start_t, prefix_t)
+
+
+@lru_cache(maxsize=16)
+def _everyone_alone(n: int) -> tuple[torch.Tensor, ...]:
+    """The plan's tensors that depend only on the request count when nobody shares a prefix
+    (0..n-1 as order, 0..n as group starts, zeros as group prefixes) and n ones (decodes' new
+    tokens): made once per batch size, since a step's fresh small arrays cost ~10 us a call in
+    the loop (the kernel only reads them)."""
+    iota = torch.from_numpy(np.arange(n + 1, dtype=np.int64))
+    return (iota[:-1], iota, torch.from_numpy(np.zeros(n, np.int64)),
+            torch.from_numpy(np.ones(n, np.int64)))
 
 
 def native_attention(

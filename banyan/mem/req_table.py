@@ -32,6 +32,9 @@ class ReqToTokenTable:
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """rows, positions, slots: [N] on the table's device -> table[rows, positions] = slots."""
+        if self.device.type == "cpu":  # numpy's fancy assignment: ~2/3 of index_put_'s cost
+            self.table.numpy()[rows.numpy(), positions.numpy()] = slots.numpy()
+            return
         self.table.index_put_((rows, positions), slots.to(self.table.dtype))
 
     def write_batch(
