@@ -228,6 +228,18 @@ def test_a_lone_decode_split_by_keys(context: int, kv_cache_dtype: str) -> None:
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 1, 128), (7, 7, 32), (9, 3, 96),
+                                                (4, 2, 24), (5, 1, 64)])
+def test_a_lone_decode_split_by_keys_on_other_head_layouts(heads: int, kv_heads: int,
+                                                           dim: int) -> None:
+    """The split by keys with other query heads per KV head (1 to 8) and head dims (24 to
+    128): parts of unequal sizes (301 keys in 4 parts), the last key block partial, against
+    naive attention."""
+    scene = Scene([Req(fresh([1], 301))], heads, kv_heads, dim=dim)
+    meta = scene.check(native_backend(scene), atol=5e-5)
+    assert meta.native is not None and meta.native.n_new.tolist() == [1]
+
+
 def test_the_native_kernels_show_in_torch_profiles(llama_dir: Path) -> None:
     """torch.profiler cannot see into ctypes calls: the kernels are named ranges in its trace
     (while a profiler records), so a profile of a step counts the attention kernel's time."""

@@ -132,4 +132,27 @@ inline float exp_clamped(float x) {
 // exp(x) for x <= 0 (scores minus their running max).
 inline float exp_nonpos(float x) { return exp_clamped(x); }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// exp_clamped in 8 lanes, the same operations in the same order (no fused multiply-adds), so
+// each lane equals exp_clamped of it bit for bit; NaN stays NaN as there.
+inline __m256 exp256_clamped(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 fx = _mm256_floor_ps(
+        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                      _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_add_ps(
+        _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f))),
+        _mm256_mul_ps(fx, _mm256_set1_ps(2.12194440e-4f)));
+    const __m256 z = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                          1.6666665459e-1f, 5.0000001201e-1f})
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
 }  // namespace

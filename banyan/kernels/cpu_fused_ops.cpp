@@ -147,11 +147,27 @@ void silu_and_mul(const typename C::T* gate_up, typename C::T* out, int64_t rows
             store16m(o + e, round16(_mm512_mul_ps(s, load16m(u + e, m)), tag), m);
         }
 #else
+        int64_t e = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+        // float32 on AVX2: GCC's own vectorisation of the loop below took ~5 ns an element on
+        // Zen 3 (a second division for the clamped case, blends); this is the same arithmetic
+        // step for step (bit for bit the loop's results) with one division per 8.
+        if constexpr (std::is_same<C, F32>::value)
+            for (; e + 8 <= n; e += 8) {
+                const __m256 x = _mm256_loadu_ps(g + e);
+                const __m256 neg = _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
+                const __m256 s = _mm256_div_ps(
+                    x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256_clamped(neg)));
+                const __m256 dead = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+                _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_andnot_ps(dead, s),
+                                                      _mm256_loadu_ps(u + e)));
+            }
+#endif
 #pragma omp simd
-        for (int64_t e = 0; e < n; ++e) {
-            const float x = C::load(g[e]);
+        for (int64_t i = e; i < n; ++i) {
+            const float x = C::load(g[i]);
             const float s = x < -87.0f ? 0.0f : rnd<C>(x / (1.0f + exp_clamped(-x)));
-            o[e] = st<C>(rnd<C>(s * C::load(u[e])));
+            o[i] = st<C>(rnd<C>(s * C::load(u[i])));
         }
 #endif
     }

@@ -21,35 +21,21 @@
 // - int5 (GGUF's Q5_0: codes -16..15 plus 16, float16 scale and min -16 d per 32 inputs): the
 //   int4 layout plus a plane of fifth bits (int5_half), 0.75 bytes a weight instead of 1.25.
 // A weight group's scale multiplies each block's int32 sum by (scale x d); an int4 minimum adds
-// min x d x sum(q) of the block.
+// min x d x sum(q) of the block, and a fixed one (Q4_0's -8 d, Q5_0's -16 d) is taken into the
+// int32 sum (cpu_int8act_halves.h). Each loop prefetches its weights 2 KiB ahead (at batch 1
+// these kernels are read-bound: one Zen 3 core's hardware prefetch alone kept ~2/3 of a read).
 //
 // AVX2 (Zen 2/3, Intel Haswell on; AVX-512 machines take it too); a plain-loop path builds
 // elsewhere. No AVX512-VNNI variant: vpdpbusd would replace the maddubs + madd pairs, but this
 // machine (Zen 3) could not test it.
 
-#include <vector>
-
-#include "cpu_quant_common.h"
+#include "cpu_int8act_halves.h"
 
 namespace {
 
-constexpr int QB = 32;   // activations quantized per block of 32 inputs
-constexpr int HALF = 8;  // rows of a half panel: 8 rows x 4 inputs fill a 256-bit register
-constexpr int ATB = 4;   // tokens sharing one pass over a half panel (AVX2's 16 registers)
-// Without stored minimums (mins null) a group's minimum is its scale times these: GGUF's Q4_0
-// (q - 8) d and Q5_0 (q - 16) d, whose minimums are exact multiples of d (the same float:
-// a power of two times a float16), so not reading them saves 1/10 of a Q4_0 weight's bytes.
-constexpr float kInt4Min = -8.0f, kInt5Min = -16.0f;
-
-// One call's quantized activations: q [T, K], per block d and d * sum(q) [T, K / 32].
-struct QRows {
-    std::vector<int8_t> q;
-    std::vector<float> d, dsum;
-};
-
 // Row t's blocks: d = max|x| / 127 (0 for a zero block), q = nearbyint(x * (1 / d)) clamped to
 // +-127, all in float32 so that the tests reproduce them exactly.
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* dsum) {
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* dsum, int32_t* qsum) {
     for (int64_t b = 0; b < K / QB; ++b) {
         const float* xb = x + b * QB;
         float top = 0.0f;
@@ -82,6 +68,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* dsum) {
 #endif
         d[b] = scale;
         dsum[b] = scale * static_cast<float>(sum);
+        qsum[b] = sum;
     }
 }
 
@@ -93,11 +80,12 @@ const QRows& quantize(const float* x, int64_t T, int64_t K, int64_t n_threads) {
     r.q.resize(T * K);
     r.d.resize(T * blocks);
     r.dsum.resize(T * blocks);
+    r.qsum.resize(T * blocks);
     QRows* rp = &r;
 #pragma omp parallel for num_threads(threads_for(T, n_threads)) schedule(static) if (T > 4)
     for (int64_t t = 0; t < T; ++t)
         quantize_row(x + t * K, K, rp->q.data() + t * K, rp->d.data() + t * blocks,
-                     rp->dsum.data() + t * blocks);
+                     rp->dsum.data() + t * blocks, rp->qsum.data() + t * blocks);
     return r;
 }
 
@@ -109,209 +97,6 @@ void store_half(const float* res, int64_t tb, const float* bias, float* out, int
         for (int64_t r = 0; r < count; ++r)
             out[i * N + row0 + r] = res[i * HALF + r] + (bias ? bias[row0 + r] : 0.0f);
 }
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-
-inline __m256i broadcast4(const int8_t* p) {  // 4 activation bytes into every 32-bit lane
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-// TB tokens x one int4 half panel (w: its blocks; scale, mins: its 8 lanes of group 0, the
-// next group PANEL further on) -> res [TB][8].
-template <int TB, typename S>
-void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
-               const S* scale, const S* mins, float* res) {
-    const int64_t blocks = K / QB, per = group / QB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[TB];
-    for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
-    int64_t g = 0, in_group = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-        __m256i s16[TB];
-        for (int i = 0; i < TB; ++i) s16[i] = _mm256_setzero_si256();
-        const uint8_t* wb = w + b * (QB * HALF / 2);
-#pragma GCC unroll 1  // unrolled, GCC hoisted all the block's products and spilled them
-        for (int j = 0; j < 4; ++j) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-            const __m256i lo = _mm256_and_si256(v, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            for (int i = 0; i < TB; ++i) {
-                const int8_t* q = a.q.data() + (t0 + i) * K + b * QB + 8 * j;
-                s16[i] = _mm256_add_epi16(
-                    s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(q)),
-                                             _mm256_maddubs_epi16(hi, broadcast4(q + 4))));
-            }
-        }
-        // g = b / per, counted: an idiv per block cost as much as its multiplies
-        const __m256 sc = load_scale8(scale + g * PANEL);
-        const __m256 mn = mins ? load_scale8(mins + g * PANEL)
-                               : _mm256_mul_ps(sc, _mm256_set1_ps(kInt4Min));
-        if (++in_group == per) in_group = 0, ++g;
-        for (int i = 0; i < TB; ++i) {
-            const int64_t at = (t0 + i) * blocks + b;
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
-            acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(sc, _mm256_set1_ps(a.d[at])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.dsum[at]), acc[i]);
-        }
-    }
-    for (int i = 0; i < TB; ++i) _mm256_storeu_ps(res + i * HALF, acc[i]);
-}
-
-// TB tokens x one int8 half panel (w: [K / 4][8 rows][4]; scale: its 8 lanes of group 0).
-template <int TB>
-void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_t* w,
-               const float* scale, float* res) {
-    const int64_t blocks = K / QB, chunk = std::min<int64_t>(group, QB);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TB];
-    for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
-    const int64_t chunks_per_group = group / chunk;  // 1, or K / 32 for a scale per row
-    int64_t g = 0, in_group = 0;
-    for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // a weight group, or a 32-input block of one
-        __m256i s32[TB];
-        for (int i = 0; i < TB; ++i) s32[i] = _mm256_setzero_si256();
-        for (int64_t k = c0; k < c0 + chunk; k += 4) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * HALF));
-            const __m256i mag = _mm256_abs_epi8(v);
-            for (int i = 0; i < TB; ++i) {
-                const __m256i q = _mm256_sign_epi8(broadcast4(a.q.data() + (t0 + i) * K + k), v);
-                s32[i] = _mm256_add_epi32(
-                    s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, q), ones));
-            }
-        }
-        const __m256 sc = _mm256_loadu_ps(scale + g * PANEL);
-        if (++in_group == chunks_per_group) in_group = 0, ++g;
-        for (int i = 0; i < TB; ++i) {
-            const float d = a.d[(t0 + i) * blocks + c0 / QB];
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
-                                     _mm256_mul_ps(sc, _mm256_set1_ps(d)), acc[i]);
-        }
-    }
-    for (int i = 0; i < TB; ++i) _mm256_storeu_ps(res + i * HALF, acc[i]);
-}
-
-// TB (<= 2) tokens x one int5 half panel: GGUF's Q5_0, value = (q - 16) d with q in 0..31 taken
-// as q d + min (min = -16 d, exact): the int4 nibbles plus a plane of high bits (high: 32 bytes
-// a block, bit 2j + s of byte (row, i) the fifth bit of input 8j + 4s + i). Codes up to 31 let
-// int16 sums hold 2 of the 4 steps (2 x 2 x 2 x 31 x 127 = 31,496), so two vpmaddwd a block;
-// the extra int32 sums fit the registers for 2 tokens, not 4.
-template <int TB>
-void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint8_t* high,
-               const uint16_t* scale, const uint16_t* mins, float* res) {
-    static_assert(TB <= 2, "register budget");
-    const int64_t blocks = K / QB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(1);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TB];
-    for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        __m256i s32[TB];
-        for (int i = 0; i < TB; ++i) s32[i] = _mm256_setzero_si256();
-        const uint8_t* wb = w + b * (QB * HALF / 2);
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + b * 32));
-        for (int pair = 0; pair < 2; ++pair) {
-            __m256i s16[TB];
-            for (int i = 0; i < TB; ++i) s16[i] = _mm256_setzero_si256();
-            for (int j = 2 * pair; j < 2 * pair + 2; ++j) {
-                const __m256i v =
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-                // bit 2j (2j + 1) of each byte to bit 4: 16-bit shifts, then a byte mask
-                const __m256i h_lo = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), bit);
-                const __m256i h_hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), bit);
-                const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4),
-                                                   _mm256_slli_epi16(h_lo, 4));
-                const __m256i hi = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_slli_epi16(h_hi, 4));
-                for (int i = 0; i < TB; ++i) {
-                    const int8_t* q = a.q.data() + (t0 + i) * K + b * QB + 8 * j;
-                    s16[i] = _mm256_add_epi16(
-                        s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(q)),
-                                                 _mm256_maddubs_epi16(hi, broadcast4(q + 4))));
-                }
-            }
-            for (int i = 0; i < TB; ++i)
-                s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(s16[i], ones));
-        }
-        const __m256 sc = load_scale8(scale + b * PANEL);
-        const __m256 mn = mins ? load_scale8(mins + b * PANEL)
-                               : _mm256_mul_ps(sc, _mm256_set1_ps(kInt5Min));
-        for (int i = 0; i < TB; ++i) {
-            const int64_t at = (t0 + i) * blocks + b;
-            const __m256 isum = _mm256_cvtepi32_ps(s32[i]);
-            acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(sc, _mm256_set1_ps(a.d[at])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.dsum[at]), acc[i]);
-        }
-    }
-    for (int i = 0; i < TB; ++i) _mm256_storeu_ps(res + i * HALF, acc[i]);
-}
-
-#else  // portable loops: the same integer sums and the same float steps per lane
-
-// TB tokens x one half panel of 4-bit codes, with a plane of fifth bits when `high` is given
-// (int5: the layout of the AVX2 int5_half above), scale and min per group (mins null: k_min x
-// scale).
-template <int TB, typename S>
-void nibble_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
-                 const uint8_t* high, const S* scale, const S* mins, float k_min, float* res) {
-    const int64_t blocks = K / QB, per = group / QB;
-    for (int i = 0; i < TB * HALF; ++i) res[i] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* wb = w + b * (QB * HALF / 2);
-        const uint8_t* hb = high ? high + b * 32 : nullptr;
-        for (int i = 0; i < TB; ++i) {
-            const int8_t* q = a.q.data() + (t0 + i) * K + b * QB;
-            const int64_t at = (t0 + i) * blocks + b;
-            for (int r = 0; r < HALF; ++r) {
-                int32_t sum = 0;
-                for (int j = 0; j < 4; ++j)
-                    for (int e = 0; e < 4; ++e) {
-                        const int byte = wb[(j * HALF + r) * 4 + e], bits = hb ? hb[r * 4 + e] : 0;
-                        const int lo = (byte & 0xF) | ((bits >> (2 * j)) & 1) << 4;
-                        const int hi = (byte >> 4) | ((bits >> (2 * j + 1)) & 1) << 4;
-                        sum += lo * q[8 * j + e] + hi * q[8 * j + 4 + e];
-                    }
-                const float sc = scale_value(scale[(b / per) * PANEL + r]);
-                const float mn = mins ? scale_value(mins[(b / per) * PANEL + r]) : k_min * sc;
-                res[i * HALF + r] += static_cast<float>(sum) * (sc * a.d[at]) + mn * a.dsum[at];
-            }
-        }
-    }
-}
-
-template <int TB, typename S>
-void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
-               const S* scale, const S* mins, float* res) {
-    nibble_half<TB>(a, t0, K, group, w, nullptr, scale, mins, kInt4Min, res);
-}
-
-template <int TB>
-void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint8_t* high,
-               const uint16_t* scale, const uint16_t* mins, float* res) {
-    nibble_half<TB>(a, t0, K, QB, w, high, scale, mins, kInt5Min, res);
-}
-
-template <int TB>
-void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_t* w,
-               const float* scale, float* res) {
-    const int64_t blocks = K / QB, chunk = std::min<int64_t>(group, QB);
-    for (int i = 0; i < TB * HALF; ++i) res[i] = 0.0f;
-    for (int64_t c0 = 0; c0 < K; c0 += chunk)
-        for (int i = 0; i < TB; ++i) {
-            const int8_t* q = a.q.data() + (t0 + i) * K;
-            const float d = a.d[(t0 + i) * blocks + c0 / QB];
-            for (int r = 0; r < HALF; ++r) {
-                int32_t sum = 0;
-                for (int64_t k = c0; k < c0 + chunk; ++k)
-                    sum += w[(k / 4 * HALF + r) * 4 + k % 4] * q[k];
-                const float sc = scale[(c0 / group) * PANEL + r];
-                res[i * HALF + r] += static_cast<float>(sum) * (sc * d);
-            }
-        }
-}
-
-#endif  // AVX2
 
 // The driver: every (panel, half) a unit of work split across threads, token blocks of ATB
 // inside; half(TB, t0, p, h, res) computes one block's results.
@@ -347,8 +132,11 @@ struct Int4Half {
     void run(int64_t t0, int64_t u, float* res) const {
         const int64_t p = u / 2, h = u % 2, groups = K / group;
         const int64_t at = p * groups * PANEL + h * HALF;
-        int4_half<TB>(a, t0, K, group, w + u * (K * HALF / 2), scale + at,
-                      mins ? mins + at : nullptr, res);
+        const uint8_t* wu = w + u * (K * HALF / 2);
+        if constexpr (TB == 1)  // a decode's own loop
+            int4_half1(a, t0, K, group, wu, scale + at, mins ? mins + at : nullptr, res);
+        else
+            int4_half<TB>(a, t0, K, group, wu, scale + at, mins ? mins + at : nullptr, res);
     }
 };
 

@@ -87,11 +87,13 @@ class NativeLayerStack:
         self.model, self.backend = model, backend
         self._keep = keep  # every tensor a pointer below refers to
         self._methods = methods
+        self._generation = Linear.generation  # of the methods the pointers were taken from
         self._layers = (StackLayer * len(layers))(*layers)
         self._struct = StackModel(
             cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate,
             cfg.rms_eps, backend.scale, self._layers, model.norm.weight.data_ptr())
         self._step = StackStep()
+        self._args = (ctypes.byref(self._struct), ctypes.byref(self._step))  # made once
         lib = native.load()
         assert lib is not None
         self._call = lib.banyan_layer_stack_f32
@@ -156,12 +158,15 @@ class NativeLayerStack:
         if (T > MAX_TOKENS or plan is None or plan.num_tokens != T
                 or meta.backend is not self.backend):
             return None
-        if any(layer.method is not method for layer, method in self._methods):
-            return None  # a projection was converted after the stack was built
+        if Linear.generation != self._generation:  # some Linear's method was set since
+            if any(layer.method is not method for layer, method in self._methods):
+                return None  # one of these projections was converted after the stack was built
+            self._generation = Linear.generation  # (another model's)
         assert isinstance(meta, NativeMetadata)
-        h = self.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: the stream
-        cos, sin = self.model.rotary(positions, h.dtype)
-        cos, sin = cos.contiguous(), sin.contiguous()
+        # [T, hidden], a fresh tensor: the stream (nn.Embedding's own lookup, without the
+        # module call around it)
+        h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.model.rotary.forward(positions, h.dtype)  # [T, D / 2], contiguous
         out = torch.empty_like(h)
         table = self.backend.table.table
         s = self._step
@@ -176,5 +181,5 @@ class NativeLayerStack:
         s.group_prefix, s.n_groups = plan.group_prefix.data_ptr(), plan.group_prefix.shape[0]
         s.n_threads = torch.get_num_threads()
         with native.kernel_range("banyan::layer_stack"):
-            self._call(ctypes.byref(self._struct), ctypes.byref(s))
+            self._call(*self._args)
         return out

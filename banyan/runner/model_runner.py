@@ -67,6 +67,7 @@ class StepInputs:
     # A decode step a captured CUDA graph may replay: its batch and out slots (the replay
     # refills the static buffers when it runs, in step order, not when the step is prepared).
     graph: tuple[ForwardBatch, torch.Tensor] | None = None
+    every_token: bool = False  # logit_tokens is every token in order: the head takes hidden
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -328,7 +329,8 @@ class ModelRunner:
                       compute_prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt))
             if inputs.logit_tokens is None:
                 return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), prompt
-            return self.model.compute_logits(hidden.index_select(0, inputs.logit_tokens)), prompt
+            picked = hidden if inputs.every_token else hidden.index_select(0, inputs.logit_tokens)
+            return self.model.compute_logits(picked), prompt
 
     def prepare(self, batch: ForwardBatch) -> StepInputs:
         """Validate the batch, build its tensors, write the table, plan attention.
@@ -378,7 +380,9 @@ class ModelRunner:
             prompt = prompt_logprob_inputs(batch, first.tolist(), dev)
         graph = ((batch, out_slots) if self.graphs is not None and decode_only
                  and not batch.prompt_logprobs else None)
-        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt, graph)
+        every = decode_only and not any(batch.proposed) and \
+            batch.sample_indices == list(range(batch.batch_size))  # (so non-empty)
+        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt, graph, every)
 
     def validate(self, batch: ForwardBatch) -> None:
         """ValueError on a batch that would index out of the pool, table or vocabulary."""
