@@ -46,7 +46,9 @@ class EngineArgs:
     tokenizer: str | None = field(default=None, metadata=_doc(
         "Tokenizer folder, when it differs from --model."))
     dtype: str = field(default="auto", metadata=_doc(
-        "Weight and activation dtype: auto (the config's torch_dtype), float32, bfloat16, float16.",
+        "Weight and activation dtype: auto (the config's torch_dtype; on a CPU without "
+        "bfloat16/float16 arithmetic units, such as AMD Zen 3, a half-type checkpoint computes "
+        "in float32 when it fits), float32, bfloat16, float16.",
         choices=["auto", "float32", "bfloat16", "float16"]))
     device: str = field(default="auto", metadata=_doc(
         "auto (cuda when available, else cpu), cpu, cuda, cuda:N."))

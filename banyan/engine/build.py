@@ -174,4 +174,5 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     core.weight_bytes = model_weight_bytes(model, skip=skip)
     core.kv_bytes_per_token = runner.pool.bytes_per_slot
     core.quantization = runner.quantization
+    core.dtype = str(runner.dtype).removeprefix("torch.")
     return core

@@ -75,6 +75,7 @@ class EngineCore:
         self.weight_bytes = 0  # bytes of weights read per forward (for the bandwidth bound)
         self.kv_bytes_per_token = 0  # the KV pool's bytes per slot (codes and scales)
         self.quantization = "none"  # how the linears compute (--quantization, auto resolved)
+        self.dtype = "float32"  # what the model computes in (--dtype, auto resolved)
         self._grammars: GrammarWaitlist | None = None  # made at the first structured request
         # Prefill/decode disaggregation (banyan/disagg/): the end this worker's role needs.
         self.kv_sink: KVSink | None = None  # decode: fetches prompts' K/V

@@ -29,10 +29,11 @@ from banyan.layers.int8_activations import check_activation_quant, enable_int8_a
 from banyan.layers.quant import check_quantization, quantization_runs, quantized_method
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
-from banyan.models.config import ModelConfig, resolve_dtype
+from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
 from banyan.models.native_stack import NativeLayerStack
 from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
+from banyan.runner.cpu_dtype import compute_dtype
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
     compute_prompt_logprobs,
@@ -133,7 +134,8 @@ class ModelRunner:
         code_dtype = kv_code_dtype(kv_cache_dtype)
         self.model_config = ModelConfig.from_pretrained(model_path)
         cfg = self.model_config
-        self.dtype = resolve_dtype(dtype, cfg.torch_dtype)
+        self.dtype = compute_dtype(dtype, cfg.torch_dtype, self.device, model_path,
+                                   available_memory)
         if quantization == "auto":  # a GGUF model computes from its blocks where it can
             runnable = gguf_file is not None and quantization_runs("gguf", self.device, self.dtype)
             quantization = "gguf" if runnable else "none"

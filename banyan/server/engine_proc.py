@@ -284,6 +284,7 @@ class EngineLoop:
             "max_model_len": self.core.max_model_len,
             "vocab_size": self.core.vocab_size,
             "kv_capacity": stats.kv_capacity,
+            "dtype": self.core.dtype,
             "kv_cache_dtype": self.core.args.kv_cache_dtype,
             "kv_bytes_per_token": self.core.kv_bytes_per_token,
             "quantization": self.core.quantization,

@@ -70,7 +70,8 @@ def main() -> None:
         run(warmup_prompts(vocab), [4] * 4)
         ready = {"engine": "banyan", "args": vars(ns), "machine": machine_info(),
                  "memory_bandwidth_gbs": memory_bandwidth_gbs(),
-                 "weight_bytes": engine.core.weight_bytes}
+                 "weight_bytes": engine.core.weight_bytes,
+                 "compute_dtype": engine.core.dtype}
         return ready, run, profile
 
     start(load)

@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--model", default=str(REPO / ".bench-models" / "smol-bfloat16"),
                         help="model folder (built with benchmarks/make_model.py if missing)")
     parser.add_argument("--reps", type=int, default=3, help="runs per engine and suite")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                        help="compute dtype of every engine (auto: each engine's own choice "
+                             "for the bfloat16 checkpoint; transformers then runs bfloat16)")
     parser.add_argument("--engines", default="banyan,banyan-nocache,vllm,hf-generate,hf-cb",
                         help="comma-separated subset (also vllm-nocache)")
     parser.add_argument("--suites", default="random,shared-prefix,batch1")
@@ -141,7 +144,8 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     t_start = time.monotonic()
     workers = {e: Worker(e, engine_command(e, model, ns.vllm_python, ns.kv_gib,
-                                           (ns.llamacpp_python, ns.gguf) if ns.gguf else None),
+                                           (ns.llamacpp_python, ns.gguf) if ns.gguf else None,
+                                           ns.dtype),
                          out_dir / "logs" / f"{stem}-{e}.log") for e in needed}
     runs: list[dict[str, Any]] = []
     try:
@@ -199,7 +203,7 @@ def main() -> int:
         meta = {
             "command": " ".join([Path(sys.executable).name] + sys.argv),
             "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "wall_s": time.monotonic() - t_start, "model": model,
+            "wall_s": time.monotonic() - t_start, "model": model, "dtype": ns.dtype,
             "machine": machine_info(), "memory_bandwidth_gbs": statistics.median(bandwidth),
             "memory_bandwidth_samples_gbs": bandwidth, "reps": ns.reps, "hf_reps": ns.hf_reps,
             "skipped_runs": skipped, "kv_gib": ns.kv_gib,

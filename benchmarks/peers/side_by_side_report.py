@@ -40,7 +40,8 @@ def write_report(data: dict[str, Any]) -> str:
         f"{data['memory_bandwidth_gbs']:.1f} GB/s (torch copy of 512 MiB, read + write, best of "
         "5; the median of the harness's samples before and after the runs: "
         + ", ".join(f"{b:.1f}" for b in data["memory_bandwidth_samples_gbs"]) + ")",
-        f"- Model: `{data['model']}` in bfloat16; greedy, ignore_eos, prompts as token ids",
+        f"- Model: `{data['model']}` (bfloat16 checkpoint), --dtype {data.get('dtype', 'bfloat16')}"
+        "; greedy, ignore_eos, prompts as token ids",
         f"- Runs: engines alternate run by run (A, B, C, A, B, C, ...), {data['reps']} runs per "
         f"engine ({data.get('hf_reps', 1)} of transformers continuous batching, and of transformers on "
         "shared-prefix, for time); medians; each run starts with an empty prefix cache"
@@ -54,7 +55,8 @@ def write_report(data: dict[str, Any]) -> str:
         version = ready.get("version") or ready.get("transformers") or ""
         status = (f"started in {ready['startup_s']:.0f} s" if ready
                   else f"failed to start: {info['error']}")
-        lines.append(f"- {NAMES.get(e, e)}{' ' + version if version else ''}: {status}")
+        computes = f", computing in {ready['compute_dtype']}" if ready.get("compute_dtype") else ""
+        lines.append(f"- {NAMES.get(e, e)}{' ' + version if version else ''}: {status}{computes}")
     losses: list[str] = []
     for suite in data["suites"]:
         entries = data["summary"].get(suite["name"], {})

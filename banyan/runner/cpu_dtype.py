@@ -1,0 +1,72 @@
+"""What `--dtype auto` computes in on a CPU.
+
+A bfloat16 (or float16) checkpoint on a CPU without arithmetic in that type (AVX512_BF16 / AMX
+for bfloat16, AVX512_FP16 / AMX-FP16 for float16: AMD Zen 2/3, Intel before Cooper Lake) has
+every matmul emulated: oneDNN widens each operand block to float32 and rounds the results back,
+so the half type saves memory and costs time. On Zen 3 a SmolLM2-shaped bfloat16 model decoded
+4-5x slower than the same weights in float32 (docs/performance.md). There `auto` computes in
+float32 (every bfloat16/float16 value is exact in float32, so outputs get closer to the
+float32 reference, not further), as long as the widened weights fit in half of the free memory;
+an explicit `--dtype bfloat16` keeps bfloat16.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from banyan.kernels.native import cpu_flags
+from banyan.models.config import resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+# The /proc/cpuinfo flags of units that compute in each half type.
+HALF_UNITS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+
+
+def cpu_computes(dtype: torch.dtype, flags: str | None = None) -> bool | None:
+    """Whether this CPU has arithmetic units for `dtype` (None: its flags are unknown)."""
+    flags = cpu_flags() if flags is None else flags
+    if dtype not in HALF_UNITS:
+        return True
+    if not flags:
+        return None
+    present = set(flags.split())
+    return any(unit in present for unit in HALF_UNITS[dtype])
+
+
+def auto_cpu_dtype(checkpoint: torch.dtype, checkpoint_bytes: int, available_bytes: int,
+                   flags: str | None = None) -> tuple[torch.dtype, str | None]:
+    """(dtype `auto` computes in on this CPU, why it differs from the checkpoint's or None)."""
+    if cpu_computes(checkpoint, flags) is not False:
+        return checkpoint, None
+    widened = checkpoint_bytes * 4 // checkpoint.itemsize
+    if widened > available_bytes // 2:
+        return checkpoint, None  # float32 weights would crowd out the KV cache (or not fit)
+    units = " / ".join(u.upper() for u in HALF_UNITS[checkpoint])
+    why = (f"the checkpoint is {str(checkpoint).removeprefix('torch.')} but this CPU has no "
+           f"{units}: computing in float32 ({widened / 2**30:.2f} GiB of weights), which is "
+           f"exact and faster here; --dtype {str(checkpoint).removeprefix('torch.')} keeps the "
+           "checkpoint's type")
+    return torch.float32, why
+
+
+def compute_dtype(requested: str | torch.dtype | None, checkpoint: torch.dtype,
+                  device: torch.device, model_path: str | Path,
+                  available: Callable[[torch.device], int]) -> torch.dtype:
+    """The dtype a model computes in: the requested one, or for `auto` the checkpoint's, except
+    on a CPU without units for it (auto_cpu_dtype; logged)."""
+    dtype = resolve_dtype(requested, checkpoint)
+    if requested not in (None, "auto") or device.type != "cpu":
+        return dtype
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    dtype, why = auto_cpu_dtype(dtype, sum(f.stat().st_size for f in files), available(device))
+    if why:
+        logger.warning("--dtype auto: %s", why)
+    return dtype
