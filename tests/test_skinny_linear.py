@@ -30,10 +30,48 @@ def test_the_method_takes_few_tokens_and_leaves_the_rest_to_f_linear() -> None:
     layer = Linear.from_weight(torch.randn(40, 24), torch.randn(40))
     x = torch.randn(20, 24)
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    layer.convert(SkinnyF32Method())
+    method = SkinnyF32Method()
+    layer.convert(method)
+    method._onednn = (False, False)  # (whatever this machine measured)
     torch.testing.assert_close(layer(x[:8]), want[:8], rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x), want)  # 20 tokens: F.linear itself
     assert layer.weight_bytes() == 40 * 24 * 4
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("buckets", [(True, False), (False, True), (True, True)])
+def test_wider_steps_take_onednn_where_chosen(buckets: tuple[bool, bool]) -> None:
+    """Steps past the skinny kernel take oneDNN's GEMM in the buckets chosen for it (up to
+    WIDE_ROWS rows, more), F.linear in the others; oneDNN's results against float64."""
+    gen = torch.Generator().manual_seed(7)
+    layer = Linear.from_weight(torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen))
+    method = SkinnyF32Method()
+    layer.convert(method)
+    method._onednn = buckets
+    for rows in (17, SkinnyF32Method.WIDE_ROWS, SkinnyF32Method.WIDE_ROWS + 1, 300):
+        x = torch.randn(rows, 96, generator=gen)
+        plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        got = layer(x)
+        if buckets[rows > SkinnyF32Method.WIDE_ROWS]:
+            want = torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                              layer.bias.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * 96**0.5)
+        else:
+            assert torch.equal(got, plain)
+
+
+def test_the_onednn_choice_is_measured_once_per_shape_and_bucket(monkeypatch: object) -> None:
+    asked: list[str] = []
+
+    def remembered(question: str, measure: object) -> bool:
+        asked.append(question)
+        return "at 64 rows" in question
+
+    monkeypatch.setattr(native, "remembered", remembered)  # type: ignore[attr-defined]
+    method = SkinnyF32Method()
+    Linear.from_weight(torch.randn(12, 32)).convert(method)
+    assert asked == ["onednn-f32 12x32 at 64 rows", "onednn-f32 12x32 at 512 rows"]
+    assert method._onednn == (True, False)
 
 
 def _methods(runner: object) -> set[str]:
