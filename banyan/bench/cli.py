@@ -95,15 +95,15 @@ def run_offline(ns: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "mode": "offline", "workload": ns.workload, "workload_params": workload.params,
         "reusable_tokens": result["reusable_tokens"],
-        "engine_args": dataclasses.asdict(args), "machine": machine_info(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "result": result,
+        "engine_args": dataclasses.asdict(args), "compute_dtype": engine.core.dtype,
+        "machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "result": result,
     }
     if ns.batch1:
         out["batch1"] = batch1(engine, ns.input_len, ns.output_len, vocab)
         out["batch1"].update(bandwidth_bound(engine, out["batch1"]["decode_tok_s"]))
     out["records"] = records
     info = {"Workload": f"{ns.workload} ({len(workload.requests)} requests)",
-            "Engine": f"banyan offline, {args.dtype}, "
+            "Engine": f"banyan offline, {engine.core.dtype} (--dtype {args.dtype}), "
                       f"prefix cache {'off' if args.no_prefix_cache else 'on'}"}
     if result.get("speculative"):
         s = result["speculative"]
