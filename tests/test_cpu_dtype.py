@@ -46,16 +46,13 @@ def test_auto_keeps_the_half_type_when_float32_weights_would_crowd_memory() -> N
 
 
 def test_only_auto_on_a_cpu_is_widened(tmp_path: Path) -> None:
-    def free(_: torch.device) -> int:
-        return 64 * GIB
-
     expect = torch.float32 if cpu_computes(torch.bfloat16) is False else torch.bfloat16
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert compute_dtype("auto", torch.bfloat16, cpu, tmp_path, free) == expect
-    assert compute_dtype(None, torch.bfloat16, cpu, tmp_path, free) == expect
-    assert compute_dtype("bfloat16", torch.bfloat16, cpu, tmp_path, free) == torch.bfloat16
-    assert compute_dtype("auto", torch.bfloat16, cuda, tmp_path, free) == torch.bfloat16
-    assert compute_dtype("float16", torch.bfloat16, cpu, tmp_path, free) == torch.float16
+    assert compute_dtype("auto", torch.bfloat16, cpu, tmp_path) == expect
+    assert compute_dtype(None, torch.bfloat16, cpu, tmp_path) == expect
+    assert compute_dtype("bfloat16", torch.bfloat16, cpu, tmp_path) == torch.bfloat16
+    assert compute_dtype("auto", torch.bfloat16, cuda, tmp_path) == torch.bfloat16
+    assert compute_dtype("float16", torch.bfloat16, cpu, tmp_path) == torch.float16
 
 
 @pytest.fixture(scope="module")

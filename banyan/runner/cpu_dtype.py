@@ -13,13 +13,13 @@ an explicit `--dtype bfloat16` keeps bfloat16.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from banyan.kernels.native import cpu_flags
 from banyan.models.config import resolve_dtype
+from banyan.runner.device import available_memory
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +58,15 @@ def auto_cpu_dtype(checkpoint: torch.dtype, checkpoint_bytes: int, available_byt
 
 
 def compute_dtype(requested: str | torch.dtype | None, checkpoint: torch.dtype,
-                  device: torch.device, model_path: str | Path,
-                  available: Callable[[torch.device], int]) -> torch.dtype:
+                  device: torch.device, model_path: str | Path) -> torch.dtype:
     """The dtype a model computes in: the requested one, or for `auto` the checkpoint's, except
     on a CPU without units for it (auto_cpu_dtype; logged)."""
     dtype = resolve_dtype(requested, checkpoint)
     if requested not in (None, "auto") or device.type != "cpu":
         return dtype
     files = sorted(Path(model_path).glob("*.safetensors"))
-    dtype, why = auto_cpu_dtype(dtype, sum(f.stat().st_size for f in files), available(device))
+    dtype, why = auto_cpu_dtype(dtype, sum(f.stat().st_size for f in files),
+                                available_memory(device))
     if why:
         logger.warning("--dtype auto: %s", why)
     return dtype

@@ -10,7 +10,6 @@ request that samples. Sampling is not done here (see banyan/sampling).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from banyan.models.loader import load_model
 from banyan.models.native_stack import NativeLayerStack
 from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.cpu_dtype import compute_dtype
+from banyan.runner.device import available_memory, resolve_device
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
     compute_prompt_logprobs,
@@ -69,30 +69,6 @@ class StepInputs:
     # refills the static buffers when it runs, in step order, not when the step is prepared).
     graph: tuple[ForwardBatch, torch.Tensor] | None = None
     every_token: bool = False  # logit_tokens is every token in order: the head takes hidden
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return dev
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free for the KV cache now: free GPU memory, or the host's MemAvailable."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class ModelRunner:
@@ -134,8 +110,7 @@ class ModelRunner:
         code_dtype = kv_code_dtype(kv_cache_dtype)
         self.model_config = ModelConfig.from_pretrained(model_path)
         cfg = self.model_config
-        self.dtype = compute_dtype(dtype, cfg.torch_dtype, self.device, model_path,
-                                   available_memory)
+        self.dtype = compute_dtype(dtype, cfg.torch_dtype, self.device, model_path)
         if quantization == "auto":  # a GGUF model computes from its blocks where it can
             runnable = gguf_file is not None and quantization_runs("gguf", self.device, self.dtype)
             quantization = "gguf" if runnable else "none"
