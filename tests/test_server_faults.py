@@ -137,7 +137,8 @@ def test_user_ids_never_collide_with_sample_ids(server: ServerProcess) -> None:
 
 # ---- prompts that take long to prepare ---------------------------------------------------------
 
-BOMB = "{% for i in range(1000) %}{% for j in range(1000) %}x{% endfor %}{% endfor %}"
+# 100M iterations: no CPU renders it within a test timeout (1M did, in under 2 s, on a Xeon).
+BOMB = "{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}"
 
 
 def test_request_chat_template_refused_by_default(server: ServerProcess) -> None:
