@@ -85,11 +85,6 @@ inline __m256 load_i8x8(const int8_t* p) {
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-inline __m256 load_scale8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
-
 // acc: the panel's two 8-lane halves.
 inline void store_biased(const __m256* acc, const float* bias, float* out_row, int64_t p,
                          int64_t n_out) {
@@ -100,6 +95,13 @@ inline void store_biased(const __m256* acc, const float* bias, float* out_row, i
     }
     store_rows(out_row, vals, p, n_out);
 }
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__)  // every AVX-512 CPU has both: the 8-lane loops need it
+inline __m256 load_scale8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 }  // namespace
