@@ -30,6 +30,57 @@ struct QRows {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
+// vpdpbusd (AVX512-VNNI on 256-bit registers, or AVX-VNNI): 4 u8 x s8 products added into each
+// int32 lane in one instruction, where AVX2 takes vpmaddubsw (pairs, int16) and vpmaddwd.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BANYAN_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define BANYAN_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
+// acc + per 32-bit lane the sum of its 4 u8 x s8 products, in int32 (the int8 weights' pairs
+// reach 2 x 128 x 127: AVX2 widens them at once).
+inline __m256i add_dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(BANYAN_DPBUSD)
+    return BANYAN_DPBUSD(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+// A block's sum of u8 x s8 products, 4 per 32-bit lane, for codes small enough that AVX2 may
+// keep it in int16 (the callers' bounds) and widen it once in total(); with VNNI it is int32
+// throughout. Both give the same integers.
+class BlockDot {
+   public:
+    void add(__m256i u, __m256i s) {
+#if defined(BANYAN_DPBUSD)
+        sum_ = BANYAN_DPBUSD(sum_, u, s);
+#else
+        sum_ = _mm256_add_epi16(sum_, _mm256_maddubs_epi16(u, s));
+#endif
+    }
+    __m256i total() const {
+#if defined(BANYAN_DPBUSD)
+        return sum_;
+#else
+        return _mm256_madd_epi16(sum_, _mm256_set1_epi16(1));
+#endif
+    }
+    // Two chains' total (AVX2: one widening for both).
+    static __m256i total(const BlockDot& a, const BlockDot& b) {
+#if defined(BANYAN_DPBUSD)
+        return _mm256_add_epi32(a.sum_, b.sum_);
+#else
+        return _mm256_madd_epi16(_mm256_add_epi16(a.sum_, b.sum_), _mm256_set1_epi16(1));
+#endif
+    }
+
+   private:
+    __m256i sum_ = _mm256_setzero_si256();
+};
+
 inline __m256i broadcast4(const int8_t* p) {  // 4 activation bytes into every 32-bit lane
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -48,7 +99,7 @@ template <typename S>
 void int4_half1(const QRows& a, int64_t t, int64_t K, int64_t group, const uint8_t* w,
                 const S* scale, const S* mins, float* res) {
     const int64_t blocks = K / QB, per = group / QB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     const int8_t* q = a.q.data() + t * K;
     const float* d = a.d.data() + t * blocks;
     const float* dsum = a.dsum.data() + t * blocks;
@@ -58,15 +109,15 @@ void int4_half1(const QRows& a, int64_t t, int64_t K, int64_t group, const uint8
     for (int64_t b = 0; b < blocks; ++b, q += QB) {
         const uint8_t* wb = w + b * (QB * HALF / 2);
         prefetch_ahead(wb);
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        BlockDot s0, s1;
         for (int j = 0; j < 4; ++j) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
             const __m256i lo = _mm256_and_si256(v, low4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(lo, broadcast4(q + 8 * j)));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(hi, broadcast4(q + 8 * j + 4)));
+            s0.add(lo, broadcast4(q + 8 * j));
+            s1.add(hi, broadcast4(q + 8 * j + 4));
         }
-        __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+        __m256i isum = BlockDot::total(s0, s1);
         const __m256 sc = load_scale8(scale + g * PANEL);
         if (mins) {
             acc_min = _mm256_fmadd_ps(load_scale8(mins + g * PANEL), _mm256_set1_ps(dsum[b]),
@@ -87,13 +138,12 @@ template <int TB, typename S>
 void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8_t* w,
                const S* scale, const S* mins, float* res) {
     const int64_t blocks = K / QB, per = group / QB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[TB];
     for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
     int64_t g = 0, in_group = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-        __m256i s16[TB];
-        for (int i = 0; i < TB; ++i) s16[i] = _mm256_setzero_si256();
+        BlockDot dot[TB];
         const uint8_t* wb = w + b * (QB * HALF / 2);
         prefetch_ahead(wb);
 #pragma GCC unroll 1  // unrolled, GCC hoisted all the block's products and spilled them
@@ -103,9 +153,8 @@ void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             for (int i = 0; i < TB; ++i) {
                 const int8_t* q = a.q.data() + (t0 + i) * K + b * QB + 8 * j;
-                s16[i] = _mm256_add_epi16(
-                    s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(q)),
-                                             _mm256_maddubs_epi16(hi, broadcast4(q + 4))));
+                dot[i].add(lo, broadcast4(q));
+                dot[i].add(hi, broadcast4(q + 4));
             }
         }
         const __m256 sc = load_scale8(scale + g * PANEL);
@@ -113,7 +162,7 @@ void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8
         if (++in_group == per) in_group = 0, ++g;
         for (int i = 0; i < TB; ++i) {
             const int64_t at = (t0 + i) * blocks + b;
-            __m256i isum = _mm256_madd_epi16(s16[i], ones);
+            __m256i isum = dot[i].total();
             if (!mins)
                 isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kInt4Offset * a.qsum[at]));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
@@ -129,7 +178,6 @@ template <int TB>
 void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_t* w,
                const float* scale, float* res) {
     const int64_t blocks = K / QB, chunk = std::min<int64_t>(group, QB);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TB];
     for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
     const int64_t chunks_per_group = group / chunk;  // 1, or K / 32 for a scale per row
@@ -143,8 +191,7 @@ void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_
             const __m256i mag = _mm256_abs_epi8(v);
             for (int i = 0; i < TB; ++i) {
                 const __m256i q = _mm256_sign_epi8(broadcast4(a.q.data() + (t0 + i) * K + k), v);
-                s32[i] = _mm256_add_epi32(
-                    s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, q), ones));
+                s32[i] = add_dot4(s32[i], mag, q);
             }
         }
         const __m256 sc = _mm256_loadu_ps(scale + g * PANEL);
@@ -169,7 +216,6 @@ void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const ui
     static_assert(TB <= 2, "register budget");
     const int64_t blocks = K / QB;
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(1);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TB];
     for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -179,8 +225,7 @@ void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const ui
         prefetch_ahead(wb);
         const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + b * 32));
         for (int pair = 0; pair < 2; ++pair) {
-            __m256i s16[TB];
-            for (int i = 0; i < TB; ++i) s16[i] = _mm256_setzero_si256();
+            BlockDot dot[TB];
             for (int j = 2 * pair; j < 2 * pair + 2; ++j) {
                 const __m256i v =
                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
@@ -193,13 +238,11 @@ void int5_half(const QRows& a, int64_t t0, int64_t K, const uint8_t* w, const ui
                     _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_slli_epi16(h_hi, 4));
                 for (int i = 0; i < TB; ++i) {
                     const int8_t* q = a.q.data() + (t0 + i) * K + b * QB + 8 * j;
-                    s16[i] = _mm256_add_epi16(
-                        s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(q)),
-                                                 _mm256_maddubs_epi16(hi, broadcast4(q + 4))));
+                    dot[i].add(lo, broadcast4(q));
+                    dot[i].add(hi, broadcast4(q + 4));
                 }
             }
-            for (int i = 0; i < TB; ++i)
-                s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(s16[i], ones));
+            for (int i = 0; i < TB; ++i) s32[i] = _mm256_add_epi32(s32[i], dot[i].total());
         }
         const __m256 sc = load_scale8(scale + b * PANEL);
         const __m256 mn = mins ? load_scale8(mins + b * PANEL) : _mm256_setzero_ps();

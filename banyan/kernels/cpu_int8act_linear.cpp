@@ -25,9 +25,9 @@
 // int32 sum (cpu_int8act_halves.h). Each loop prefetches its weights 2 KiB ahead (at batch 1
 // these kernels are read-bound: one Zen 3 core's hardware prefetch alone kept ~2/3 of a read).
 //
-// AVX2 (Zen 2/3, Intel Haswell on; AVX-512 machines take it too); a plain-loop path builds
-// elsewhere. No AVX512-VNNI variant: vpdpbusd would replace the maddubs + madd pairs, but this
-// machine (Zen 3) could not test it.
+// AVX2 (Zen 2/3, Intel Haswell on; AVX-512 machines take it too), with vpdpbusd in place of
+// each vpmaddubsw + vpmaddwd pair where the CPU has AVX512-VNNI or AVX-VNNI (the same integer
+// sums: the tests check both builds against one reference); a plain-loop path builds elsewhere.
 
 #include "cpu_int8act_halves.h"
 
