@@ -1,6 +1,8 @@
 """float32 GEMMs at SmolLM2-135M's shapes: F.linear (MKL's sgemm in torch's CPU build) beside
 oneDNN on the same plain weight (`banyan.layers.linear.onednn_linear`), for decode-sized and
 prefill-sized steps; the choice `SkinnyF32Method` makes per shape rests on the same comparison.
+Beside them, the bf16 path's GEMM (oneDNN on a weight packed once, `PackedBf16Method`), to see
+which dtype computes faster on this CPU.
 
     python benchmarks/f32_gemm.py [--rounds 5] [--out FILE]
 
@@ -24,7 +26,7 @@ from banyan.layers.linear import onednn_linear
 
 # fused qkv, o, fused gate-up, down, the tied LM head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-ROWS = [32, 64, 128, 512, 2048]
+ROWS = [1, 8, 32, 64, 128, 512, 2048]
 
 
 def best_ms(fn: Callable[[], object], rounds: int) -> float:
@@ -53,16 +55,22 @@ def main() -> None:
                 x = torch.randn(rows, in_f, generator=gen)
                 mkl = best_ms(lambda: torch.nn.functional.linear(x, w), args.rounds)
                 dnn = best_ms(lambda: onednn_linear(x, w, None), args.rounds)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None)
+                xb = x.bfloat16()
+                bf16 = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(
+                    xb, packed, None, "none", [], ""), args.rounds)
                 want = torch.nn.functional.linear(x, w)
                 err = float((onednn_linear(x, w, None) - want).abs().max() / want.abs().max())
                 gflop = 2 * rows * out_f * in_f / 1e9
                 row = {"shape": [out_f, in_f], "rows": rows, "f_linear_ms": mkl,
                        "onednn_ms": dnn, "onednn_speedup": mkl / dnn,
                        "f_linear_gflops": gflop / mkl * 1e3, "onednn_gflops": gflop / dnn * 1e3,
+                       "packed_bf16_ms": bf16, "packed_bf16_gflops": gflop / bf16 * 1e3,
                        "max_rel_diff": err}
                 rows_out.append(row)
                 print(f"{rows:5d} rows {out_f:5d}x{in_f}: F.linear {mkl:8.2f} ms, oneDNN "
-                      f"{dnn:8.2f} ms ({mkl / dnn:.2f}x), diff {err:.0e}", flush=True)
+                      f"{dnn:8.2f} ms ({mkl / dnn:.2f}x), diff {err:.0e}; packed bf16 "
+                      f"{bf16:8.2f} ms ({gflop / bf16 * 1e3:.0f} GFLOP/s)", flush=True)
     report = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(),
               "threads": torch.get_num_threads(), "results": rows_out}
     if args.out:
