@@ -58,10 +58,14 @@ def router_process(workers: list[str], log_dir: Path, *extra: str) -> ServerProc
 
 @pytest.fixture(scope="module")
 def keyed(replicas: list[ServerProcess], log_dir: Path) -> Iterator[ServerProcess]:
-    """API key and admin key; round robin, so a hung worker is sure to be picked."""
+    """API key and admin key; round robin, so a hung worker is sure to be picked. Two failed
+    checks take a worker out: with a 0.5 s interval and a 0.75 s check timeout that is at most
+    ~2.1 s after it hangs (the default 1 s timeout made it 2.55 s, and a loaded 2-core machine
+    added 0.6 s past the 3 s bound)."""
     proc = router_process([r.url for r in replicas], log_dir, "--api-key", USER,
                           "--admin-api-key", ADMIN, "--policy", "round_robin",
-                          "--worker-timeout", str(WORKER_TIMEOUT))
+                          "--worker-timeout", str(WORKER_TIMEOUT),
+                          "--health-check-timeout", "0.75")
     try:
         yield proc
     finally:
