@@ -11,7 +11,14 @@ namespace {
 
 constexpr int QB = 32;   // activations quantized per block of 32 inputs
 constexpr int HALF = 8;  // rows of a half panel: 8 rows x 4 inputs fill a 256-bit register
-constexpr int ATB = 4;   // tokens sharing one pass over a half panel (AVX2's 16 registers)
+// Tokens sharing one pass over a half panel: as many as the vector registers hold (a token's
+// float and integer sums take two): 4 in AVX2's 16, 8 in AVX-512's 32 (VL: the upper 16 take
+// 256-bit operands too), each weight load and unpack then serving twice the tokens.
+#if defined(__AVX512VL__)
+constexpr int ATB = 8;
+#else
+constexpr int ATB = 4;
+#endif
 // Without stored minimums (mins null) a group's minimum is its scale times these: GGUF's Q4_0
 // (q - 8) d and Q5_0 (q - 16) d. Then the block's integer sum takes the offset itself,
 // sum((q - 8) a) = sum(q a) - 8 sum(a), exact in int32, and the block needs one float

@@ -115,7 +115,13 @@ void over_halves(int64_t T, int64_t N, const float* bias, float* out, int64_t n_
                 case 1: half.template run<1>(t0, u, res); break;
                 case 2: half.template run<2>(t0, u, res); break;
                 case 3: half.template run<3>(t0, u, res); break;
-                default: half.template run<4>(t0, u, res); break;
+#if defined(__AVX512VL__)  // ATB == 8
+                case 4: half.template run<4>(t0, u, res); break;
+                case 5: half.template run<5>(t0, u, res); break;
+                case 6: half.template run<6>(t0, u, res); break;
+                case 7: half.template run<7>(t0, u, res); break;
+#endif
+                default: half.template run<ATB>(t0, u, res); break;
             }
             store_half(res, tb, bias, out + t0 * N, N, row0);
         }
