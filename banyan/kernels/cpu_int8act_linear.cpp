@@ -98,6 +98,15 @@ void store_half(const float* res, int64_t tb, const float* bias, float* out, int
             out[i * N + row0 + r] = res[i * HALF + r] + (bias ? bias[row0 + r] : 0.0f);
 }
 
+// One block of tb (1..TB) tokens, through the loop instantiated for exactly tb.
+template <int TB, typename Half>
+void run_block(const Half& half, int64_t tb, int64_t t0, int64_t u, float* res) {
+    if constexpr (TB > 1) {
+        if (tb < TB) return run_block<TB - 1>(half, tb, t0, u, res);
+    }
+    half.template run<TB>(t0, u, res);
+}
+
 // The driver: every (panel, half) a unit of work split across threads, token blocks of ATB
 // inside; half(TB, t0, p, h, res) computes one block's results.
 template <typename Half>
@@ -111,18 +120,7 @@ void over_halves(int64_t T, int64_t N, const float* bias, float* out, int64_t n_
         alignas(32) float res[ATB * HALF];
         for (int64_t t0 = 0; t0 < T; t0 += ATB) {
             const int64_t tb = std::min<int64_t>(ATB, T - t0);
-            switch (tb) {
-                case 1: half.template run<1>(t0, u, res); break;
-                case 2: half.template run<2>(t0, u, res); break;
-                case 3: half.template run<3>(t0, u, res); break;
-#if defined(__AVX512VL__)  // ATB == 8
-                case 4: half.template run<4>(t0, u, res); break;
-                case 5: half.template run<5>(t0, u, res); break;
-                case 6: half.template run<6>(t0, u, res); break;
-                case 7: half.template run<7>(t0, u, res); break;
-#endif
-                default: half.template run<ATB>(t0, u, res); break;
-            }
+            run_block<ATB>(half, tb, t0, u, res);
             store_half(res, tb, bias, out + t0 * N, N, row0);
         }
     }
