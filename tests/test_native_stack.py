@@ -1,7 +1,7 @@
 """The native layer stack (models/native_stack.py): a small step's decoder layers in one call give
 bit for bit the hidden states of the model's own per-op forward, on every test architecture
 (bias, q/k norms, MQA, tied heads), for every projection kernel (skinny float32, int8, int4,
-GGUF Q8_0 / Q4_1 / Q4_K blocks), for decodes alone, grouped by a shared prefix, and mixed with
+GGUF Q8_0 / Q4_1 / Q4_K blocks; skinny bf16 in a bf16 model), for decodes alone, grouped by a shared prefix, and mixed with
 short extends; and it stands aside where a piece has no native kernel."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from banyan.attention.cpu_native import CpuNativeBackend
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.batch import RowPrefix
 from banyan.kernels import native
+from banyan.layers.linear import SkinnyBf16Method
 from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
@@ -87,6 +88,16 @@ def test_stack_equals_the_model(model_dirs: dict[str, Path], arch: str,
     _check_steps(runner)
 
 
+@pytest.mark.skipif(not SkinnyBf16Method.available(torch.device("cpu"), torch.bfloat16),
+                    reason="no oneDNN bf16 packing in this torch")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_stack_equals_the_bf16_model(model_dirs: dict[str, Path], arch: str) -> None:
+    """In bf16 every op of both paths rounds where torch rounds: the same bf16 hidden states."""
+    runner = make_runner(model_dirs[arch], dtype="bfloat16", linear_kernel="native")
+    assert runner.pool.dtype == torch.bfloat16
+    _check_steps(runner)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_stack_equals_the_model_over_an_int8_pool(model_dirs: dict[str, Path], arch: str) -> None:
     """The stack quantizes the new K/V rows itself: the same codes and scales as the pool's
@@ -111,7 +122,9 @@ def test_stack_equals_the_model_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Pa
 
 
 def test_stack_stands_aside_without_native_pieces(llama_dir: Path) -> None:
-    assert make_runner(llama_dir, dtype="bfloat16").stack is None  # oneDNN's bf16 GEMM
+    assert make_runner(llama_dir, dtype="bfloat16", linear_kernel="torch").stack is None
+    assert make_runner(llama_dir, dtype="bfloat16", linear_kernel="native",
+                       kv_cache_dtype="int8").stack is None  # bf16 over bf16 K/V only
     assert make_runner(llama_dir, dtype="float32", linear_kernel="torch").stack is None
     assert make_runner(llama_dir, dtype="float32", quantization="int8",
                        kv_cache_dtype="fp8_e4m3").stack is None  # fp8 K/V: stored by torch

@@ -1,5 +1,6 @@
-"""The native skinny float32 linear (banyan/kernels/cpu_skinny_linear.cpp) against F.linear in
-float64: odd shapes, 1..12 tokens (more than one block of 8), with and without bias."""
+"""The native skinny linear (banyan/kernels/cpu_skinny_linear.cpp), float32 and bf16, against
+F.linear in float64: odd shapes, 1..12 tokens (more than one block of 8), with and without bias;
+the methods that call it and how the runner picks them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from banyan.kernels import native
-from banyan.layers.linear import Linear, SkinnyF32Method
+from banyan.layers.linear import Linear, PackedBf16Method, SkinnyBf16Method, SkinnyF32Method
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels do not build here")
 
@@ -24,6 +25,53 @@ def test_matches_float64(tokens: int, n: int, k: int, bias: bool) -> None:
     got = native.skinny_linear(x, w, b)
     assert got.dtype == torch.float32 and got.shape == (tokens, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 13), (5, 33), (64, 576), (131, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_matches_float64_rounded_once(tokens: int, n: int, k: int, bias: bool) -> None:
+    """bf16 inputs, float32 sums, one rounding to bf16 per output: within one bf16 step of the
+    exact result (sizes off the 32-value blocks and odd row counts take the tails)."""
+    gen = torch.Generator().manual_seed(tokens * 1000 + n + k)
+    x = torch.randn(tokens, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = native.skinny_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, n)
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5 * k**0.5)
+    # and as close to the exact value as oneDNN's bf16 GEMM gets (it, too, rounds once)
+    library = torch.nn.functional.linear(x, w, b).double()
+    assert (got.double() - want).abs().max() <= (library - want).abs().max() + 1e-5 * k**0.5
+
+
+_PACKS = PackedBf16Method.available(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
+def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 24, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    packed, skinny = Linear.from_weight(weight, bias), Linear.from_weight(weight, bias)
+    packed.convert(PackedBf16Method())
+    skinny.convert(SkinnyBf16Method())
+    assert torch.equal(skinny.weight, weight) and skinny.weight_bytes() == 40 * 24 * 2
+    x = torch.randn(20, 24, generator=gen).bfloat16()
+    few = SkinnyBf16Method.SKINNY_ROWS
+    assert torch.equal(skinny(x[:few]), native.skinny_linear(x[:few].contiguous(), weight, bias))
+    assert torch.equal(skinny(x), packed(x))  # wider: oneDNN's GEMM on the packed copy
+    native_linear = skinny.method.native(skinny)
+    assert native_linear is not None and native_linear.kind == "skinny_bf16"
+
+
+def test_the_bf16_plain_copy_needs_memory_to_spare() -> None:
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert SkinnyBf16Method.affordable(total // SkinnyBf16Method.MEMORY_SHARE)
+    assert not SkinnyBf16Method.affordable(total // SkinnyBf16Method.MEMORY_SHARE + 1)
 
 
 def test_the_method_takes_few_tokens_and_leaves_the_rest_to_f_linear() -> None:
@@ -90,6 +138,13 @@ def test_linear_kernel_choice_is_the_users_or_the_machines(llama_dir: object) ->
         make_runner(llama_dir, dtype="float32", linear_kernel="fast")
     with pytest.raises(ValueError, match="linear_kernel native"):
         make_runner(llama_dir, dtype="float32", linear_kernel="native", quantization="int8")
+    if _PACKS:
+        assert _methods(make_runner(llama_dir, dtype="bfloat16", linear_kernel="torch")) == \
+            {"PackedBf16Method"}
+        runner = make_runner(llama_dir, dtype="bfloat16", linear_kernel="native")
+        assert _methods(runner) == {"SkinnyBf16Method", "PackedBf16Method"}
+        head = runner.model.tied_head or runner.model.lm_head  # outside the layer stack
+        assert type(head.method).__name__ == "PackedBf16Method"
 
 
 _ASK = """

@@ -1,7 +1,8 @@
-// A whole float32 decoder-layer stack in one call, for steps of a few tokens (decodes, small
-// batches): for each layer, add + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms),
-// the K/V stored into the pool (float32, or int8 codes with scales), paged attention, the o projection, add + RMSNorm, gate/up,
-// SiLU-and-mul, down; then the final add + RMSNorm.
+// A whole decoder-layer stack in one call, for steps of a few tokens (decodes, small batches):
+// for each layer, add + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms), the K/V
+// stored into the pool (as they are, or int8 codes with scales), paged attention, the o
+// projection, add + RMSNorm, gate/up, SiLU-and-mul, down; then the final add + RMSNorm. In
+// float32 (any projection kernel), or in bf16 over a bf16 pool (the skinny bf16 kernel).
 //
 // Why: at one token the kernels themselves take ~half of a step; the rest was Python dispatch
 // around them (~40 calls a layer, each allocating its output and checking its inputs). This
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_paged_attention.h"
@@ -28,10 +30,23 @@ void banyan_rope_qk_f32(const float* qkv, int64_t stride, const float* cos, cons
                         const float* q_norm, const float* k_norm, float eps, float* q_out,
                         float* k_out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
                         int64_t n_threads);
+void banyan_add_rms_norm_bf16(uint16_t* residual, const uint16_t* add, const uint16_t* w,
+                              uint16_t* out, int64_t rows, int64_t n, float eps,
+                              int64_t n_threads);
+void banyan_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n,
+                              int64_t n_threads);
+void banyan_rope_qk_bf16(const uint16_t* qkv, int64_t stride, const uint16_t* cos,
+                         const uint16_t* sin, const uint16_t* q_norm, const uint16_t* k_norm,
+                         float eps, uint16_t* q_out, uint16_t* k_out, int64_t rows,
+                         int64_t heads, int64_t kvh, int64_t d, int64_t n_threads);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
 void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
                               const float* bias, float* out, int64_t N, int64_t n_threads);
+void banyan_skinny_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w,
+                               const uint16_t* bias, uint16_t* out, int64_t N,
+                               int64_t n_threads);
 void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
                             const float* scale, const float* bias, float* out, int64_t N,
                             int64_t n_threads);
@@ -73,7 +88,8 @@ enum LinearKind : int64_t {
     kQ8Int4 = 5,
     kQ8Int4Wide = 6,
     kQ8Int8 = 7,  // int8 per group or per row (group = K)
-    kQ8Int5 = 8   // GGUF Q5_0 as 5-bit codes
+    kQ8Int5 = 8,  // GGUF Q5_0 as 5-bit codes
+    kSkinnyBf16 = 9  // plain [N, K] bf16 weight: the one kind of the bf16 stack
 };
 
 struct StackLinear {
@@ -81,17 +97,18 @@ struct StackLinear {
     const void* weight;  // the packed codes (or the float32 weight)
     const void* scale;
     const void* mins;
-    const float* bias;  // or null
+    const void* bias;  // or null; float32 (bf16 for kSkinnyBf16)
     int64_t in, out, group;
 };
 
+// Norm weights, embeddings, cos/sin and the stream are of the stack's element type.
 struct StackLayer {
-    const float* input_norm;
-    const float* post_norm;
-    const float* q_norm;  // Qwen3's per-head norms, or null
-    const float* k_norm;
+    const void* input_norm;
+    const void* post_norm;
+    const void* q_norm;  // Qwen3's per-head norms, or null
+    const void* k_norm;
     StackLinear qkv, o, gate_up, down;
-    void* k_pool;  // this layer's [slots, KVH, D]: float32, or int8 codes with scales
+    void* k_pool;  // this layer's [slots, KVH, D]: of the element type, or int8 codes with scales
     void* v_pool;
     float* k_scale;  // [slots, KVH] for an int8 pool, else null
     float* v_scale;
@@ -101,16 +118,16 @@ struct StackModel {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
     double eps, scale;  // RMSNorm epsilon, attention softmax scale
     const StackLayer* layer;
-    const float* final_norm;
+    const void* final_norm;
 };
 
 // One step: T tokens, the attention plan of the native backend (native_plan.py) covering all.
 struct StackStep {
     int64_t tokens;
-    float* hidden;  // in: the embeddings [T, hidden]; used as the residual stream (clobbered)
-    float* out;     // the final-normed hidden states [T, hidden]
-    const float* cos;
-    const float* sin;  // [T, D / 2]
+    void* hidden;  // in: the embeddings [T, hidden]; used as the residual stream (clobbered)
+    void* out;     // the final-normed hidden states [T, hidden]
+    const void* cos;
+    const void* sin;  // [T, D / 2]
     const int64_t* slots;  // [T] where each token's K/V goes
     const int32_t* table;
     int64_t table_stride;
@@ -127,141 +144,201 @@ struct StackStep {
 
 void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* xsum,
             int64_t n_threads) {
+    const float* bias = static_cast<const float*>(l.bias);
     switch (l.kind) {
         case kSkinnyF32:
-            banyan_skinny_linear_f32(x, T, l.in, static_cast<const float*>(l.weight), l.bias,
+            banyan_skinny_linear_f32(x, T, l.in, static_cast<const float*>(l.weight), bias,
                                      out, l.out, n_threads);
             break;
         case kInt8Rows:
             banyan_int8_linear_f32(x, T, l.in, static_cast<const int8_t*>(l.weight),
-                                   static_cast<const float*>(l.scale), l.bias, out, l.out,
+                                   static_cast<const float*>(l.scale), bias, out, l.out,
                                    n_threads);
             break;
         case kInt4:
             banyan_int4_linear_f32(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
                                    static_cast<const uint16_t*>(l.scale),
-                                   static_cast<const uint16_t*>(l.mins), l.bias, out, l.out,
+                                   static_cast<const uint16_t*>(l.mins), bias, out, l.out,
                                    xsum, n_threads);
             break;
         case kInt4Wide:
             banyan_int4s_linear_f32(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
                                     static_cast<const float*>(l.scale),
-                                    static_cast<const float*>(l.mins), l.bias, out, l.out,
+                                    static_cast<const float*>(l.mins), bias, out, l.out,
                                     xsum, n_threads);
             break;
         case kQ8Int4:
             banyan_q8_int4_linear_f32(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
                                       static_cast<const uint16_t*>(l.scale),
-                                      static_cast<const uint16_t*>(l.mins), l.bias, out, l.out,
+                                      static_cast<const uint16_t*>(l.mins), bias, out, l.out,
                                       n_threads);
             break;
         case kQ8Int4Wide:
             banyan_q8_int4s_linear_f32(x, T, l.in, l.group,
                                        static_cast<const uint8_t*>(l.weight),
                                        static_cast<const float*>(l.scale),
-                                       static_cast<const float*>(l.mins), l.bias, out, l.out,
+                                       static_cast<const float*>(l.mins), bias, out, l.out,
                                        n_threads);
             break;
         case kQ8Int8:
             banyan_q8_int8_linear_f32(x, T, l.in, l.group, static_cast<const int8_t*>(l.weight),
-                                      static_cast<const float*>(l.scale), l.bias, out, l.out,
+                                      static_cast<const float*>(l.scale), bias, out, l.out,
                                       n_threads);
             break;
         case kQ8Int5:
             banyan_q8_int5_linear_f32(x, T, l.in, static_cast<const uint8_t*>(l.weight),
                                       static_cast<const uint16_t*>(l.scale),
-                                      static_cast<const uint16_t*>(l.mins), l.bias, out, l.out,
+                                      static_cast<const uint16_t*>(l.mins), bias, out, l.out,
                                       n_threads);
             break;
         default:
             banyan_int8g_linear_f32(x, T, l.in, l.group, static_cast<const int8_t*>(l.weight),
-                                    static_cast<const float*>(l.scale), l.bias, out, l.out,
+                                    static_cast<const float*>(l.scale), bias, out, l.out,
                                     n_threads);
             break;
     }
 }
 
-// One token's K (or V) rows into the pool: float32 as they are, or int8 codes with a scale
-// per (slot, head) row exactly as kv_pool.quantize_rows makes them (scale = the row's largest
-// magnitude, at least 1e-30, over 127; codes = x / scale rounded half to even, clamped), so the
-// pool holds what the per-op path would have stored, bit for bit.
-void store_row(const float* x, int64_t slot, int64_t kvh, int64_t d, void* pool, float* scales) {
+// The bf16 stack is built from kSkinnyBf16 projections only (native_stack.py).
+void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float*,
+            int64_t n_threads) {
+    banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
+                              static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+}
+
+// One token's K (or V) rows into the pool: as they are (float32 or bf16), or int8 codes with a
+// scale per (slot, head) row exactly as kv_pool.quantize_rows makes them (scale = the row's
+// largest magnitude, at least 1e-30, over 127; codes = x / scale rounded half to even, clamped),
+// so the pool holds what the per-op path would have stored, bit for bit. (The bf16 stack runs
+// over a bf16 pool only.)
+template <typename T>
+void store_row(const T* x, int64_t slot, int64_t kvh, int64_t d, void* pool, float* scales) {
     if (scales == nullptr) {
-        std::memcpy(static_cast<float*>(pool) + slot * kvh * d, x, kvh * d * sizeof(float));
+        std::memcpy(static_cast<T*>(pool) + slot * kvh * d, x, kvh * d * sizeof(T));
         return;
     }
-    for (int64_t h = 0; h < kvh; ++h) {
-        const float* xh = x + h * d;
-        float top = 0.0f;
-        for (int64_t e = 0; e < d; ++e) top = std::max(top, std::fabs(xh[e]));
-        const float scale = std::max(top, 1e-30f) / 127.0f;
-        int8_t* codes = static_cast<int8_t*>(pool) + (slot * kvh + h) * d;
-        for (int64_t e = 0; e < d; ++e)
-            codes[e] = static_cast<int8_t>(
-                std::min(127.0f, std::max(-127.0f, std::nearbyint(xh[e] / scale))));
-        scales[slot * kvh + h] = scale;
+    if constexpr (std::is_same<T, float>::value) {
+        for (int64_t h = 0; h < kvh; ++h) {
+            const float* xh = x + h * d;
+            float top = 0.0f;
+            for (int64_t e = 0; e < d; ++e) top = std::max(top, std::fabs(xh[e]));
+            const float scale = std::max(top, 1e-30f) / 127.0f;
+            int8_t* codes = static_cast<int8_t*>(pool) + (slot * kvh + h) * d;
+            for (int64_t e = 0; e < d; ++e)
+                codes[e] = static_cast<int8_t>(
+                    std::min(127.0f, std::max(-127.0f, std::nearbyint(xh[e] / scale))));
+            scales[slot * kvh + h] = scale;
+        }
     }
 }
 
-// Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
-struct Scratch {
-    std::vector<float> x, qkv, q, k, attn, a, gate_up, act, mlp, xsum;
+// The element-wise kernels and attention of each element type (cpu_fused_ops.cpp,
+// cpu_paged_attention.cpp).
+template <typename T>
+struct Kernels;
+
+template <>
+struct Kernels<float> {
+    static constexpr auto add_rms_norm = banyan_add_rms_norm_f32;
+    static constexpr auto silu_and_mul = banyan_silu_and_mul_f32;
+    static constexpr auto rope_qk = banyan_rope_qk_f32;
+    static constexpr auto attention = banyan_paged_attention_f32_f32;
 };
 
-}  // namespace
+template <>
+struct Kernels<uint16_t> {
+    static constexpr auto add_rms_norm = banyan_add_rms_norm_bf16;
+    static constexpr auto silu_and_mul = banyan_silu_and_mul_bf16;
+    static constexpr auto rope_qk = banyan_rope_qk_bf16;
+    static constexpr auto attention = banyan_paged_attention_bf16_bf16;
+};
 
-extern "C" void banyan_layer_stack_f32(const StackModel* m, const StackStep* s) {
-    const int64_t T = s->tokens, H = m->hidden, D = m->head_dim;
+template <typename T>
+void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const T* q, T* out) {
+    const float sm = static_cast<float>(m->scale);
+    if constexpr (std::is_same<T, float>::value) {
+        if (L.k_scale != nullptr) {
+            banyan_paged_attention_f32_int8(
+                q, static_cast<const int8_t*>(L.k_pool), static_cast<const int8_t*>(L.v_pool),
+                L.k_scale, L.v_scale, s->table, s->table_stride, s->req_row, s->req_len,
+                s->q_start, s->n_new, s->order, s->group_start, s->group_prefix, s->n_groups,
+                out, m->heads, m->kv_heads, m->head_dim, sm, s->n_threads);
+            return;
+        }
+    }
+    Kernels<T>::attention(q, static_cast<const T*>(L.k_pool), static_cast<const T*>(L.v_pool),
+                          nullptr, nullptr, s->table, s->table_stride, s->req_row, s->req_len,
+                          s->q_start, s->n_new, s->order, s->group_start, s->group_prefix,
+                          s->n_groups, out, m->heads, m->kv_heads, m->head_dim, sm,
+                          s->n_threads);
+}
+
+// Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
+template <typename T>
+struct Scratch {
+    std::vector<T> x, qkv, q, k, attn, a, gate_up, act, mlp;
+    std::vector<float> xsum;
+};
+
+template <typename T>
+void layer_stack(const StackModel* m, const StackStep* s) {
+    using K = Kernels<T>;
+    const int64_t T_ = s->tokens, H = m->hidden, D = m->head_dim;
     const int64_t q_size = m->heads * D, kv_size = m->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, nt = s->n_threads;
     const float eps = static_cast<float>(m->eps);
-    static thread_local Scratch b;
-    b.x.resize(T * H);
-    b.qkv.resize(T * qkv_n);
-    b.q.resize(T * q_size);
-    b.k.resize(T * kv_size);
-    b.attn.resize(T * q_size);
-    b.a.resize(T * H);
-    b.gate_up.resize(T * 2 * m->intermediate);
-    b.act.resize(T * m->intermediate);
-    b.mlp.resize(T * H);
-    b.xsum.resize(T * (std::max(H, m->intermediate) / 16 + 1));  // int4 group sums (group >= 16)
-    float* stream = s->hidden;
+    static thread_local Scratch<T> b;
+    b.x.resize(T_ * H);
+    b.qkv.resize(T_ * qkv_n);
+    b.q.resize(T_ * q_size);
+    b.k.resize(T_ * kv_size);
+    b.attn.resize(T_ * q_size);
+    b.a.resize(T_ * H);
+    b.gate_up.resize(T_ * 2 * m->intermediate);
+    b.act.resize(T_ * m->intermediate);
+    b.mlp.resize(T_ * H);
+    b.xsum.resize(T_ * (std::max(H, m->intermediate) / 16 + 1));  // int4 group sums (group >= 16)
+    T* stream = static_cast<T*>(s->hidden);
+    const T* cos = static_cast<const T*>(s->cos);
+    const T* sin = static_cast<const T*>(s->sin);
     for (int64_t i = 0; i < m->layers; ++i) {
         const StackLayer& L = m->layer[i];
         // the first layer's stream is the embeddings themselves (nothing to add yet)
-        banyan_add_rms_norm_f32(stream, i == 0 ? nullptr : b.mlp.data(), L.input_norm,
-                                b.x.data(), T, H, eps, nt);
-        linear(L.qkv, b.x.data(), T, b.qkv.data(), b.xsum.data(), nt);
-        banyan_rope_qk_f32(b.qkv.data(), qkv_n, s->cos, s->sin, L.q_norm, L.k_norm, eps,
-                           b.q.data(), b.k.data(), T, m->heads, m->kv_heads, D, nt);
-        for (int64_t t = 0; t < T; ++t) {  // rotated k and the untouched v into the pool
+        K::add_rms_norm(stream, i == 0 ? nullptr : b.mlp.data(),
+                        static_cast<const T*>(L.input_norm), b.x.data(), T_, H, eps, nt);
+        linear(L.qkv, b.x.data(), T_, b.qkv.data(), b.xsum.data(), nt);
+        K::rope_qk(b.qkv.data(), qkv_n, cos, sin, static_cast<const T*>(L.q_norm),
+                   static_cast<const T*>(L.k_norm), eps, b.q.data(), b.k.data(), T_, m->heads,
+                   m->kv_heads, D, nt);
+        for (int64_t t = 0; t < T_; ++t) {  // rotated k and the untouched v into the pool
             store_row(b.k.data() + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool,
                       L.k_scale);
             store_row(b.qkv.data() + t * qkv_n + q_size + kv_size, s->slots[t], m->kv_heads, D,
                       L.v_pool, L.v_scale);
         }
-        const float sm = static_cast<float>(m->scale);
-        if (L.k_scale == nullptr)
-            banyan_paged_attention_f32_f32(
-                b.q.data(), static_cast<const float*>(L.k_pool),
-                static_cast<const float*>(L.v_pool), nullptr, nullptr, s->table,
-                s->table_stride, s->req_row, s->req_len, s->q_start, s->n_new, s->order,
-                s->group_start, s->group_prefix, s->n_groups, b.attn.data(), m->heads,
-                m->kv_heads, D, sm, nt);
-        else
-            banyan_paged_attention_f32_int8(
-                b.q.data(), static_cast<const int8_t*>(L.k_pool),
-                static_cast<const int8_t*>(L.v_pool), L.k_scale, L.v_scale, s->table,
-                s->table_stride, s->req_row, s->req_len, s->q_start, s->n_new, s->order,
-                s->group_start, s->group_prefix, s->n_groups, b.attn.data(), m->heads,
-                m->kv_heads, D, sm, nt);
-        linear(L.o, b.attn.data(), T, b.a.data(), b.xsum.data(), nt);
-        banyan_add_rms_norm_f32(stream, b.a.data(), L.post_norm, b.x.data(), T, H, eps, nt);
-        linear(L.gate_up, b.x.data(), T, b.gate_up.data(), b.xsum.data(), nt);
-        banyan_silu_and_mul_f32(b.gate_up.data(), b.act.data(), T, m->intermediate, nt);
-        linear(L.down, b.act.data(), T, b.mlp.data(), b.xsum.data(), nt);
+        attend(m, L, s, b.q.data(), b.attn.data());
+        linear(L.o, b.attn.data(), T_, b.a.data(), b.xsum.data(), nt);
+        K::add_rms_norm(stream, b.a.data(), static_cast<const T*>(L.post_norm), b.x.data(), T_,
+                        H, eps, nt);
+        linear(L.gate_up, b.x.data(), T_, b.gate_up.data(), b.xsum.data(), nt);
+        K::silu_and_mul(b.gate_up.data(), b.act.data(), T_, m->intermediate, nt);
+        linear(L.down, b.act.data(), T_, b.mlp.data(), b.xsum.data(), nt);
     }
-    banyan_add_rms_norm_f32(stream, m->layers ? b.mlp.data() : nullptr, m->final_norm, s->out,
-                            T, H, eps, nt);
+    K::add_rms_norm(stream, m->layers ? b.mlp.data() : nullptr,
+                    static_cast<const T*>(m->final_norm), static_cast<T*>(s->out), T_, H, eps,
+                    nt);
 }
+
+}  // namespace
+
+extern "C" {
+
+void banyan_layer_stack_f32(const StackModel* m, const StackStep* s) {
+    layer_stack<float>(m, s);
+}
+
+void banyan_layer_stack_bf16(const StackModel* m, const StackStep* s) {
+    layer_stack<uint16_t>(m, s);
+}
+
+}  // extern "C"

@@ -4,7 +4,7 @@
 // checking speculative guesses, a small decode batch) reads the weights once, as a single-token
 // GEMV does. oneDNN/MKL switch to a GEMM kernel from 2 rows that measured ~2x a GEMV on a 2-core
 // Zen 3 (LM head: 1 row 9.0 ms, 2-8 rows 20 ms; this: 5.1-5.8 ms). GCC vector extensions: AVX2
-// or AVX-512 code from the same source (-march=native).
+// or AVX-512 code from the same source (-march=native). Below it, the same for bf16.
 #include <algorithm>
 #include <cstdint>
 
@@ -37,8 +37,133 @@ static void rows(const float* x, int64_t K, const float* w, const float* bias, f
     }
 }
 
-extern "C" void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
-                                  const float* bias, float* out, int64_t N, int64_t n_threads) {
+// The bf16 twin: bf16 x and w, products summed in float32, each output rounded once to bf16
+// (plus the bias first), as oneDNN's bf16 GEMM does; so a bf16 model's small steps (and the
+// bf16 layer stack, which calls this same function) read the plain weight at the rate memory
+// allows instead of going through oneDNN's GEMM with Python around every op. With AVX512_BF16,
+// vdpbf16ps does two products a lane (exact in float32) and the masked loads take the tail;
+// elsewhere each value is widened to float32 (a shift) and multiplied as above.
+static inline float bf16_value(uint16_t v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t round_to_bf16(float f) {  // nearest even, NaN kept (as torch)
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+// 32 values; with Full false, only the first `left` (the rest read as 0)
+template <bool Full>
+static inline __m512bh load_pairs(const uint16_t* p, int64_t left) {
+    if (Full) return (__m512bh)_mm512_loadu_si512(p);
+    return (__m512bh)_mm512_maskz_loadu_epi16((1u << left) - 1u, p);
+}
+
+template <int TB, int RB, bool Full>
+static inline void accumulate(__m512 (&acc)[RB][TB], const uint16_t* x, int64_t K,
+                              const uint16_t* wn, int64_t k) {
+    __m512bh wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = load_pairs<Full>(wn + r * K + k, K - k);
+    for (int i = 0; i < TB; ++i) {
+        const __m512bh xv = load_pairs<Full>(x + i * K + k, K - k);
+        for (int r = 0; r < RB; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[r]);
+    }
+}
+
+// RB weight rows from row n against TB tokens: RB x TB independent sums in registers.
+template <int TB, int RB>
+static inline void block_bf16(const uint16_t* x, int64_t K, const uint16_t* w,
+                              const uint16_t* bias, uint16_t* out, int64_t N, int64_t n) {
+    const uint16_t* wn = w + n * K;
+    __m512 acc[RB][TB];
+    for (int r = 0; r < RB; ++r)
+        for (int i = 0; i < TB; ++i) acc[r][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) accumulate<TB, RB, true>(acc, x, K, wn, k);
+    if (k < K) accumulate<TB, RB, false>(acc, x, K, wn, k);
+    for (int r = 0; r < RB; ++r) {
+        const float b = bias ? bf16_value(bias[n + r]) : 0.f;
+        for (int i = 0; i < TB; ++i)
+            out[i * N + n + r] = round_to_bf16(_mm512_reduce_add_ps(acc[r][i]) + b);
+    }
+}
+
+// Rows a pass: 8 at one or two tokens (enough sums in flight to stream the weights at the
+// memory's rate: 2 a pass reached half of it on Zen 5), fewer as the tokens fill registers.
+template <int TB>
+static void rows_bf16(const uint16_t* x, int64_t K, const uint16_t* w, const uint16_t* bias,
+                      uint16_t* out, int64_t N, int64_t n0, int64_t n1) {
+    constexpr int RB = TB <= 2 ? 8 : TB <= 4 ? 4 : 2;
+    int64_t n = n0;
+    for (; n + RB <= n1; n += RB) block_bf16<TB, RB>(x, K, w, bias, out, N, n);
+    for (; n < n1; ++n) block_bf16<TB, 1>(x, K, w, bias, out, N, n);
+}
+#else
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline v8 widen8(const uint16_t* p) {
+    u16x8 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    v8 r;
+    __builtin_memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+template <int TB>
+static void rows_bf16(const uint16_t* x, int64_t K, const uint16_t* w, const uint16_t* bias,
+                      uint16_t* out, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint16_t* wn = w + n * K;
+        v8 acc[TB];
+        for (int i = 0; i < TB; ++i) acc[i] = v8{};
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const v8 wv = widen8(wn + k);
+            for (int i = 0; i < TB; ++i) acc[i] += widen8(x + i * K + k) * wv;
+        }
+        for (int i = 0; i < TB; ++i) {
+            float s = hsum(acc[i]);
+            for (int64_t kk = k; kk < K; ++kk) s += bf16_value(x[i * K + kk]) * bf16_value(wn[kk]);
+            out[i * N + n] = round_to_bf16(s + (bias ? bf16_value(bias[n]) : 0.f));
+        }
+    }
+}
+#endif
+
+// A step's tokens in blocks of 8 against every weight row; the rows split across the threads
+// in chunks of 64 (a multiple of the bf16 loop's rows a pass).
+struct F32Rows {
+    using T = float;
+    template <int TB>
+    static void run(const T* x, int64_t K, const T* w, const T* bias, T* out, int64_t N,
+                    int64_t n0, int64_t n1) {
+        rows<TB>(x, K, w, bias, out, N, n0, n1);
+    }
+};
+
+struct Bf16Rows {
+    using T = uint16_t;
+    template <int TB>
+    static void run(const T* x, int64_t K, const T* w, const T* bias, T* out, int64_t N,
+                    int64_t n0, int64_t n1) {
+        rows_bf16<TB>(x, K, w, bias, out, N, n0, n1);
+    }
+};
+
+template <typename R>
+static void skinny(const typename R::T* x, int64_t T, int64_t K, const typename R::T* w,
+                   const typename R::T* bias, typename R::T* out, int64_t N,
+                   int64_t n_threads) {
     const int64_t chunk = 64;
     const int64_t chunks = (N + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
@@ -46,18 +171,33 @@ extern "C" void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, c
         const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
         for (int64_t t0 = 0; t0 < T; t0 += 8) {
             const int64_t tb = std::min<int64_t>(8, T - t0);
-            const float* xt = x + t0 * K;
-            float* ot = out + t0 * N;
+            const typename R::T* xt = x + t0 * K;
+            typename R::T* ot = out + t0 * N;
             switch (tb) {
-                case 1: rows<1>(xt, K, w, bias, ot, N, n0, n1); break;
-                case 2: rows<2>(xt, K, w, bias, ot, N, n0, n1); break;
-                case 3: rows<3>(xt, K, w, bias, ot, N, n0, n1); break;
-                case 4: rows<4>(xt, K, w, bias, ot, N, n0, n1); break;
-                case 5: rows<5>(xt, K, w, bias, ot, N, n0, n1); break;
-                case 6: rows<6>(xt, K, w, bias, ot, N, n0, n1); break;
-                case 7: rows<7>(xt, K, w, bias, ot, N, n0, n1); break;
-                default: rows<8>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 1: R::template run<1>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 2: R::template run<2>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 3: R::template run<3>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 4: R::template run<4>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 5: R::template run<5>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 6: R::template run<6>(xt, K, w, bias, ot, N, n0, n1); break;
+                case 7: R::template run<7>(xt, K, w, bias, ot, N, n0, n1); break;
+                default: R::template run<8>(xt, K, w, bias, ot, N, n0, n1); break;
             }
         }
     }
 }
+
+extern "C" {
+
+void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
+                              const float* bias, float* out, int64_t N, int64_t n_threads) {
+    skinny<F32Rows>(x, T, K, w, bias, out, N, n_threads);
+}
+
+void banyan_skinny_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w,
+                               const uint16_t* bias, uint16_t* out, int64_t N,
+                               int64_t n_threads) {
+    skinny<Bf16Rows>(x, T, K, w, bias, out, N, n_threads);
+}
+
+}  // extern "C"

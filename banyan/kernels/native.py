@@ -180,10 +180,13 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4s_dequant_f32.argtypes = lib.banyan_int4_dequant_f32.argtypes
     for name in ("int8", "int8g", "int4", "int4s"):
         getattr(lib, f"banyan_{name}_dequant_f32").restype = None
-    lib.banyan_skinny_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
-    lib.banyan_skinny_linear_f32.restype = None
-    lib.banyan_layer_stack_f32.argtypes = [ptr, ptr]  # models/native_stack.py
-    lib.banyan_layer_stack_f32.restype = None
+    for suffix in _DTYPE_SUFFIX.values():
+        skinny = getattr(lib, f"banyan_skinny_linear_{suffix}")
+        skinny.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+        skinny.restype = None
+        stack = getattr(lib, f"banyan_layer_stack_{suffix}")  # models/native_stack.py
+        stack.argtypes = [ptr, ptr]
+        stack.restype = None
     lib.banyan_vector_bits.argtypes = []
     lib.banyan_vector_bits.restype = i64
     return lib
@@ -199,15 +202,17 @@ def vector_bits() -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T (+ bias), float32 on CPU, contiguous: every weight row read once
-    per 8 tokens (cpu_skinny_linear.cpp). For small T, where GEMM libraries are slow."""
+    """x [T, K] @ weight[N, K]^T (+ bias), all float32 or all bfloat16 on CPU, contiguous: every
+    weight row read once per 8 tokens (cpu_skinny_linear.cpp). For small T, where GEMM
+    libraries are slow."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
+    kernel = getattr(lib, f"banyan_skinny_linear_{_DTYPE_SUFFIX[x.dtype]}")
     out = x.new_empty((x.shape[0], weight.shape[0]))
     with kernel_range("banyan::skinny_linear"):
-        lib.banyan_skinny_linear_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                     weight.shape[0], torch.get_num_threads())
+        kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+               None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0],
+               torch.get_num_threads())
     return out
 
 

@@ -116,7 +116,12 @@ class PackedBf16Method(LinearMethod):
             layer.bias = bias.detach()  # a plain attribute now: the op takes a tensor
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        return self.packed_linear(x, layer.packed, layer.bias)
+
+    @staticmethod
+    def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features * layer.packed.element_size()
@@ -216,6 +221,56 @@ class SkinnyF32Method(DenseMethod):
                                   reps=1 if out_f * in_f * rows > 2**30 else 3))
 
 
+class SkinnyBf16Method(PackedBf16Method):
+    """bf16 on CPU, the way SkinnyF32Method is float32: steps of up to SKINNY_ROWS tokens go
+    through the native skinny bf16 kernel on the plain weight (float32 sums, one rounding per
+    output, like oneDNN's), which is also what lets the layer stack run a bf16 model's decode
+    steps in one native call; wider steps take oneDNN's GEMM on the packed copy. So the weight
+    is held twice (plain and packed): the runner picks this method only where the second copy
+    is affordable (`affordable`) and the kernel measured faster here (`chosen_here`)."""
+
+    SKINNY_ROWS = SkinnyF32Method.SKINNY_ROWS
+    MEMORY_SHARE = 8  # the plain copies may take up to 1/8 of the machine's memory
+
+    def adopt(self, layer: Linear) -> None:
+        plain = layer.weight.detach().contiguous()
+        super().adopt(layer)  # packs a copy and drops the parameter
+        layer.weight = nn.Parameter(plain, requires_grad=False)
+
+    def native(self, layer: Linear) -> NativeLinear | None:
+        return NativeLinear("skinny_bf16", layer.weight)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:
+            return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
+        return super().apply(layer, x)
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return (device.type == "cpu" and dtype == torch.bfloat16 and native.load() is not None
+                and PackedBf16Method.available(device, dtype))
+
+    @classmethod
+    def affordable(cls, plain_bytes: int) -> bool:
+        """Whether a second copy of `plain_bytes` of weights fits the memory share."""
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return plain_bytes * cls.MEMORY_SHARE <= total
+
+    @classmethod
+    def chosen_here(cls, weight: torch.Tensor) -> bool:
+        """Whether the kernel beats oneDNN's packed GEMM for 4 tokens through this weight's
+        shape (the model's largest), as first measured on this machine."""
+        def measure() -> bool:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            return _beats_linear("skinny bf16 linear", native.skinny_linear, weight, 4, 3,
+                                 baseline=lambda x: PackedBf16Method.packed_linear(x, packed))
+
+        rows, cols = weight.shape
+        return native.remembered(f"skinny-bf16 {rows}x{cols}", measure)
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   ) -> torch.Tensor:
     """x @ weight.T + bias through oneDNN (the op PackedBf16Method calls, given the plain
@@ -223,12 +278,15 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
-def _beats_linear(name: str, fn: object, weight: torch.Tensor, rows: int, reps: int) -> bool:
-    """Whether fn(x, weight, None) takes less time than F.linear for `rows` random tokens:
-    medians of `reps` timed calls each, after one that warms caches and threads."""
+def _beats_linear(name: str, fn: object, weight: torch.Tensor, rows: int, reps: int,
+                  baseline: object = None) -> bool:
+    """Whether fn(x, weight, None) takes less time than the baseline (by default F.linear) for
+    `rows` random tokens: medians of `reps` timed calls each, after one that warms caches and
+    threads."""
     import time
 
-    x = torch.randn(rows, weight.shape[1])
+    x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
+    library = baseline or (lambda x: nn.functional.linear(x, weight))
 
     def median(call: object) -> float:
         times = []
@@ -239,11 +297,12 @@ def _beats_linear(name: str, fn: object, weight: torch.Tensor, rows: int, reps: 
         return sorted(times[1:])[reps // 2]
 
     with torch.inference_mode():
-        library = median(lambda: nn.functional.linear(x, weight))
+        theirs = median(lambda: library(x))  # type: ignore[operator]
         other = median(lambda: fn(x, weight, None))  # type: ignore[operator]
-    logger.info("%s %s: %.2f ms vs F.linear %.2f ms at %d rows", name, tuple(weight.shape),
-                other * 1e3, library * 1e3, rows)
-    return other < library
+    logger.info("%s %s: %.2f ms vs %s %.2f ms at %d rows", name, tuple(weight.shape),
+                other * 1e3, "F.linear" if baseline is None else "the library", theirs * 1e3,
+                rows)
+    return other < theirs
 
 
 class Linear(nn.Module):
@@ -294,11 +353,13 @@ class Linear(nn.Module):
                 f"bias={self.has_bias}, method={type(self.method).__name__}")
 
 
-def convert_linears(model: nn.Module, method_factory: type[LinearMethod]) -> int:
-    """Convert every Linear under `model` to a new instance of a method -> how many."""
+def convert_linears(model: nn.Module, method_factory: type[LinearMethod],
+                    skip: tuple[nn.Module, ...] = ()) -> int:
+    """Convert every Linear under `model` but those in `skip` to a new instance of a method ->
+    how many."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not any(module is s for s in skip):
             module.convert(method_factory())
             count += 1
     return count

@@ -7,9 +7,10 @@ kernels in the same order with the same threads, so its hidden states equal the 
 bit for bit (tested); it runs when every piece has a native kernel:
 
 - float32 activations on CPU, the K/V pool in float32 or int8 (stored as kv_pool.quantize_rows
-  does; fp8 codes are left to torch's conversion),
+  does; fp8 codes are left to torch's conversion); or bf16 activations over a bf16 pool,
 - every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
-  int8, int4 and GGUF-block methods; a library GEMM has none),
+  int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method; a library GEMM has
+  none),
 - the step has at most MAX_TOKENS tokens and the native attention plan covers all of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
@@ -37,7 +38,10 @@ from banyan.models.llama import LlamaForCausalLM
 MAX_TOKENS = min(SkinnyF32Method.SKINNY_ROWS, DEQUANT_MIN_TOKENS - 1)
 LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4,
                 # with 8-bit activations (layers/int8_activations.py)
-                "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8}
+                "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8,
+                "skinny_bf16": 9}  # the one kind of a bf16 stack
+# The stack's element types and the pools each runs over (code dtypes: None = as computed).
+STACK_POOLS = {torch.float32: (None, torch.int8), torch.bfloat16: (None,)}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -73,8 +77,8 @@ class StackStep(ctypes.Structure):
                 ("n_threads", c_int64)]
 
 
-def _float32_vector(t: torch.Tensor | None, n: int) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.shape == (n,) and t.is_contiguous())
+def _vector(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
+    return t is None or (t.dtype == dtype and t.shape == (n,) and t.is_contiguous())
 
 
 class NativeLayerStack:
@@ -96,7 +100,8 @@ class NativeLayerStack:
         self._args = (ctypes.byref(self._struct), ctypes.byref(self._step))  # made once
         lib = native.load()
         assert lib is not None
-        self._call = lib.banyan_layer_stack_f32
+        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
+        self._call = getattr(lib, "banyan_layer_stack_" + ("bf16" if bf16 else "f32"))
 
     @classmethod
     def build(cls, model: torch.nn.Module, pool: KVPool,
@@ -104,9 +109,10 @@ class NativeLayerStack:
         """The stack for this model, pool and attention backend, or None where a piece has no
         native kernel (then the model's forward runs every step)."""
         if not (isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuNativeBackend)
-                and native.load() is not None and pool.device.type == "cpu"
-                and pool.dtype == torch.float32 and pool.code_dtype in (None, torch.int8)
-                and model.embed_tokens.weight.dtype == torch.float32):
+                and native.load() is not None and pool.device.type == "cpu"):
+            return None
+        dtype = model.embed_tokens.weight.dtype
+        if pool.dtype != dtype or pool.code_dtype not in STACK_POOLS.get(dtype, ()):
             return None
         cfg = model.config
         keep: list[torch.Tensor] = []
@@ -114,7 +120,8 @@ class NativeLayerStack:
 
         def linear(layer: Linear) -> StackLinear | None:
             spec: NativeLinear | None = layer.method.native(layer)
-            if spec is None or not _float32_vector(layer.bias, layer.out_features):
+            if (spec is None or (spec.kind == "skinny_bf16") != (dtype == torch.bfloat16)
+                    or not _vector(layer.bias, layer.out_features, dtype)):
                 return None
             methods.append((layer, layer.method))
             parts = [t for t in (spec.weight, spec.scale, spec.mins, layer.bias) if t is not None]
@@ -132,7 +139,7 @@ class NativeLayerStack:
                      attn.k_norm)
             for norm, width in zip(norms, (cfg.hidden, cfg.hidden, cfg.head_dim, cfg.head_dim)):
                 if norm is not None and (norm.eps != cfg.rms_eps or
-                                         not _float32_vector(norm.weight, width)):
+                                         not _vector(norm.weight, width, dtype)):
                     return None
             projections = [linear(p) for p in (attn.qkv_proj, attn.o_proj,
                                                block.mlp.gate_up_proj, block.mlp.down_proj)]
@@ -144,7 +151,7 @@ class NativeLayerStack:
             layers.append(StackLayer(
                 *(_ptr(n.weight) if n is not None else None for n in norms), *projections,
                 kv.k.data_ptr(), kv.v.data_ptr(), _ptr(kv.k_scale), _ptr(kv.v_scale)))
-        if not _float32_vector(model.norm.weight, cfg.hidden):
+        if not _vector(model.norm.weight, cfg.hidden, dtype):
             return None
         keep.append(model.norm.weight)
         return cls(model, backend, layers, keep, methods)

@@ -22,7 +22,8 @@ from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.host_tensors import int64_tensor
-from banyan.layers.linear import Linear, PackedBf16Method, SkinnyF32Method, convert_linears
+from banyan.layers.linear import (Linear, LinearMethod, PackedBf16Method, SkinnyBf16Method,
+                                  SkinnyF32Method, convert_linears)
 from banyan.layers.gguf_linear import gguf_repacked_tensors, repack_gguf_linears
 from banyan.layers.int8_activations import check_activation_quant, enable_int8_activations
 from banyan.layers.quant import check_quantization, quantization_runs, quantized_method
@@ -195,23 +196,39 @@ class ModelRunner:
             if dense and linear_kernel != "auto":
                 logger.info("--linear-kernel %s does not apply to them", linear_kernel)
             return
-        skinny = SkinnyF32Method.available(self.device, self.dtype)
-        if linear_kernel == "native" and (quantization != "none" or not skinny):
-            raise ValueError("linear_kernel native needs float32 on CPU, unquantized, with the "
-                             "native kernels built")
-        method = quantized_method(quantization)
+        packed = PackedBf16Method.available(self.device, self.dtype)
+        skinny = SkinnyBf16Method if packed else SkinnyF32Method
+        if linear_kernel == "native" and (quantization != "none" or
+                                          not skinny.available(self.device, self.dtype)):
+            raise ValueError("linear_kernel native needs float32 or bfloat16 on CPU, "
+                             "unquantized, with the native kernels built")
+        method = quantized_method(quantization) or self._dense_method(linear_kernel, packed)
         if method is None:
-            if PackedBf16Method.available(self.device, self.dtype):
-                method = PackedBf16Method
-            elif linear_kernel == "native" or (linear_kernel == "auto" and skinny and
-                                               SkinnyF32Method.chosen_here(
-                                                   self._largest_linear_weight())):
-                method = SkinnyF32Method
-            else:
-                return
+            return
         self._split_tied_head()
-        converted = convert_linears(self.model, method)
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.tied_head
+        if method is SkinnyBf16Method:  # the layer stack stops before the LM head: no plain copy
+            head.convert(PackedBf16Method())
+        converted = convert_linears(self.model, method, skip=(head,) if
+                                    method is SkinnyBf16Method else ())
         logger.info("%d linear weights converted to %s", converted, method.__name__)
+
+    def _dense_method(self, linear_kernel: str, packed: bool) -> type[LinearMethod] | None:
+        """The unquantized linears' method: the native skinny kernel where asked, or (auto)
+        where it measured faster here (in bf16: and its plain copy beside the packed one is
+        affordable); else oneDNN-packed bf16, or F.linear on the weights as loaded (None)."""
+        skinny = SkinnyBf16Method if packed else SkinnyF32Method
+        if linear_kernel == "native":
+            return skinny
+        chosen = (linear_kernel == "auto" and skinny.available(self.device, self.dtype) and
+                  (not packed or SkinnyBf16Method.affordable(self._layer_weight_bytes())) and
+                  skinny.chosen_here(self._largest_linear_weight(layers_only=packed)))
+        return skinny if chosen else PackedBf16Method if packed else None
+
+    def _layer_weight_bytes(self) -> int:
+        """Bytes of the decoder layers' linear weights (the LM head not included)."""
+        return sum(m.weight.numel() * m.weight.element_size()
+                   for m in self.model.layers.modules() if isinstance(m, Linear))
 
     def _split_tied_head(self) -> None:
         """A tied LM head in a layout of its own (packed or quantized): a Linear beside the
@@ -219,8 +236,12 @@ class ModelRunner:
         if self.model.lm_head is None:
             self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
 
-    def _largest_linear_weight(self) -> torch.Tensor:
-        """The biggest projection weight (the LM head, tied or not, in small models)."""
+    def _largest_linear_weight(self, layers_only: bool = False) -> torch.Tensor:
+        """The biggest projection weight (the LM head, tied or not, in small models), or the
+        decoder layers' biggest."""
+        if layers_only:
+            return max((m.weight for m in self.model.layers.modules() if isinstance(m, Linear)),
+                       key=lambda w: w.numel()).detach()
         weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
         weights.append(self.model.embed_tokens.weight)
         return max(weights, key=lambda w: w.numel()).detach()
