@@ -1,7 +1,7 @@
 // The loops that attend query rows to one segment of keys read from the pool, with an online
 // softmax in float32: `attend` (portable, any pool element type, quantized codes included)
-// and `attend512` (AVX-512; vdpbf16ps for bf16 pools). The per-request driver is
-// cpu_paged_attention.cpp.
+// and `attend256` (AVX2); `attend512` (AVX-512) is in cpu_attend512.h. The per-request driver
+// is cpu_paged_attention.cpp.
 #pragma once
 
 #include <algorithm>
@@ -21,21 +21,26 @@
 namespace {
 
 constexpr int BLK = 32;  // keys per block
+constexpr int CHUNK = 128;  // keys the AVX-512 loop scores at once (cpu_attend512.h)
 
 // Per-thread scratch of one work item.
 struct Scratch {
     std::vector<float> q, m, l, acc, s, kt, vb, corr;
     std::vector<int64_t> lim;  // keys of the current segment each row may see (causal extends)
+    std::vector<int> vis;  // keys of the current chunk each row sees (AVX-512)
+    std::vector<uint32_t> pp;  // a chunk's probabilities as bf16 pairs, per row (AVX-512)
     void fit(int rows, int d) {
         lim.resize(rows);
+        vis.resize(rows);
+        pp.resize(static_cast<size_t>(rows) * CHUNK / 2);
         q.resize(static_cast<size_t>(rows) * d);
         acc.resize(static_cast<size_t>(rows) * d);
         m.resize(rows);
         l.resize(rows);
         corr.resize(rows);
-        s.resize(static_cast<size_t>(rows) * BLK);
+        s.resize(static_cast<size_t>(rows) * CHUNK);  // (>= BLK)
         kt.resize(static_cast<size_t>(d) * BLK);
-        vb.resize(static_cast<size_t>(BLK) * d);
+        vb.resize(static_cast<size_t>(CHUNK) * d);
     }
 };
 
@@ -251,176 +256,6 @@ inline void attend256(Scratch& sc, int r0, int rows, const int32_t* slots, int64
     }
 }
 
-#endif
-
-#if defined(__AVX512F__)
-
-template <typename T>
-void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
-               const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale,
-               bool causal) {
-    // [VBLK][D] float32 values of the block, or (bf16 pools) their interleaved pairs
-    constexpr bool kPairs = kPairsFor<T>;
-    float* vb = sc.vb.data();
-    const T* kr[VBLK];
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < n; j0 += VBLK) {
-        const int nb = static_cast<int>(std::min<int64_t>(VBLK, n - j0));
-        // Prefetch the next block (measured: further ahead evicts lines before their use), on
-        // the first head the whole slot (every head's K and V: the next heads of this slice
-        // then find them in cache), else just this head's rows.
-        const int64_t ahead0 = j0 + VBLK, ahead1 = std::min<int64_t>(n, ahead0 + VBLK);
-        const int64_t head0 = h == 0 ? 0 : h, width = (h == 0 ? kvh : 1) * d * sizeof(T);
-        for (int64_t j = ahead0; j < ahead1; ++j) {
-            const char* kp = reinterpret_cast<const char*>(kpool + (slots[j] * kvh + head0) * d);
-            const char* vp = reinterpret_cast<const char*>(vpool + (slots[j] * kvh + head0) * d);
-            for (int64_t off = 0; off < width; off += 64) {
-                _mm_prefetch(kp + off, _MM_HINT_T0);
-                _mm_prefetch(vp + off, _MM_HINT_T0);
-            }
-        }
-        if (j0 == 0) {  // the first block, before the loop reaches it
-            for (int64_t j = 0; j < std::min<int64_t>(n, VBLK); ++j) {
-                const char* kp =
-                    reinterpret_cast<const char*>(kpool + (slots[j] * kvh + head0) * d);
-                const char* vp =
-                    reinterpret_cast<const char*>(vpool + (slots[j] * kvh + head0) * d);
-                for (int64_t off = 0; off < width; off += 64) {
-                    _mm_prefetch(kp + off, _MM_HINT_T0);
-                    _mm_prefetch(vp + off, _MM_HINT_T0);
-                }
-            }
-        }
-        for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
-            kr[j] = kpool + (static_cast<int64_t>(slots[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
-        const int pairs = (nb + 1) / 2;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // vpermt2w needs BW (Skylake-X has no BF16)
-        if constexpr (kPairs) {
-            // bf16 values of keys (2i, 2i + 1) interleaved per dim, for vdpbf16ps (a lone last
-            // key pairs with itself: its partner's probability is 0)
-            __m512i* vi = reinterpret_cast<__m512i*>(vb);
-            const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
-            for (int jp = 0; jp < pairs; ++jp) {
-                const int64_t sa = slots[j0 + 2 * jp];
-                const int64_t sb = slots[j0 + std::min(2 * jp + 1, nb - 1)];
-                const T* va = vpool + (sa * kvh + h) * d;
-                const T* vb2 = vpool + (sb * kvh + h) * d;
-                for (int c2 = 0; c2 < d / 32; ++c2) {
-                    const __m512i a = _mm512_loadu_si512(va + c2 * 32);
-                    const __m512i b = _mm512_loadu_si512(vb2 + c2 * 32);
-                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2,
-                                        _mm512_permutex2var_epi16(a, lo, b));
-                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2 + 1,
-                                        _mm512_permutex2var_epi16(a, hi, b));
-                }
-            }
-        } else
-#endif
-        {
-            for (int j = 0; j < nb; ++j) {
-                const T* vr = vpool + (static_cast<int64_t>(slots[j0 + j]) * kvh + h) * d;
-                for (int e = 0; e < d; e += 16) _mm512_storeu_ps(vb + j * d + e, load16(vr + e));
-            }
-        }
-        const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
-        // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
-        // = dims 2i, 2i + 1 of key j, gathered), so each vdpbf16ps gives 16 keys' partial
-        // scores of one row and no horizontal sums are needed.
-        bool tiled = false;
-        if constexpr (kPairs) {
-            int64_t top = 0;
-            for (int j = 0; j < VBLK; ++j) top = std::max<int64_t>(top, kr[j] - kpool);
-            tiled = rows >= 4 && top / 2 + d / 2 < (int64_t{1} << 31);
-            if (tiled) {
-                alignas(64) int32_t base[VBLK];
-                for (int j = 0; j < VBLK; ++j) base[j] = static_cast<int32_t>((kr[j] - kpool) / 2);
-                const __m512i idx = _mm512_load_si512(reinterpret_cast<const void*>(base));
-                __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());  // [D/2] words
-                for (int i = 0; i < d / 2; ++i)
-                    _mm512_storeu_si512(kt + i, _mm512_i32gather_epi32(
-                                                    _mm512_add_epi32(idx, _mm512_set1_epi32(i)),
-                                                    kpool, 4));
-                for (int r = 0; r < rows; r += 4) {
-                    const int nr = std::min(4, rows - r);
-                    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(),
-                                     _mm512_setzero_ps(), _mm512_setzero_ps()};
-                    const int32_t* qw[4];
-                    for (int t = 0; t < 4; ++t)
-                        qw[t] = reinterpret_cast<const int32_t*>(
-                            qraw + static_cast<size_t>(r + std::min(t, nr - 1)) * d);
-                    for (int i = 0; i < d / 2; ++i) {
-                        const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kt + i);
-                        for (int t = 0; t < 4; ++t)
-                            acc[t] = _mm512_dpbf16_ps(acc[t], k2,
-                                                      (__m512bh)_mm512_set1_epi32(qw[t][i]));
-                    }
-                    for (int t = 0; t < nr; ++t)
-                        _mm512_storeu_ps(sc.s.data() + static_cast<size_t>(r + t) * VBLK, acc[t]);
-                }
-            }
-        }
-        for (int r = 0; r < rows; ++r) {
-            const int rr = r0 + r;
-            __m512 raw;
-            if (tiled) {
-                raw = _mm512_loadu_ps(sc.s.data() + static_cast<size_t>(r) * VBLK);
-            } else {
-                const T* qr = qraw + static_cast<size_t>(r) * d;
-                __m512 part[VBLK];
-                if (d == 64)  // the common head sizes with q held in registers
-                    scores_fixed<64>(qr, kr, part);
-                else if (d == 128)
-                    scores_fixed<128>(qr, kr, part);
-                else
-                    for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
-                raw = reduce16(part);
-            }
-            __mmask16 seen = live;  // keys of the block this row sees
-            if (causal) {
-                const int64_t visible = sc.lim[rr] - j0;
-                if (visible <= 0) continue;
-                if (visible < VBLK) seen &= static_cast<__mmask16>((1u << visible) - 1u);
-            }
-            const __m512 sv =
-                _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(raw, scale_v));
-            const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(sv));
-            // Past the first blocks the maximum rarely moves: no correction to compute then.
-            // (m starts at -inf: exp_nonpos clamps, so the first correction is ~0, never NaN.)
-            const float corr = mx > sc.m[rr] ? exp_nonpos(std::max(sc.m[rr] - mx, -87.0f)) : 1.0f;
-            const __m512 pv = _mm512_maskz_mov_ps(
-                seen, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-            sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(pv);
-            sc.m[rr] = mx;
-            float* ar = sc.acc.data() + static_cast<size_t>(rr) * d;
-            const __m512 cv = _mm512_set1_ps(corr);
-            if constexpr (kPairs) {
-                // probabilities rounded to bf16 for the PV products, as bf16 attention does
-                alignas(32) uint32_t pp[VBLK / 2];
-                _mm256_store_si256(reinterpret_cast<__m256i*>(pp),
-                                   (__m256i)_mm512_cvtneps_pbh(pv));
-                const __m512i* vi = reinterpret_cast<const __m512i*>(vb);
-                for (int c = 0; c < d / 16; ++c) {
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + c * 16), cv);
-                    for (int jp = 0; jp < pairs; ++jp)
-                        a = _mm512_dpbf16_ps(
-                            a, (__m512bh)_mm512_loadu_si512(vi + jp * (d / 16) + c),
-                            (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp])));
-                    _mm512_storeu_ps(ar + c * 16, a);
-                }
-            } else {
-                alignas(64) float p[VBLK];
-                _mm512_store_ps(p, pv);
-                for (int e = 0; e < d; e += 16) {
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + e), cv);
-                    for (int j = 0; j < nb; ++j)
-                        a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
-                                            _mm512_loadu_ps(vb + j * d + e), a);
-                    _mm512_storeu_ps(ar + e, a);
-                }
-            }
-        }
-    }
-}
 #endif
 
 }  // namespace

@@ -1,0 +1,304 @@
+// attend512: the AVX-512 loop of the CPU attention kernels (vdpbf16ps for bf16 pools), which
+// attends query rows to one segment of keys read in place from the pool.
+//
+// Keys are taken a chunk (CHUNK keys) at a time in three passes: every row's scores for the
+// whole chunk, then each row's softmax over them at once, then the chunk's values, interleaved
+// once for all rows, added into each row's accumulator. The running maximum and sum are updated
+// once a chunk. A 16-key online softmax per block chained every block on the last one's
+// maximum, sum and accumulator (a row's exp, two horizontal reductions and its additions in
+// sequence): 64 x 192-key decodes ran at ~60 cycles a key and KV head on Zen 5 with their K/V
+// already in cache. Exact either way: one softmax over the whole context.
+#pragma once
+
+#if defined(__AVX512F__)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_attend.h"
+
+namespace {
+
+// Prefetch one KV head's rows of slots [j0, j1) of a pool (the next block's, while this one is
+// computed; further ahead measured no better).
+template <typename T>
+inline void prefetch_rows(const T* pool, const int32_t* slots, int64_t j0, int64_t j1,
+                          int64_t kvh, int64_t h, int d) {
+    const int64_t width = d * static_cast<int64_t>(sizeof(T));
+    for (int64_t j = j0; j < j1; ++j) {
+        const char* p = reinterpret_cast<const char*>(pool + (slots[j] * kvh + h) * d);
+        for (int64_t off = 0; off < width; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+}
+
+// acc += sum_j p[j] v[j] over the C 16-wide chunks of a row (D = 16 C), all chunks at once
+// and even and odd keys in separate sums: 2C independent chains (one chain a chunk waited on
+// the instruction's latency). vb: [n][D] float32 values.
+template <int C>
+inline void add_values(float* ar, const float* vb, const float* p, int n) {
+    __m512 a[C], b[C];
+    for (int c = 0; c < C; ++c) {
+        a[c] = _mm512_loadu_ps(ar + c * 16);
+        b[c] = _mm512_setzero_ps();
+    }
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+        const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+        for (int c = 0; c < C; ++c) {
+            a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + (j * C + c) * 16), a[c]);
+            b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vb + ((j + 1) * C + c) * 16), b[c]);
+        }
+    }
+    if (j < n)
+        for (int c = 0; c < C; ++c)
+            a[c] = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vb + (j * C + c) * 16),
+                                   a[c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar + c * 16, _mm512_add_ps(a[c], b[c]));
+}
+
+// The same over bf16 values interleaved by key pairs (vi: [pairs][C] words) and probabilities
+// rounded to bf16 pairs (pp); called only where kPairsFor holds (AVX512-BF16).
+template <int C>
+inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    __m512 a[C], b[C];
+    for (int c = 0; c < C; ++c) {
+        a[c] = _mm512_loadu_ps(ar + c * 16);
+        b[c] = _mm512_setzero_ps();
+    }
+    int jp = 0;
+    for (; jp + 2 <= pairs; jp += 2) {
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp]));
+        const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp + 1]));
+        for (int c = 0; c < C; ++c) {
+            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vi + jp * C + c), p0);
+            b[c] = _mm512_dpbf16_ps(b[c], (__m512bh)_mm512_loadu_si512(vi + (jp + 1) * C + c),
+                                    p1);
+        }
+    }
+    if (jp < pairs) {
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp]));
+        for (int c = 0; c < C; ++c)
+            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vi + jp * C + c), p0);
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar + c * 16, _mm512_add_ps(a[c], b[c]));
+#else
+    (void)ar, (void)vi, (void)pp, (void)pairs;
+#endif
+}
+
+// Raw scores of rows [0, rows) against the 16 keys kr (the block at j0 of the chunk):
+// s[r * CHUNK + j0 + j].
+template <typename T>
+inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* kr,
+                         const T* kpool, int d, int j0) {
+    float* s = sc.s.data() + j0;
+    if constexpr (kPairsFor<T>) {
+        // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
+        // = dims 2i, 2i + 1 of key j, gathered), so each vdpbf16ps gives 16 keys' partial
+        // scores of one row and no horizontal sums are needed.
+        int64_t top = 0;
+        for (int j = 0; j < VBLK; ++j) top = std::max<int64_t>(top, kr[j] - kpool);
+        if (rows >= 4 && top / 2 + d / 2 < (int64_t{1} << 31)) {
+            alignas(64) int32_t base[VBLK];
+            for (int j = 0; j < VBLK; ++j) base[j] = static_cast<int32_t>((kr[j] - kpool) / 2);
+            const __m512i idx = _mm512_load_si512(reinterpret_cast<const void*>(base));
+            __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());  // [D/2] words
+            for (int i = 0; i < d / 2; ++i)
+                _mm512_storeu_si512(kt + i, _mm512_i32gather_epi32(
+                                                _mm512_add_epi32(idx, _mm512_set1_epi32(i)),
+                                                kpool, 4));
+            // 8 rows a pass: 8 independent sums keep vdpbf16ps busy; a last partial pass
+            // repeats its last row
+            for (int r = 0; r < rows; r += 8) {
+                const int nr = std::min(8, rows - r);
+                __m512 acc[8];
+                const int32_t* qw[8];
+                for (int t = 0; t < 8; ++t) {
+                    acc[t] = _mm512_setzero_ps();
+                    qw[t] = reinterpret_cast<const int32_t*>(
+                        qraw + static_cast<size_t>(r + std::min(t, nr - 1)) * d);
+                }
+                for (int i = 0; i < d / 2; ++i) {
+                    const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kt + i);
+                    for (int t = 0; t < 8; ++t)
+                        acc[t] = _mm512_dpbf16_ps(acc[t], k2,
+                                                  (__m512bh)_mm512_set1_epi32(qw[t][i]));
+                }
+                for (int t = 0; t < nr; ++t)
+                    _mm512_storeu_ps(s + static_cast<size_t>(r + t) * CHUNK, acc[t]);
+            }
+            return;
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const T* qr = qraw + static_cast<size_t>(r) * d;
+        __m512 part[VBLK];
+        if (d == 64)  // the common head sizes with q held in registers
+            scores_fixed<64>(qr, kr, part);
+        else if (d == 128)
+            scores_fixed<128>(qr, kr, part);
+        else
+            for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
+        _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK, reduce16(part));
+    }
+}
+
+// Row rr's softmax over its `seen` scores of the chunk (sr, raw): the probabilities replace
+// them (0 past seen, up to the chunk's 16-key blocks), and (bf16 pools) go to pp as bf16
+// pairs; the row's maximum and sum move on, and its accumulator is rescaled to the new maximum.
+inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, float scale,
+                          int d, uint32_t* pp) {
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    auto live = [seen](int v) {  // keys of block v the row sees
+        const int left = seen - v * VBLK;
+        return left >= VBLK ? static_cast<__mmask16>(0xffff)
+                            : static_cast<__mmask16>((1u << std::max(left, 0)) - 1u);
+    };
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int v = 0; v < blocks; ++v) {
+        const __m512 x = _mm512_mask_mov_ps(
+            _mm512_set1_ps(-INFINITY), live(v),
+            _mm512_mul_ps(_mm512_loadu_ps(sr + v * VBLK), scale_v));
+        _mm512_storeu_ps(sr + v * VBLK, x);
+        top = _mm512_max_ps(top, x);
+    }
+    const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(top));
+    // (m starts at -inf: exp_nonpos clamps, so the first correction is ~0, never NaN.)
+    const float corr = mx > sc.m[rr] ? exp_nonpos(std::max(sc.m[rr] - mx, -87.0f)) : 1.0f;
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int v = 0; v < blocks; ++v) {
+        // keys past the row's last: probability 0 (exp's clamp would leave ~1e-38)
+        const __m512 p = _mm512_maskz_mov_ps(
+            live(v), exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sr + v * VBLK), mv)));
+        _mm512_storeu_ps(sr + v * VBLK, p);
+        sum = _mm512_add_ps(sum, p);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if (pp != nullptr)  // probabilities rounded to bf16 for the PV products, as bf16 does
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + v * VBLK / 2),
+                                (__m256i)_mm512_cvtneps_pbh(p));
+#endif
+    }
+    sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(sum);
+    sc.m[rr] = mx;
+    if (corr != 1.0f) {
+        float* ar = sc.acc.data() + static_cast<size_t>(rr) * d;
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int e = 0; e < d; e += 16)
+            _mm512_storeu_ps(ar + e, _mm512_mul_ps(_mm512_loadu_ps(ar + e), cv));
+    }
+}
+
+template <typename T>
+void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
+               const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale,
+               bool causal) {
+    constexpr bool kPairs = kPairsFor<T>;
+    const T* kr[VBLK];
+    prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, VBLK), kvh, h, d);
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        const int cn = static_cast<int>(std::min<int64_t>(CHUNK, n - c0));
+        const int32_t* cs = slots + c0;
+        const int blocks = (cn + VBLK - 1) / VBLK;
+        // 1. every row's raw scores for the chunk
+        for (int b = 0; b < blocks; ++b) {
+            const int j0 = b * VBLK, nb = std::min(VBLK, cn - j0);
+            prefetch_rows(kpool, slots, c0 + j0 + VBLK, std::min<int64_t>(n, c0 + j0 + 2 * VBLK),
+                          kvh, h, d);
+            if (b == blocks - 1)  // the chunk's first values, for step 3
+                prefetch_rows(vpool, cs, 0, std::min(cn, VBLK), kvh, h, d);
+            for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
+                kr[j] = kpool + (static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
+            block_scores(sc, qraw, rows, kr, kpool, d, j0);
+        }
+        // 2. each row's softmax over the keys it sees (a causal extend's rows: up to their own)
+        for (int r = 0; r < rows; ++r) {
+            const int rr = r0 + r;
+            int seen = cn;
+            if (causal) seen = static_cast<int>(std::min<int64_t>(cn, std::max<int64_t>(
+                                                                     0, sc.lim[rr] - c0)));
+            sc.vis[r] = seen;
+            if (seen == 0) continue;
+            chunk_softmax(sc, rr, sc.s.data() + static_cast<size_t>(r) * CHUNK, seen,
+                          (seen + VBLK - 1) / VBLK, scale, d,
+                          kPairs ? sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2) : nullptr);
+        }
+        // 3. the chunk's values, converted once, into every row's accumulator
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+            // bf16 values of keys (2i, 2i + 1) interleaved per dim, for vdpbf16ps (a lone last
+            // key pairs with itself: its partner's probability is 0)
+            __m512i* vi = reinterpret_cast<__m512i*>(sc.vb.data());
+            const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
+            for (int jp = 0; jp < (cn + 1) / 2; ++jp) {
+                if (jp % (VBLK / 2) == 0)
+                    prefetch_rows(vpool, cs, 2 * jp + VBLK, std::min(cn, 2 * jp + 2 * VBLK), kvh,
+                                  h, d);
+                const T* va = vpool + (static_cast<int64_t>(cs[2 * jp]) * kvh + h) * d;
+                const T* vb2 =
+                    vpool + (static_cast<int64_t>(cs[std::min(2 * jp + 1, cn - 1)]) * kvh + h) * d;
+                for (int c2 = 0; c2 < d / 32; ++c2) {
+                    const __m512i a = _mm512_loadu_si512(va + c2 * 32);
+                    const __m512i b = _mm512_loadu_si512(vb2 + c2 * 32);
+                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2,
+                                        _mm512_permutex2var_epi16(a, lo, b));
+                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2 + 1,
+                                        _mm512_permutex2var_epi16(a, hi, b));
+                }
+            }
+            for (int r = 0; r < rows; ++r) {
+                if (sc.vis[r] == 0) continue;
+                float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
+                const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
+                const int pairs = (sc.vis[r] + 1) / 2;
+                if (d == 64)
+                    add_pairs<4>(ar, vi, pp, pairs);
+                else if (d == 128)
+                    add_pairs<8>(ar, vi, pp, pairs);
+                else
+                    for (int c = 0; c < d / 16; ++c) {
+                        __m512 a = _mm512_loadu_ps(ar + c * 16);
+                        for (int jp = 0; jp < pairs; ++jp)
+                            a = _mm512_dpbf16_ps(
+                                a, (__m512bh)_mm512_loadu_si512(vi + jp * (d / 16) + c),
+                                (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp])));
+                        _mm512_storeu_ps(ar + c * 16, a);
+                    }
+            }
+#endif
+        } else {
+            float* vb = sc.vb.data();  // [cn][D] float32
+            for (int j = 0; j < cn; ++j) {
+                if (j % VBLK == 0)
+                    prefetch_rows(vpool, cs, j + VBLK, std::min(cn, j + 2 * VBLK), kvh, h, d);
+                const T* vr = vpool + (static_cast<int64_t>(cs[j]) * kvh + h) * d;
+                for (int e = 0; e < d; e += 16) _mm512_storeu_ps(vb + j * d + e, load16(vr + e));
+            }
+            for (int r = 0; r < rows; ++r) {
+                const int seen = sc.vis[r];
+                if (seen == 0) continue;
+                float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
+                const float* p = sc.s.data() + static_cast<size_t>(r) * CHUNK;
+                if (d == 64)
+                    add_values<4>(ar, vb, p, seen);
+                else if (d == 128)
+                    add_values<8>(ar, vb, p, seen);
+                else
+                    for (int e = 0; e < d; e += 16) {
+                        __m512 a = _mm512_loadu_ps(ar + e);
+                        for (int j = 0; j < seen; ++j)
+                            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
+                                                _mm512_loadu_ps(vb + j * d + e), a);
+                        _mm512_storeu_ps(ar + e, a);
+                    }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+#endif  // __AVX512F__
