@@ -175,3 +175,18 @@ def test_processes_started_together_take_one_answer(tmp_path: object) -> None:
     assert all(p.returncode == 0 for p in procs)
     assert len({answer for answer, _ in outs}) == 1, outs
     assert sorted(n for _, n in outs) == ["0", "0", "0", "1"], outs  # one process measured
+
+
+@pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
+def test_bf16_auto_takes_the_kernel_with_vdpbf16ps_and_memory_to_spare(
+        llama_dir: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.model_helpers import make_runner
+
+    monkeypatch.setattr(SkinnyBf16Method, "suits_here", staticmethod(lambda: True))
+    assert _methods(make_runner(llama_dir, dtype="bfloat16")) == \
+        {"SkinnyBf16Method", "PackedBf16Method"}
+    monkeypatch.setattr(SkinnyBf16Method, "MEMORY_SHARE", 10**12)  # no copy is affordable
+    assert _methods(make_runner(llama_dir, dtype="bfloat16")) == {"PackedBf16Method"}
+    monkeypatch.setattr(SkinnyBf16Method, "MEMORY_SHARE", 8)
+    monkeypatch.setattr(SkinnyBf16Method, "suits_here", staticmethod(lambda: False))
+    assert _methods(make_runner(llama_dir, dtype="bfloat16")) == {"PackedBf16Method"}

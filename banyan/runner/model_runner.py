@@ -215,14 +215,19 @@ class ModelRunner:
 
     def _dense_method(self, linear_kernel: str, packed: bool) -> type[LinearMethod] | None:
         """The unquantized linears' method: the native skinny kernel where asked, or (auto)
-        where it measured faster here (in bf16: and its plain copy beside the packed one is
-        affordable); else oneDNN-packed bf16, or F.linear on the weights as loaded (None)."""
+        where it measured faster here (in bf16: where the CPU has vdpbf16ps and the plain copy
+        beside the packed one is affordable); else oneDNN-packed bf16, or F.linear on the
+        weights as loaded (None)."""
         skinny = SkinnyBf16Method if packed else SkinnyF32Method
         if linear_kernel == "native":
             return skinny
-        chosen = (linear_kernel == "auto" and skinny.available(self.device, self.dtype) and
-                  (not packed or SkinnyBf16Method.affordable(self._layer_weight_bytes())) and
-                  skinny.chosen_here(self._largest_linear_weight(layers_only=packed)))
+        if linear_kernel != "auto" or not skinny.available(self.device, self.dtype):
+            chosen = False
+        elif packed:
+            chosen = (SkinnyBf16Method.suits_here() and
+                      SkinnyBf16Method.affordable(self._layer_weight_bytes()))
+        else:
+            chosen = SkinnyF32Method.chosen_here(self._largest_linear_weight())
         return skinny if chosen else PackedBf16Method if packed else None
 
     def _layer_weight_bytes(self) -> int:
@@ -236,12 +241,8 @@ class ModelRunner:
         if self.model.lm_head is None:
             self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
 
-    def _largest_linear_weight(self, layers_only: bool = False) -> torch.Tensor:
-        """The biggest projection weight (the LM head, tied or not, in small models), or the
-        decoder layers' biggest."""
-        if layers_only:
-            return max((m.weight for m in self.model.layers.modules() if isinstance(m, Linear)),
-                       key=lambda w: w.numel()).detach()
+    def _largest_linear_weight(self) -> torch.Tensor:
+        """The biggest projection weight (the LM head, tied or not, in small models)."""
         weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
         weights.append(self.model.embed_tokens.weight)
         return max(weights, key=lambda w: w.numel()).detach()
