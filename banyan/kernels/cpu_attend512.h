@@ -89,27 +89,49 @@ inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pair
 #endif
 }
 
+// r[i] <- the 16 lanes i of r[0..15] (a 16 x 16 transpose of 32-bit words).
+inline void transpose16(__m512i (&r)[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int k = 0; k < 4; ++k) {
+            t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 8; ++k) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    }
+}
+
 // Raw scores of rows [0, rows) against the 16 keys kr (the block at j0 of the chunk):
 // s[r * CHUNK + j0 + j].
 template <typename T>
-inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* kr,
-                         const T* kpool, int d, int j0) {
+inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* kr, int d,
+                         int j0) {
     float* s = sc.s.data() + j0;
     if constexpr (kPairsFor<T>) {
         // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
-        // = dims 2i, 2i + 1 of key j, gathered), so each vdpbf16ps gives 16 keys' partial
-        // scores of one row and no horizontal sums are needed.
-        int64_t top = 0;
-        for (int j = 0; j < VBLK; ++j) top = std::max<int64_t>(top, kr[j] - kpool);
-        if (rows >= 4 && top / 2 + d / 2 < (int64_t{1} << 31)) {
-            alignas(64) int32_t base[VBLK];
-            for (int j = 0; j < VBLK; ++j) base[j] = static_cast<int32_t>((kr[j] - kpool) / 2);
-            const __m512i idx = _mm512_load_si512(reinterpret_cast<const void*>(base));
+        // = dims 2i, 2i + 1 of key j), so each vdpbf16ps gives 16 keys' partial scores of one
+        // row and no horizontal sums are needed. Transposed 16 words at a time with shuffles
+        // (gathers, 16 lanes each, took a fifth of the loop's time on Zen 5).
+        if (rows >= 4) {
             __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());  // [D/2] words
-            for (int i = 0; i < d / 2; ++i)
-                _mm512_storeu_si512(kt + i, _mm512_i32gather_epi32(
-                                                _mm512_add_epi32(idx, _mm512_set1_epi32(i)),
-                                                kpool, 4));
+            for (int w0 = 0; w0 < d / 2; w0 += 16) {
+                __m512i r[VBLK];
+                for (int j = 0; j < VBLK; ++j) r[j] = _mm512_loadu_si512(kr[j] + 2 * w0);
+                transpose16(r);
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + w0 + i, r[i]);
+            }
             // 8 rows a pass: 8 independent sums keep vdpbf16ps busy; a last partial pass
             // repeats its last row
             for (int r = 0; r < rows; r += 8) {
@@ -212,7 +234,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 prefetch_rows(vpool, cs, 0, std::min(cn, VBLK), kvh, h, d);
             for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
                 kr[j] = kpool + (static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
-            block_scores(sc, qraw, rows, kr, kpool, d, j0);
+            block_scores(sc, qraw, rows, kr, d, j0);
         }
         // 2. each row's softmax over the keys it sees (a causal extend's rows: up to their own)
         for (int r = 0; r < rows; ++r) {
