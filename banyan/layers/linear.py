@@ -116,12 +116,7 @@ class PackedBf16Method(LinearMethod):
             layer.bias = bias.detach()  # a plain attribute now: the op takes a tensor
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return self.packed_linear(x, layer.packed, layer.bias)
-
-    @staticmethod
-    def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features * layer.packed.element_size()
