@@ -11,7 +11,8 @@ bit for bit (tested); it runs when every piece has a native kernel:
 - every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
   int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method; a library GEMM has
   none),
-- the step has at most MAX_TOKENS tokens and the native attention plan covers all of them.
+- the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS) and the
+  native attention plan covers all of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
 into the model's weights and the pool; the stack keeps those tensors referenced, and checks
@@ -28,7 +29,8 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
-from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyF32Method
+from banyan.layers.linear import (Linear, LinearMethod, NativeLinear, SkinnyBf16Method,
+                                  SkinnyF32Method)
 from banyan.layers.quant import DEQUANT_MIN_TOKENS
 from banyan.mem.kv_pool import KVPool
 from banyan.models.llama import LlamaForCausalLM
@@ -102,6 +104,8 @@ class NativeLayerStack:
         assert lib is not None
         bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
         self._call = getattr(lib, "banyan_layer_stack_" + ("bf16" if bf16 else "f32"))
+        # the most tokens a step may have: the projections' kernels' own bound
+        self.max_tokens = SkinnyBf16Method.SKINNY_ROWS if bf16 else MAX_TOKENS
 
     @classmethod
     def build(cls, model: torch.nn.Module, pool: KVPool,
@@ -162,7 +166,7 @@ class NativeLayerStack:
         None when this step is not one the stack runs."""
         T = input_ids.shape[0]
         plan = meta.native if isinstance(meta, NativeMetadata) else None
-        if (T > MAX_TOKENS or plan is None or plan.num_tokens != T
+        if (T > self.max_tokens or plan is None or plan.num_tokens != T
                 or meta.backend is not self.backend):
             return None
         if Linear.generation != self._generation:  # some Linear's method was set since
