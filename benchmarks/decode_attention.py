@@ -27,16 +27,19 @@ import torch
 
 from banyan.attention.native_plan import native_attention, plan_native
 from banyan.bench.offline import machine_info
-from banyan.mem.kv_pool import KVPool
+from banyan.mem.kv_pool import KVPool, kv_code_dtype
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
 
 
-def step(rows: list[list[int]], dtype: torch.dtype, group: bool) -> Callable[[], None]:
-    """A pool holding every slot the rows name (random K/V) and a decode step of one token per
-    row over them -> a callable running its attention in every layer."""
+def decode_step(rows: list[list[int]], dtype: torch.dtype, group: bool = True,
+                kv_cache_dtype: str = "auto") -> tuple[Callable[[], None], KVPool]:
+    """A pool holding every slot the rows name (random K/V, stored as kv_cache_dtype) and a
+    decode step of one token per row over them (grouped by shared prefixes or not) -> (a
+    callable running its attention in every layer, the pool). benchmarks/kv_quant.py times its
+    steps with this too."""
     slots = max(max(r) for r in rows) + 1
-    pool = KVPool(LAYERS, slots, KV_HEADS, HEAD_DIM, dtype, "cpu", None)
+    pool = KVPool(LAYERS, slots, KV_HEADS, HEAD_DIM, dtype, "cpu", kv_code_dtype(kv_cache_dtype))
     gen = torch.Generator().manual_seed(0)
     every = torch.arange(slots)
     for layer in range(LAYERS):
@@ -56,7 +59,7 @@ def step(rows: list[list[int]], dtype: torch.dtype, group: bool) -> Callable[[],
         for kv in layers:
             native_attention(q, kv, table, plan, HEAD_DIM**-0.5, out)
 
-    return run
+    return run, pool
 
 
 def cases(dtype: torch.dtype) -> dict[str, tuple[Callable[[], None], int]]:
@@ -70,10 +73,11 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable[[], None], int]]:
             shared_rows.append(prefix + list(range(start, start + 100)))
     hot_rows = [list(range(1, 193))] * 64
     heads = KV_HEADS * LAYERS
-    return {"random 64 x 192": (step(random_rows, dtype, True), 64 * 192 * heads),
-            "shared-prefix 8 x 8, 1024 + 100": (step(shared_rows, dtype, True),
+    return {"random 64 x 192": (decode_step(random_rows, dtype)[0], 64 * 192 * heads),
+            "shared-prefix 8 x 8, 1024 + 100": (decode_step(shared_rows, dtype)[0],
                                                 64 * 1124 * heads),
-            "hot 64 x 192 (in cache)": (step(hot_rows, dtype, False), 64 * 192 * heads)}
+            "hot 64 x 192 (in cache)": (decode_step(hot_rows, dtype, group=False)[0],
+                                        64 * 192 * heads)}
 
 
 def main() -> int:

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from banyan.attention.native_plan import native_attention, plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
-from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, kv_code_dtype
+from banyan.mem.kv_pool import kv_bytes_per_slot, kv_code_dtype
+from decode_attention import HEAD_DIM, KV_HEADS, LAYERS, decode_step  # (this script's folder)
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
 BATCH = 64
 # (label, query/model dtype, --kv-cache-dtype)
 VARIANTS = [
@@ -42,29 +41,11 @@ VARIANTS = [
 
 def decode_case(dtype: torch.dtype, kv_cache_dtype: str, context: int):
     """A pool of BATCH x context random tokens and a decode step over them -> a callable
-    running the step's attention in every layer."""
-    slots = BATCH * context + 1
-    pool = KVPool(LAYERS, slots, KV_HEADS, HEAD_DIM, dtype, "cpu", kv_code_dtype(kv_cache_dtype))
-    gen = torch.Generator().manual_seed(0)
-    every = torch.arange(slots)
-    for layer in range(LAYERS):
-        k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-                for _ in range(2))
-        pool.store(layer, every, k, v)
+    running the step's attention in every layer, and the pool."""
     # requests' slots interleaved in runs of 16, as a busy allocator hands them out
+    slots = BATCH * context + 1
     order = torch.arange(1, slots).view(-1, BATCH, 16).transpose(0, 1).reshape(BATCH, context)
-    table = order.to(torch.int32).contiguous()
-    plan = plan_native(table, list(range(BATCH)), [context - 1] * BATCH, [1] * BATCH,
-                       list(range(BATCH)))
-    q = torch.randn(BATCH, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    out = torch.empty_like(q)
-    layers = [pool.layer(i) for i in range(LAYERS)]
-
-    def run() -> None:
-        for lk in layers:
-            native_attention(q, lk, table, plan, HEAD_DIM**-0.5, out)
-
-    return run, pool
+    return decode_step(order.tolist(), dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def time_kernels(rounds: int, context: int) -> list[dict[str, object]]:
