@@ -10,31 +10,10 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 
-static inline v8 load8(const float* p) { v8 r; __builtin_memcpy(&r, p, sizeof r); return r; }
 static inline float hsum(v8 v) {
     float s = 0.f;
     for (int i = 0; i < 8; ++i) s += v[i];
     return s;
-}
-
-template <int TB>
-static void rows(const float* x, int64_t K, const float* w, const float* bias, float* out,
-                 int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-        const float* wn = w + n * K;
-        v8 acc[TB];
-        for (int i = 0; i < TB; ++i) acc[i] = v8{};
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            const v8 wv = load8(wn + k);
-            for (int i = 0; i < TB; ++i) acc[i] += load8(x + i * K + k) * wv;
-        }
-        for (int i = 0; i < TB; ++i) {
-            float s = hsum(acc[i]);
-            for (int64_t kk = k; kk < K; ++kk) s += x[i * K + kk] * wn[kk];
-            out[i * N + n] = s + (bias ? bias[n] : 0.f);
-        }
-    }
 }
 
 // The bf16 twin: bf16 x and w, products summed in float32, each output rounded once to bf16
@@ -42,7 +21,7 @@ static void rows(const float* x, int64_t K, const float* w, const float* bias, f
 // bf16 layer stack, which calls this same function) read the plain weight at the rate memory
 // allows instead of going through oneDNN's GEMM with Python around every op. With AVX512_BF16,
 // vdpbf16ps does two products a lane (exact in float32) and the masked loads take the tail;
-// elsewhere each value is widened to float32 (a shift) and multiplied as above.
+// elsewhere the float32 loop below takes it, each value widened to float32 (a shift).
 static inline float bf16_value(uint16_t v) {
     const uint32_t u = static_cast<uint32_t>(v) << 16;
     float f;
@@ -55,6 +34,45 @@ static inline uint16_t round_to_bf16(float f) {  // nearest even, NaN kept (as t
     __builtin_memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
     return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// 8 values as float32: float32 as they are, bf16 widened (a shift)
+static inline v8 load8(const float* p) { v8 r; __builtin_memcpy(&r, p, sizeof r); return r; }
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+static inline v8 load8(const uint16_t* p) {
+    u16x8 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    v8 r;
+    __builtin_memcpy(&r, &u, sizeof r);
+    return r;
+}
+static inline float value(float v) { return v; }
+static inline float value(uint16_t v) { return bf16_value(v); }
+static inline float stored(float s, const float*) { return s; }
+static inline uint16_t stored(float s, const uint16_t*) { return round_to_bf16(s); }
+
+// Weight rows [n0, n1) against TB tokens, 8-lane float32 sums: the float32 kernel, and the
+// bf16 one where the CPU has no vdpbf16ps.
+template <int TB, typename T>
+static void rows(const T* x, int64_t K, const T* w, const T* bias, T* out, int64_t N, int64_t n0,
+                 int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+        const T* wn = w + n * K;
+        v8 acc[TB];
+        for (int i = 0; i < TB; ++i) acc[i] = v8{};
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const v8 wv = load8(wn + k);
+            for (int i = 0; i < TB; ++i) acc[i] += load8(x + i * K + k) * wv;
+        }
+        for (int i = 0; i < TB; ++i) {
+            float s = hsum(acc[i]);
+            for (int64_t kk = k; kk < K; ++kk) s += value(x[i * K + kk]) * value(wn[kk]);
+            out[i * N + n] = stored(s + (bias ? value(bias[n]) : 0.f), out);
+        }
+    }
 }
 
 #if defined(__AVX512BF16__)
@@ -107,36 +125,10 @@ static void rows_bf16(const uint16_t* x, int64_t K, const uint16_t* w, const uin
     for (; n < n1; ++n) block_bf16<TB, 1>(x, K, w, bias, out, N, n);
 }
 #else
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-static inline v8 widen8(const uint16_t* p) {
-    u16x8 h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-    v8 r;
-    __builtin_memcpy(&r, &u, sizeof r);
-    return r;
-}
-
 template <int TB>
 static void rows_bf16(const uint16_t* x, int64_t K, const uint16_t* w, const uint16_t* bias,
                       uint16_t* out, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint16_t* wn = w + n * K;
-        v8 acc[TB];
-        for (int i = 0; i < TB; ++i) acc[i] = v8{};
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            const v8 wv = widen8(wn + k);
-            for (int i = 0; i < TB; ++i) acc[i] += widen8(x + i * K + k) * wv;
-        }
-        for (int i = 0; i < TB; ++i) {
-            float s = hsum(acc[i]);
-            for (int64_t kk = k; kk < K; ++kk) s += bf16_value(x[i * K + kk]) * bf16_value(wn[kk]);
-            out[i * N + n] = round_to_bf16(s + (bias ? bf16_value(bias[n]) : 0.f));
-        }
-    }
+    rows<TB>(x, K, w, bias, out, N, n0, n1);
 }
 #endif
 
