@@ -207,7 +207,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     libraries are slow."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
-    kernel = getattr(lib, f"banyan_skinny_linear_{_DTYPE_SUFFIX[x.dtype]}")
+    kernel = (lib.banyan_skinny_linear_bf16 if x.dtype == torch.bfloat16
+              else lib.banyan_skinny_linear_f32)
     out = x.new_empty((x.shape[0], weight.shape[0]))
     with kernel_range("banyan::skinny_linear"):
         kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),

@@ -15,6 +15,7 @@ quantize or copy blocks instead.
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -252,8 +253,6 @@ class SkinnyBf16Method(PackedBf16Method):
     @classmethod
     def affordable(cls, plain_bytes: int) -> bool:
         """Whether a second copy of `plain_bytes` of weights fits the memory share."""
-        import os
-
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return plain_bytes * cls.MEMORY_SHARE <= total
 

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from banyan.args import EngineArgs
 
 logger = logging.getLogger(__name__)
+_NATIVE_NEEDS = ("linear_kernel native needs float32 or bfloat16 on CPU, unquantized, with the "
+                 "native kernels built")
 
 
 @dataclass(slots=True)
@@ -196,32 +198,34 @@ class ModelRunner:
             if dense and linear_kernel != "auto":
                 logger.info("--linear-kernel %s does not apply to them", linear_kernel)
             return
-        packed = PackedBf16Method.available(self.device, self.dtype)
-        skinny = SkinnyBf16Method if packed else SkinnyF32Method
-        if linear_kernel == "native" and (quantization != "none" or
-                                          not skinny.available(self.device, self.dtype)):
-            raise ValueError("linear_kernel native needs float32 or bfloat16 on CPU, "
-                             "unquantized, with the native kernels built")
-        method = quantized_method(quantization) or self._dense_method(linear_kernel, packed)
+        method = quantized_method(quantization)
+        if method is not None and linear_kernel == "native":
+            raise ValueError(_NATIVE_NEEDS)
+        method = method or self._dense_method(linear_kernel)
         if method is None:
             return
         self._split_tied_head()
-        head = self.model.lm_head if self.model.lm_head is not None else self.model.tied_head
+        skip: tuple[Linear, ...] = ()
         if method is SkinnyBf16Method:  # the layer stack stops before the LM head: no plain copy
+            head = self.model.lm_head if self.model.lm_head is not None else self.model.tied_head
             head.convert(PackedBf16Method())
-        converted = convert_linears(self.model, method, skip=(head,) if
-                                    method is SkinnyBf16Method else ())
+            skip = (head,)
+        converted = convert_linears(self.model, method, skip=skip)
         logger.info("%d linear weights converted to %s", converted, method.__name__)
 
-    def _dense_method(self, linear_kernel: str, packed: bool) -> type[LinearMethod] | None:
+    def _dense_method(self, linear_kernel: str) -> type[LinearMethod] | None:
         """The unquantized linears' method: the native skinny kernel where asked, or (auto)
         where it measured faster here (in bf16: where the CPU has vdpbf16ps and the plain copy
         beside the packed one is affordable); else oneDNN-packed bf16, or F.linear on the
         weights as loaded (None)."""
+        packed = PackedBf16Method.available(self.device, self.dtype)
         skinny = SkinnyBf16Method if packed else SkinnyF32Method
+        runs = skinny.available(self.device, self.dtype)
         if linear_kernel == "native":
+            if not runs:
+                raise ValueError(_NATIVE_NEEDS)
             return skinny
-        if linear_kernel != "auto" or not skinny.available(self.device, self.dtype):
+        if linear_kernel != "auto" or not runs:
             chosen = False
         elif packed:
             chosen = (SkinnyBf16Method.suits_here() and
