@@ -255,8 +255,10 @@ def test_add_and_remove_workers(router: ServerProcess, replicas: list[ServerProc
     assert httpx.get(f"{router.url}/health").json()["healthy_workers"] == 3
 
     # Removing a worker with a stream open: it drains (the stream completes), takes no new work.
-    # Four samples, two at a time (--max-running-requests 2): the stream lasts for 800 steps.
-    body = {"prompt": "drain me", "max_tokens": 400, "n": 4, "ignore_eos": True, "stream": True}
+    # Twelve samples, two at a time (--max-running-requests 2): the stream lasts for 6,000 steps
+    # (~2.8 s here). At 800 steps (~0.4 s) it once ended between the DELETE and the next GET on a
+    # busy CI machine, and the drained worker was gone before the test could see it draining.
+    body = {"prompt": "drain me", "max_tokens": 1000, "n": 12, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(lines)
@@ -269,7 +271,7 @@ def test_add_and_remove_workers(router: ServerProcess, replicas: list[ServerProc
         events = sse_events(itertools_chain(first, lines))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
-    assert sum(c["finish_reason"] == "length" for c in chunks) == 4
+    assert sum(c["finish_reason"] == "length" for c in chunks) == 12
     wait_for(lambda: victim not in worker_states(router.url), what="drained worker removed")
     # Unknown workers and bad bodies.
     assert httpx.request("DELETE", f"{router.url}/workers",
