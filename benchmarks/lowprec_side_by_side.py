@@ -1,7 +1,8 @@
 """Low-precision weights side by side in one run: Banyan with --quantization none (bfloat16 and
-float32), int8 and int4 (float32 activations; int8 ones too with --configs int8-q8act,...),
-then for every GGUF file given, Banyan with --quantization gguf (the file's blocks; with
---gguf-activations none,int8 both activation modes) and llama.cpp (llama-cpp-python, in its
+float32), int8 and int4 (float32 activations; bf16 ones with --configs int8-bf16,...; int8
+ones with int8-q8act,...), then for every GGUF file given, Banyan with --quantization gguf
+(the file's blocks; with --gguf-activations none,int8 both activation modes, with
+--gguf-dtypes float32,bfloat16 both activation types) and llama.cpp (llama-cpp-python, in its
 own virtual environment) on that same file, all with the same threads.
 
     python benchmarks/lowprec_side_by_side.py --llamacpp-python VENV/bin/python \
@@ -33,7 +34,8 @@ from banyan.model_files import resolve_model_dir
 # name -> (dtype, --quantization, --activation-quant)
 CONFIGS = {"none-bf16": ("bfloat16", "none", "none"), "none-f32": ("float32", "none", "none"),
            "int8-f32": ("float32", "int8", "none"), "int4-f32": ("float32", "int4", "none"),
-           "int8-q8act": ("float32", "int8", "int8"), "int4-q8act": ("float32", "int4", "int8")}
+           "int8-q8act": ("float32", "int8", "int8"), "int4-q8act": ("float32", "int4", "int8"),
+           "int8-bf16": ("bfloat16", "int8", "none"), "int4-bf16": ("bfloat16", "int4", "none")}
 DEFAULT_CONFIGS = "none-bf16,none-f32,int8-f32,int4-f32"
 IN_LEN = OUT_LEN = 128
 
@@ -172,6 +174,9 @@ def main() -> None:
     parser.add_argument("--gguf-activations", default="none",
                         help="--activation-quant values each GGUF file runs with in Banyan, "
                              "comma-separated (none,int8: both)")
+    parser.add_argument("--gguf-dtypes", default="float32",
+                        help="--dtype values each GGUF file runs with in Banyan, comma-separated "
+                             "(bfloat16: the bf16 GEMM on long steps where the CPU has it)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"Banyan runs besides the GGUF files, of {', '.join(CONFIGS)} "
                              "(empty: none)")
@@ -196,10 +201,12 @@ def main() -> None:
                                                    args.batched, bandwidth, act))
         for spec in args.gguf:
             name, file = spec.split("=", 1)
-            for act in filter(None, args.gguf_activations.split(",")):
-                key = f"banyan gguf {name}" + ("" if act == "none" else f" {act}-act")
-                record(key, banyan_config(Path(file), "float32", "gguf", args.threads,
-                                          args.batched, bandwidth, act))
+            for dtype in filter(None, args.gguf_dtypes.split(",")):
+                for act in filter(None, args.gguf_activations.split(",")):
+                    key = (f"banyan gguf {name}" + ("" if act == "none" else f" {act}-act")
+                           + ("" if dtype == "float32" else f" {dtype}"))
+                    record(key, banyan_config(Path(file), dtype, "gguf", args.threads,
+                                              args.batched, bandwidth, act))
             if args.llamacpp_python:
                 record(f"llama.cpp {name}", llamacpp_config(args.llamacpp_python, Path(file),
                                                             args.threads, bandwidth,

@@ -89,12 +89,18 @@ def test_stack_equals_the_model(model_dirs: dict[str, Path], arch: str,
     _check_steps(runner)
 
 
-@pytest.mark.skipif(not SkinnyBf16Method.available(torch.device("cpu"), torch.bfloat16),
-                    reason="no oneDNN bf16 packing in this torch")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_stack_equals_the_bf16_model(model_dirs: dict[str, Path], arch: str) -> None:
-    """In bf16 every op of both paths rounds where torch rounds: the same bf16 hidden states."""
-    runner = make_runner(model_dirs[arch], dtype="bfloat16", linear_kernel="native")
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_bf16_stack_equals_the_bf16_model(model_dirs: dict[str, Path], arch: str,
+                                          quantization: str) -> None:
+    """In bf16 every op of both paths rounds where torch rounds: the same bf16 hidden states
+    (quantized projections: their float32 kernels between a widened input and a rounded
+    output, in both)."""
+    if quantization == "none" and not SkinnyBf16Method.available(torch.device("cpu"),
+                                                                 torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing in this torch")
+    runner = make_runner(model_dirs[arch], dtype="bfloat16", quantization=quantization,
+                         linear_kernel="native" if quantization == "none" else "auto")
     assert runner.pool.dtype == torch.bfloat16
     _check_steps(runner)
 
@@ -108,16 +114,19 @@ def test_stack_equals_the_model_over_an_int8_pool(model_dirs: dict[str, Path], a
     _check_steps(runner)
 
 
-@pytest.mark.parametrize("wtype,arch", [("Q8_0", "llama"), ("Q4_1", "qwen2"), ("Q4_K", "llama")])
+@pytest.mark.parametrize("wtype,arch,dtype", [("Q8_0", "llama", "float32"),
+                                              ("Q4_1", "qwen2", "float32"),
+                                              ("Q4_K", "llama", "float32"),
+                                              ("Q4_K", "qwen2", "bfloat16")])
 def test_stack_equals_the_model_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Path, wtype: str,
-                                               arch: str,
+                                               arch: str, dtype: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("gguf")
     from tests.gguf_helpers import write_gguf
 
     monkeypatch.setenv("BANYAN_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=True)
-    runner = make_runner(resolve_model_dir(str(path), show_progress=False), dtype="float32",
+    runner = make_runner(resolve_model_dir(str(path), show_progress=False), dtype=dtype,
                          quantization="gguf", gguf_file=path)
     _check_steps(runner)
 

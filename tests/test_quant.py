@@ -105,6 +105,51 @@ def test_int4_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, token
         _check_against_float64(layer, tokens, dtype)
 
 
+def _quantized_layer(method: str, out_f: int, in_f: int, bias: bool) -> Linear:
+    from banyan.layers.gguf_linear import GroupInt8Method
+
+    layer = Linear.from_weight(torch.randn(out_f, in_f), torch.randn(out_f) if bias else None)
+    if method.startswith("int8g"):  # GGUF's Q8_0 (groups of 32) and Q6_K (16)
+        group = int(method.removeprefix("int8g"))
+        layer.convert(GroupInt8Method(torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8),
+                                      torch.rand(out_f, in_f // group) * 0.01, group))
+    elif method == "int4-float32-scales":  # GGUF's Q4_K
+        given = (torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8),
+                 torch.rand(out_f, in_f // 32) * 0.1, -torch.rand(out_f, in_f // 32))
+        layer.convert(Int4Method(32, given=given))
+    elif method == "int8":
+        layer.convert(Int8Method())
+    else:
+        layer.convert(Int4Method(int(method.removeprefix("int4g"))))
+    return layer
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4g32", "int4g128", "int8g32", "int8g16",
+                                    "int4-float32-scales"])
+@pytest.mark.parametrize("out_f,in_f,tokens,bias", [(70, 128, 9, True), (16, 256, 8, False),
+                                                    (49, 128, 21, False), (100, 384, 64, True)])
+def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: int, in_f: int,
+                                                           tokens: int, bias: bool) -> None:
+    """A bf16 model's long steps: bf16 activations times the weights rounded once to bf16,
+    float32 sums, one rounding of each output (plus the float32 bias first). Every panel-group
+    and token-block tail: rows not a multiple of 16 or 48, tokens not a multiple of 8. On a CPU
+    without AVX512-BF16 this checks the kernel's scalar twin."""
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, bf16_gemm_here
+
+    torch.manual_seed(out_f + in_f + tokens)
+    layer = _quantized_layer(method, out_f, in_f, bias)
+    x = torch.randn(tokens, in_f).bfloat16()
+    weight = layer.method.dequantized_weight(layer).bfloat16().double()
+    want = x.double() @ weight.T + (layer.bias.double() if bias else 0.0)
+    got = layer.method._bf16_gemm(layer, x)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_f)
+    tol = 2**-8 * want.abs() + 1e-4 * want.abs().max()
+    assert ((got.double() - want).abs() <= tol).all()
+    if bf16_gemm_here() and tokens >= BF16_GEMM_MIN_TOKENS:  # what the layer runs for bf16
+        assert torch.equal(layer(x), got)
+
+
 def test_int4_group_and_shape_errors() -> None:
     with pytest.raises(ValueError, match="int4 group must be one of"):
         Int4Method(48)

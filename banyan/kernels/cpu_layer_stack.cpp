@@ -2,7 +2,8 @@
 // for each layer, add + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms), the K/V
 // stored into the pool (as they are, or int8 codes with scales), paged attention, the o
 // projection, add + RMSNorm, gate/up, SiLU-and-mul, down; then the final add + RMSNorm. In
-// float32 (any projection kernel), or in bf16 over a bf16 pool (the skinny bf16 kernel).
+// float32 (any projection kernel), or in bf16 over a bf16 pool (the skinny bf16 kernel, or any
+// float32 projection kernel between a widened copy of its input and a rounded copy of its output).
 //
 // Why: at one token the kernels themselves take ~half of a step; the rest was Python dispatch
 // around them (~40 calls a layer, each allocating its output and checking its inputs). This
@@ -19,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_dtypes.h"
 #include "cpu_paged_attention.h"
 
 extern "C" {
@@ -199,11 +201,22 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
     }
 }
 
-// The bf16 stack is built from kSkinnyBf16 projections only (native_stack.py).
-void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float*,
+// In the bf16 stack: the skinny bf16 kernel on a plain bf16 weight; a quantized weight's float32
+// kernel on x widened to float32, its output rounded back to bf16 (bias float32, added before
+// the rounding), as the per-op path's x.float() and .to(bfloat16) around that kernel do.
+void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
-    banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
-                              static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+    if (l.kind == kSkinnyBf16) {
+        banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
+                                  static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+        return;
+    }
+    static thread_local std::vector<float> wide_x, wide_out;
+    wide_x.resize(T * l.in);
+    wide_out.resize(T * l.out);
+    for (int64_t i = 0; i < T * l.in; ++i) wide_x[i] = bf16_to_f32(x[i]);
+    linear(l, wide_x.data(), T, wide_out.data(), xsum, n_threads);
+    for (int64_t i = 0; i < T * l.out; ++i) out[i] = f32_to_bf16(wide_out[i]);
 }
 
 // One token's K (or V) rows into the pool: as they are (float32 or bf16), or int8 codes with a

@@ -47,7 +47,8 @@ def kernel_range(name: str) -> AbstractContextManager[object]:
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
-           "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp")
+           "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
+           "cpu_quant_gemm_bf16.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -174,6 +175,11 @@ def load() -> ctypes.CDLL | None:
     for name in ("int4", "int4s", "int8", "int5"):
         getattr(lib, f"banyan_q8_{name}_linear_f32").restype = None
     lib.banyan_q8_quantize_f32.restype = None
+    lib.banyan_quant_gemm_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                           i64, i64]
+    lib.banyan_quant_gemm_bf16.restype = None
+    lib.banyan_quant_gemm_bf16_vector.argtypes = []
+    lib.banyan_quant_gemm_bf16_vector.restype = ctypes.c_int
     lib.banyan_int8_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64]
     lib.banyan_int8g_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64]
     lib.banyan_int4_dequant_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64]

@@ -7,11 +7,14 @@ decode step reads 1 or ~0.6 byte per weight instead of 2 (bf16) or 4 (float32).
 Packing (the kernel's layout): rows padded to a multiple of 16 and cut into panels of 16; in a
 panel the 16 rows' weights for one input sit side by side. `dequantized_weight` gives back the
 [out, in] float32 matrix a layer computes with, which is what the tests check the kernels
-against (in float64) and what a torch reference model uses.
+against (in float64) and what a torch reference model uses. A bf16 model's long steps on a
+CPU with AVX512-BF16 compute with those values rounded once to bf16 (kernels/
+cpu_quant_gemm_bf16.cpp), as a bf16 model's GEMM does with its weights.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -25,6 +28,13 @@ PANEL = 16
 # SLAB_BYTES (measured on Zen 3: the native kernels win below ~128 tokens, GEMM above).
 DEQUANT_MIN_TOKENS = 128
 SLAB_BYTES = 8 << 20
+# A bf16 model's steps of more tokens than this multiply bf16 activations by the weights
+# dequantized to bf16 pairs in the kernel's own tiles (kernels/cpu_quant_gemm_bf16.cpp, on
+# CPUs with AVX512-BF16): as fast as oneDNN on packed bf16 weights from 8 tokens (SmolLM2's
+# layer, Zen 5: 8 tokens 0.16 vs 0.17 ms, 64 0.61 vs 0.63, 512 4.4 vs 4.4), while up to 8 the
+# float32 panel kernels are faster (1 token 0.05 vs 0.13 ms).
+BF16_GEMM_MIN_TOKENS = 9
+BF16_GEMM_KINDS = {"int8_rows": 0, "int8_groups": 1, "int4": 2, "int4_wide": 3}  # its Kind
 INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gguf: layers/gguf_linear.py
 
@@ -128,6 +138,9 @@ class _QuantMethod(LinearMethod):
         return weight
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.numel() >= BF16_GEMM_MIN_TOKENS * layer.in_features \
+                and bf16_gemm_here():
+            return self._bf16_gemm(layer, x)
         # A decode calls this ~120 times a token: the common case (2-D float32, contiguous)
         # skips the conversions, whose dispatches cost as much as a small layer's kernel.
         plain = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
@@ -143,6 +156,20 @@ class _QuantMethod(LinearMethod):
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, N] float32 = flat [T, K] float32 x the layer's weight (+ bias), natively."""
         raise NotImplementedError
+
+    def _bf16_gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] bf16 -> [..., N] bf16 through the weight rounded to bf16 (float32 sums)."""
+        flat = x.reshape(-1, layer.in_features).contiguous()
+        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
+        spec = self.native(layer)
+        with native.kernel_range("banyan::quantized_gemm_bf16"):
+            self._lib().banyan_quant_gemm_bf16(
+                flat.data_ptr(), flat.shape[0], layer.in_features, BF16_GEMM_KINDS[spec.kind],
+                spec.weight.data_ptr(), spec.scale.data_ptr(),
+                spec.mins.data_ptr() if spec.mins is not None else None, spec.group,
+                self._bias_ptr(layer), out.data_ptr(), layer.out_features,
+                torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], layer.out_features)
 
     def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
         """Panels [p0, p1) as float32 rows into out [(p1 - p0) * 16, K]."""
@@ -283,6 +310,13 @@ class Int4Method(_QuantMethod):
         scale_per_input = scale.float().repeat_interleave(self.group, dim=1)
         low_per_input = low.float().repeat_interleave(self.group, dim=1)
         return codes.float() * scale_per_input + low_per_input
+
+
+@cache
+def bf16_gemm_here() -> bool:
+    """Whether the bf16 GEMM kernel runs on vdpbf16ps here (its scalar twin is for tests)."""
+    lib = native.load()
+    return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
 
 
 def quantized_method(quantization: str) -> type[LinearMethod] | None:

@@ -9,10 +9,11 @@ bit for bit (tested); it runs when every piece has a native kernel:
 - float32 activations on CPU, the K/V pool in float32 or int8 (stored as kv_pool.quantize_rows
   does; fp8 codes are left to torch's conversion); or bf16 activations over a bf16 pool,
 - every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
-  int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method; a library GEMM has
+  int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method, or the quantized ones
+  between a widened input and a rounded output, as their `apply` does; a library GEMM has
   none),
-- the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS) and the
-  native attention plan covers all of them.
+- the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS, and
+  below quant.BF16_GEMM_MIN_TOKENS) and the native attention plan covers all of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
 into the model's weights and the pool; the stack keeps those tensors referenced, and checks
@@ -31,7 +32,7 @@ from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
 from banyan.layers.linear import (Linear, LinearMethod, NativeLinear, SkinnyBf16Method,
                                   SkinnyF32Method)
-from banyan.layers.quant import DEQUANT_MIN_TOKENS
+from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
 from banyan.mem.kv_pool import KVPool
 from banyan.models.llama import LlamaForCausalLM
 
@@ -44,6 +45,11 @@ LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int
                 "skinny_bf16": 9}  # the one kind of a bf16 stack
 # The stack's element types and the pools each runs over (code dtypes: None = as computed).
 STACK_POOLS = {torch.float32: (None, torch.int8), torch.bfloat16: (None,)}
+# The projection kernels each element type's stack runs: the dense kernel of its own type, and
+# every quantized one (float32 inside).
+_QUANTIZED = frozenset(LINEAR_KINDS) - {"skinny_f32", "skinny_bf16"}
+STACK_KINDS = {torch.float32: _QUANTIZED | {"skinny_f32"},
+               torch.bfloat16: _QUANTIZED | {"skinny_bf16"}}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -105,7 +111,8 @@ class NativeLayerStack:
         bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
         self._call = getattr(lib, "banyan_layer_stack_" + ("bf16" if bf16 else "f32"))
         # the most tokens a step may have: the projections' kernels' own bound
-        self.max_tokens = SkinnyBf16Method.SKINNY_ROWS if bf16 else MAX_TOKENS
+        self.max_tokens = (min(SkinnyBf16Method.SKINNY_ROWS, BF16_GEMM_MIN_TOKENS - 1) if bf16
+                           else MAX_TOKENS)
 
     @classmethod
     def build(cls, model: torch.nn.Module, pool: KVPool,
@@ -124,8 +131,10 @@ class NativeLayerStack:
 
         def linear(layer: Linear) -> StackLinear | None:
             spec: NativeLinear | None = layer.method.native(layer)
-            if (spec is None or (spec.kind == "skinny_bf16") != (dtype == torch.bfloat16)
-                    or not _vector(layer.bias, layer.out_features, dtype)):
+            if spec is None or spec.kind not in STACK_KINDS[dtype]:
+                return None
+            bias_dtype = torch.bfloat16 if spec.kind == "skinny_bf16" else torch.float32
+            if not _vector(layer.bias, layer.out_features, bias_dtype):
                 return None
             methods.append((layer, layer.method))
             parts = [t for t in (spec.weight, spec.scale, spec.mins, layer.bias) if t is not None]

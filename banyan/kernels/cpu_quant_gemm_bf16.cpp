@@ -1,0 +1,211 @@
+// Weight-only quantized linears for a bf16 model's long steps (prefill chunks, batched decode):
+// out[t, n] = bf16(sum_k x[t, k] * bf16(w[n, k]) + bias[n]), x and out bf16, the sums float32.
+// w[n, k] is the layer's value (code x scale (+ min)), as the float32 kernels and
+// banyan/layers/quant.py define it, rounded once to bf16: what a bf16 model's GEMM multiplies.
+//
+// Why not dequantize slabs and call torch's GEMM: oneDNN reorders a plain bf16 matrix into its
+// blocked layout on every call, which made 64 tokens through one SmolLM2 layer cost 1.96 ms
+// against 0.73 ms on the weights packed once (Zen 5). Here each thread dequantizes a group of
+// NP panels (16 output rows each; the codes' own layout) straight into pairs of inputs, the
+// layout vdpbf16ps reads, once per step, and multiplies every token by them while the group
+// sits in L2: TB tokens x NP panels of float32 sums in registers, each pair of an activation row
+// broadcast once per pass. Without AVX512-BF16 a scalar loop gives the same values (the tests'
+// path on other CPUs; the engine takes this kernel only where the CPU has the instruction).
+
+#include <omp.h>
+
+#include <cstdlib>
+#include <vector>
+
+#include "cpu_dtypes.h"
+#include "cpu_quant_common.h"
+
+namespace {
+
+// NativeLinear kinds (banyan/layers/linear.py) this kernel reads.
+enum Kind : int64_t { kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3 };
+
+struct QuantWeight {
+    int64_t kind, K, group;
+    const void* codes;
+    const void* scale;  // float32; float16 for kInt4
+    const void* mins;   // kInt4 / kInt4Wide only
+};
+
+// One weight's value in float32, as the float32 dequantizer computes it (no fused multiply-add).
+float weight_value(const QuantWeight& w, int64_t p, int l, int64_t k) {
+    const int64_t K = w.K, groups = w.group ? K / w.group : 1, g = w.group ? k / w.group : 0;
+    const int64_t at = (p * groups + g) * PANEL + l;
+    if (w.kind == kInt8Rows || w.kind == kInt8Groups) {
+        const float code = static_cast<const int8_t*>(w.codes)[(p * K + k) * PANEL + l];
+        const float s = static_cast<const float*>(w.scale)[w.kind == kInt8Rows ? p * PANEL + l
+                                                                               : at];
+        return code * s;
+    }
+    const uint8_t b = static_cast<const uint8_t*>(w.codes)[(p * (K / 2) + k / 2) * PANEL + l];
+    const float code = static_cast<float>(k & 1 ? b >> 4 : b & 0xF);
+    float s, m;
+    if (w.kind == kInt4) {
+        s = scale_value(static_cast<const uint16_t*>(w.scale)[at]);
+        m = scale_value(static_cast<const uint16_t*>(w.mins)[at]);
+    } else {
+        s = static_cast<const float*>(w.scale)[at];
+        m = static_cast<const float*>(w.mins)[at];
+    }
+    const float scaled = code * s;
+    return scaled + m;
+}
+
+#if defined(__AVX512BF16__)
+constexpr int NP = 3;  // panels a pass: 3 x 8 sums + 3 weights + a broadcast of 32 registers
+constexpr int TB = 8;
+
+// 16 rows' values at inputs 2j and 2j + 1 -> 16 bf16 pairs, input 2j in each lane's low half
+// (the order of a broadcast activation pair in memory).
+inline __m512i pair_bf16(__m512 even, __m512 odd) {
+    const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+    const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+    return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
+}
+
+inline __m512 scale16(const void* s, int64_t at, bool half) {
+    return half ? load_scale16(static_cast<const uint16_t*>(s) + at)
+                : _mm512_loadu_ps(static_cast<const float*>(s) + at);
+}
+
+// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
+void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
+    const int64_t K = w.K, pairs = K / 2;
+    const int64_t group = w.kind == kInt8Rows ? K : w.group, groups = K / group;
+    for (int q = 0; q < np; ++q) {
+        const int64_t p = p0 + q;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t at = w.kind == kInt8Rows ? p * PANEL : (p * groups + g) * PANEL;
+            const __m512 s = scale16(w.scale, at, w.kind == kInt4);
+            if (w.kind == kInt8Rows || w.kind == kInt8Groups) {
+                const int8_t* c = static_cast<const int8_t*>(w.codes) + p * K * PANEL;
+                for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j)
+                    tile[j * np + q] = pair_bf16(_mm512_mul_ps(load_i8x16(c + 2 * j * PANEL), s),
+                                                 _mm512_mul_ps(load_i8x16(c + (2 * j + 1) * PANEL), s));
+                continue;
+            }
+            const __m512 m = scale16(w.mins, at, w.kind == kInt4);
+            const uint8_t* c = static_cast<const uint8_t*>(w.codes) + p * pairs * PANEL;
+            const __m512i low4 = _mm512_set1_epi32(0xF);
+            for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
+                const __m512i b = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j * PANEL)));
+                const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
+                const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
+                                             _mm512_add_ps(_mm512_mul_ps(odd, s), m));
+            }
+        }
+    }
+}
+
+// tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P).
+template <int N_P, int T_B>
+void tile_gemm(const __m512i* tile, const uint16_t* x, int64_t K, int64_t t0, int64_t p0,
+               const float* bias, uint16_t* out, int64_t N) {
+    __m512 acc[T_B][N_P];
+    for (int t = 0; t < T_B; ++t)
+        for (int q = 0; q < N_P; ++q) acc[t][q] = _mm512_setzero_ps();
+    const int32_t* rows[T_B];  // activation rows as pairs of inputs
+    for (int t = 0; t < T_B; ++t) rows[t] = reinterpret_cast<const int32_t*>(x + (t0 + t) * K);
+    for (int64_t j = 0; j < K / 2; ++j) {
+        __m512bh wv[N_P];
+        for (int q = 0; q < N_P; ++q) wv[q] = (__m512bh)_mm512_load_si512(tile + j * N_P + q);
+        for (int t = 0; t < T_B; ++t) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(rows[t][j]);
+            for (int q = 0; q < N_P; ++q) acc[t][q] = _mm512_dpbf16_ps(acc[t][q], wv[q], xv);
+        }
+    }
+    for (int q = 0; q < N_P; ++q) {
+        const int64_t n0 = (p0 + q) * PANEL;
+        const int64_t left = std::min<int64_t>(PANEL, N - n0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        for (int t = 0; t < T_B; ++t) {
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[t][q], b));
+            _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, v);
+        }
+    }
+}
+
+// The largest token count <= T_B that is tb, at compile time.
+template <int N_P, int T_B>
+void token_block(int tb, const __m512i* tile, const uint16_t* x, int64_t K, int64_t t0,
+                 int64_t p0, const float* bias, uint16_t* out, int64_t N) {
+    if (tb == T_B) return tile_gemm<N_P, T_B>(tile, x, K, t0, p0, bias, out, N);
+    if constexpr (T_B > 1) token_block<N_P, T_B - 1>(tb, tile, x, K, t0, p0, bias, out, N);
+}
+
+template <int N_P>
+void panel_group(const __m512i* tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
+                 const float* bias, uint16_t* out, int64_t N) {
+    for (int64_t t0 = 0; t0 < T; t0 += TB) {
+        const int tb = static_cast<int>(std::min<int64_t>(TB, T - t0));
+        token_block<N_P, TB>(tb, tile, x, K, t0, p0, bias, out, N);
+    }
+}
+
+void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
+                uint16_t* out, int64_t N, int64_t n_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(threads_for(panels / NP, n_threads))
+    {
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        const int64_t a = panels * i / n, b = panels * (i + 1) / n;
+        // 64-byte aligned (a std::vector of __m512i drops the alignment attribute)
+        __m512i* tile = static_cast<__m512i*>(std::aligned_alloc(64, w.K / 2 * NP * 64));
+        for (int64_t p0 = a; p0 < b; p0 += NP) {
+            const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
+            fill_tile(w, p0, np, tile);
+            if (np == 3) panel_group<3>(tile, x, T, w.K, p0, bias, out, N);
+            else if (np == 2) panel_group<2>(tile, x, T, w.K, p0, bias, out, N);
+            else panel_group<1>(tile, x, T, w.K, p0, bias, out, N);
+        }
+        std::free(tile);
+    }
+}
+#else
+void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
+                uint16_t* out, int64_t N, int64_t n_threads) {
+    const int64_t K = w.K;
+#pragma omp parallel for num_threads(threads_for(N, n_threads)) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        std::vector<float> row(static_cast<size_t>(K));
+        for (int64_t k = 0; k < K; ++k)
+            row[k] = bf16_to_f32(f32_to_bf16(weight_value(w, n / PANEL, n % PANEL, k)));
+        for (int64_t t = 0; t < T; ++t) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; ++k) sum += bf16_to_f32(x[t * K + k]) * row[k];
+            out[t * N + n] = f32_to_bf16(sum + (bias ? bias[n] : 0.0f));
+        }
+    }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// x [T, K] bf16 through a quantized weight of N rows in the panel layout (`kind` as Kind above;
+// group: inputs per scale, 0 for kInt8Rows) -> out [T, N] bf16. bias: float32 [N] or null.
+void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
+                            const void* codes, const void* scale, const void* mins, int64_t group,
+                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads) {
+    quant_gemm(x, T, QuantWeight{kind, K, group, codes, scale, mins}, bias, out, N, n_threads);
+}
+
+// Whether banyan_quant_gemm_bf16 runs on vdpbf16ps here (else the scalar loop).
+int banyan_quant_gemm_bf16_vector() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+}  // extern "C"
