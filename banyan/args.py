@@ -48,7 +48,8 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata=_doc(
         "Weight and activation dtype: auto (the config's torch_dtype; on a CPU without "
         "bfloat16/float16 arithmetic units, such as AMD Zen 3, a half-type checkpoint computes "
-        "in float32 when it fits), float32, bfloat16, float16.",
+        "in float32 when it fits; quantized linears (--quantization) compute in bfloat16 where "
+        "the CPU has AVX512-BF16), float32, bfloat16, float16.",
         choices=["auto", "float32", "bfloat16", "float16"]))
     device: str = field(default="auto", metadata=_doc(
         "auto (cuda when available, else cpu), cpu, cuda, cuda:N."))

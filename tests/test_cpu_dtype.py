@@ -83,3 +83,29 @@ def test_a_bf16_checkpoint_on_this_cpu(bf16_llama: Path, caplog: pytest.LogCaptu
         assert engine.core.dtype == want
         assert auto == [o.outputs[0].output_ids for o in engine.generate(
             input_ids=prompts, sampling_params=params)]
+
+
+def test_quantized_linears_compute_in_bf16_where_the_cpu_does(tmp_path: Path) -> None:
+    """auto with quantized linears: bfloat16 where the bf16 GEMM over quantized weights runs on
+    this CPU's bf16 units, else the checkpoint's float32; an explicit dtype always wins."""
+    from banyan.layers.quant import bf16_gemm_here
+
+    cpu = torch.device("cpu")
+    expect = torch.bfloat16 if bf16_gemm_here() else torch.float32
+    assert compute_dtype("auto", torch.float32, cpu, tmp_path, quantized=True) == expect
+    assert compute_dtype("auto", torch.float32, cpu, tmp_path) == torch.float32
+    assert compute_dtype("float32", torch.float32, cpu, tmp_path, quantized=True) == torch.float32
+    assert compute_dtype("auto", torch.float32, torch.device("cuda"), tmp_path,
+                         quantized=True) == torch.float32
+
+
+def test_a_quantized_model_at_auto_on_this_cpu(llama_dir: Path) -> None:
+    """int8 linears at auto: the engine's dtype follows the rule above (and runs)."""
+    from banyan.layers.quant import bf16_gemm_here
+
+    with Engine(str(llama_dir), quantization="int8", device="cpu", disable_tqdm=True,
+                kv_cache_memory="4MiB") as engine:
+        assert engine.core.dtype == ("bfloat16" if bf16_gemm_here() else "float32")
+        out = engine.generate(input_ids=[[5, 17, 33]], sampling_params=SamplingParams(
+            max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].outputs[0].output_ids) == 4

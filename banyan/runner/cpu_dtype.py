@@ -8,6 +8,14 @@ so the half type saves memory and costs time. On Zen 3 a SmolLM2-shaped bfloat16
 float32 (every bfloat16/float16 value is exact in float32, so outputs get closer to the
 float32 reference, not further), as long as the widened weights fit in half of the free memory;
 an explicit `--dtype bfloat16` keeps bfloat16.
+
+The other way round, a model whose linears are quantized (int8 / int4 / a GGUF file's blocks)
+computes in bfloat16 under `auto` where the CPU has bf16 units and the bf16 GEMM over quantized
+weights runs on them (kernels/cpu_quant_gemm_bf16.cpp): the weights lost far more to 4 or 8
+bits than activations lose to bf16 (perplexity within 0.5% of float32 activations), and on Zen 5
+a random 64 x 128/128 run of the default Q4_1 model went 236 -> 834 tok/s, batch-1 decode the
+same, the first token of a 128-token prompt 0.11 -> 0.06 s, and the KV cache holds twice the
+tokens. `--dtype float32` keeps float32, the dtype whose greedy output equals the reference's.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from pathlib import Path
 import torch
 
 from banyan.kernels.native import cpu_flags
+from banyan.layers.quant import bf16_gemm_here
 from banyan.models.config import resolve_dtype
 from banyan.runner.device import available_memory
 
@@ -58,12 +67,19 @@ def auto_cpu_dtype(checkpoint: torch.dtype, checkpoint_bytes: int, available_byt
 
 
 def compute_dtype(requested: str | torch.dtype | None, checkpoint: torch.dtype,
-                  device: torch.device, model_path: str | Path) -> torch.dtype:
+                  device: torch.device, model_path: str | Path,
+                  quantized: bool = False) -> torch.dtype:
     """The dtype a model computes in: the requested one, or for `auto` the checkpoint's, except
-    on a CPU without units for it (auto_cpu_dtype; logged)."""
+    on a CPU without units for it (auto_cpu_dtype), and bfloat16 for quantized linears on a
+    CPU that computes it (see the module; both logged)."""
     dtype = resolve_dtype(requested, checkpoint)
     if requested not in (None, "auto") or device.type != "cpu":
         return dtype
+    if quantized and dtype == torch.float32 and bf16_gemm_here():
+        logger.info("--dtype auto: the linears are quantized and this CPU computes in "
+                       "bfloat16 (AVX512-BF16): activations in bfloat16; --dtype float32 keeps "
+                       "float32")
+        return torch.bfloat16
     files = sorted(Path(model_path).glob("*.safetensors"))
     dtype, why = auto_cpu_dtype(dtype, sum(f.stat().st_size for f in files),
                                 available_memory(device))

@@ -113,7 +113,8 @@ class ModelRunner:
         code_dtype = kv_code_dtype(kv_cache_dtype)
         self.model_config = ModelConfig.from_pretrained(model_path)
         cfg = self.model_config
-        self.dtype = compute_dtype(dtype, cfg.torch_dtype, self.device, model_path)
+        quantized = quantization != "none" and (quantization != "auto" or gguf_file is not None)
+        self.dtype = compute_dtype(dtype, cfg.torch_dtype, self.device, model_path, quantized)
         if quantization == "auto":  # a GGUF model computes from its blocks where it can
             runnable = gguf_file is not None and quantization_runs("gguf", self.device, self.dtype)
             quantization = "gguf" if runnable else "none"
