@@ -150,6 +150,16 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
         assert torch.equal(layer(x), got)
 
 
+@needs_kernels
+def test_odd_widths_in_bf16_take_the_float32_kernels() -> None:
+    """The bf16 GEMM reads inputs in pairs: a layer of odd width (int8 has no groups) runs its
+    long bf16 steps through the float32 kernels instead, still correct."""
+    torch.manual_seed(3)
+    layer = Linear.from_weight(torch.randn(37, 67), torch.randn(37))
+    layer.convert(Int8Method())
+    _check_against_float64(layer, 21, torch.bfloat16)
+
+
 def test_int4_group_and_shape_errors() -> None:
     with pytest.raises(ValueError, match="int4 group must be one of"):
         Int4Method(48)

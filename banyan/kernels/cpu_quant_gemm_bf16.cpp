@@ -193,6 +193,7 @@ extern "C" {
 
 // x [T, K] bf16 through a quantized weight of N rows in the panel layout (`kind` as Kind above;
 // group: inputs per scale, 0 for kInt8Rows) -> out [T, N] bf16. bias: float32 [N] or null.
+// K even (the vector loop reads inputs in pairs; quant.py sends odd widths elsewhere).
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
                             const float* bias, uint16_t* out, int64_t N, int64_t n_threads) {

@@ -139,7 +139,7 @@ class _QuantMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.numel() >= BF16_GEMM_MIN_TOKENS * layer.in_features \
-                and bf16_gemm_here():
+                and layer.in_features % 2 == 0 and bf16_gemm_here():  # (inputs in pairs)
             return self._bf16_gemm(layer, x)
         # A decode calls this ~120 times a token: the common case (2-D float32, contiguous)
         # skips the conversions, whose dispatches cost as much as a small layer's kernel.
