@@ -173,6 +173,21 @@ struct Attender {
         for (int64_t c0 = 0; c0 < n; c0 += QCHUNK) {
             const int64_t cn = std::min(QCHUNK, n - c0);
             const int di = static_cast<int>(d);
+#if defined(__AVX2__)
+            // Every row of the chunk, K and V, requested at once: read row by row, each miss was
+            // waited out in turn (perf: the dequantizing loop stalled on its loads). 64 x 256
+            // decodes on Zen 5: int8 pool ~1.2x, fp8 ~2.3x faster (kv-quant-prefetch-ab-zen5).
+            const int64_t bytes = d * static_cast<int64_t>(sizeof(typename K::T));
+            for (int64_t j = c0; j < c0 + cn; ++j) {
+                const int64_t row = static_cast<int64_t>(slots[j]) * kvh + h;
+                const char* k_row = reinterpret_cast<const char*>(kpool + row * d);
+                const char* v_row = reinterpret_cast<const char*>(vpool + row * d);
+                for (int64_t off = 0; off < bytes; off += 64) {
+                    _mm_prefetch(k_row + off, _MM_HINT_T0);
+                    _mm_prefetch(v_row + off, _MM_HINT_T0);
+                }
+            }
+#endif
             dequantize<C, K>(slots + c0, cn, kpool, kscale, kvh, h, di, kq.data());
             dequantize<C, K>(slots + c0, cn, vpool, vscale, kvh, h, di, vq.data());
             attend_chunk(iota.data(), cn);
