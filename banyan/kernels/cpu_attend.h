@@ -29,6 +29,10 @@ struct Scratch {
     std::vector<int64_t> lim;  // keys of the current segment each row may see (causal extends)
     std::vector<int> vis;  // keys of the current chunk each row sees (AVX-512)
     std::vector<uint32_t> pp;  // a chunk's probabilities as bf16 pairs, per row (AVX-512)
+    // an int8 pool read in place (AVX512-BF16): a block's key codes as bf16, the chunk's
+    // value scales
+    std::vector<uint16_t> kc;
+    std::vector<float> vsc;
     void fit(int rows, int d) {
         lim.resize(rows);
         vis.resize(rows);
@@ -41,6 +45,8 @@ struct Scratch {
         s.resize(static_cast<size_t>(rows) * CHUNK);  // (>= BLK)
         kt.resize(static_cast<size_t>(d) * BLK);
         vb.resize(static_cast<size_t>(CHUNK) * d);
+        kc.resize(static_cast<size_t>(BLK) * d);
+        vsc.resize(CHUNK);
     }
 };
 

@@ -173,7 +173,7 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
 // them (0 past seen, up to the chunk's 16-key blocks), and (bf16 pools) go to pp as bf16
 // pairs; the row's maximum and sum move on, and its accumulator is rescaled to the new maximum.
 inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, float scale,
-                          int d, uint32_t* pp) {
+                          int d, uint32_t* pp, const float* vmul = nullptr) {
     const __m512 scale_v = _mm512_set1_ps(scale);
     auto live = [seen](int v) {  // keys of block v the row sees
         const int left = seen - v * VBLK;
@@ -201,8 +201,10 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
         sum = _mm512_add_ps(sum, p);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (pp != nullptr)  // probabilities rounded to bf16 for the PV products, as bf16 does
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + v * VBLK / 2),
-                                (__m256i)_mm512_cvtneps_pbh(p));
+            _mm256_storeu_si256(  // (an int8 pool's: times each value row's scale first)
+                reinterpret_cast<__m256i*>(pp + v * VBLK / 2),
+                (__m256i)_mm512_cvtneps_pbh(
+                    vmul ? _mm512_mul_ps(p, _mm512_loadu_ps(vmul + v * VBLK)) : p));
 #endif
     }
     sc.l[rr] = sc.l[rr] * corr + _mm512_reduce_add_ps(sum);
@@ -215,12 +217,30 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
     }
 }
 
-template <typename T>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 32 int8 codes -> 32 bf16 (exact: |code| <= 127), in order.
+inline __m512i codes_bf16x32(const int8_t* p) {
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
+// T: the queries' type; P: the pool's, T itself or (bf16 queries with AVX512-BF16) int8 codes
+// with a float32 scale per (slot, head) row (kscale, vscale), read in place: the codes are
+// exact in bf16, each key's scale multiplies its scores and each value's its probabilities.
+// (A dequantized copy of every chunk first ran 64 x 256 decodes at ~1.8x a bf16 pool's time.)
+template <typename T, typename P = T>
 void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
-               const T* kpool, const T* vpool, int64_t kvh, int64_t h, int d, float scale,
-               bool causal) {
+               const P* kpool, const P* vpool, int64_t kvh, int64_t h, int d, float scale,
+               bool causal, const float* kscale = nullptr, const float* vscale = nullptr) {
     constexpr bool kPairs = kPairsFor<T>;
+    constexpr bool kCodes = std::is_same<P, int8_t>::value;
+    static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "int8 codes: bf16 pairs only");
     const T* kr[VBLK];
+    alignas(64) float ks[VBLK];
     prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, 2 * VBLK), kvh, h, d);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int cn = static_cast<int>(std::min<int64_t>(CHUNK, n - c0));
@@ -233,9 +253,29 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                           std::min<int64_t>(n, c0 + j0 + 3 * VBLK), kvh, h, d);
             if (b == blocks - 1)  // the chunk's first values, for step 3
                 prefetch_rows(vpool, cs, 0, std::min(cn, 2 * VBLK), kvh, h, d);
-            for (int j = 0; j < VBLK; ++j)  // padding keys repeat the last one (masked below)
-                kr[j] = kpool + (static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h) * d;
+            for (int j = 0; j < VBLK; ++j) {  // padding keys repeat the last one (masked below)
+                const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;
+                if constexpr (kCodes) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+                    uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
+                    for (int e = 0; e < d; e += 32)
+                        _mm512_storeu_si512(kc + e, codes_bf16x32(kpool + row * d + e));
+                    kr[j] = kc;
+                    ks[j] = kscale[row];
+                    sc.vsc[j0 + j] = vscale[row];
+#endif
+                } else {
+                    kr[j] = kpool + row * d;
+                }
+            }
             block_scores(sc, qraw, rows, kr, d, j0);
+            if constexpr (kCodes) {  // the keys' scales
+                const __m512 kv = _mm512_load_ps(ks);
+                for (int r = 0; r < rows; ++r) {
+                    float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK + j0;
+                    _mm512_storeu_ps(sr, _mm512_mul_ps(_mm512_loadu_ps(sr), kv));
+                }
+            }
         }
         // 2. each row's softmax over the keys it sees (a causal extend's rows: up to their own)
         for (int r = 0; r < rows; ++r) {
@@ -247,7 +287,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             if (seen == 0) continue;
             chunk_softmax(sc, rr, sc.s.data() + static_cast<size_t>(r) * CHUNK, seen,
                           (seen + VBLK - 1) / VBLK, scale, d,
-                          kPairs ? sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2) : nullptr);
+                          kPairs ? sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2) : nullptr,
+                          kCodes ? sc.vsc.data() : nullptr);
         }
         // 3. the chunk's values, converted once, into every row's accumulator
         if constexpr (kPairs) {
@@ -260,12 +301,18 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 if (jp % (VBLK / 2) == 0)
                     prefetch_rows(vpool, cs, 2 * jp + 2 * VBLK, std::min(cn, 2 * jp + 3 * VBLK),
                                   kvh, h, d);
-                const T* va = vpool + (static_cast<int64_t>(cs[2 * jp]) * kvh + h) * d;
-                const T* vb2 =
+                const P* va = vpool + (static_cast<int64_t>(cs[2 * jp]) * kvh + h) * d;
+                const P* vb2 =
                     vpool + (static_cast<int64_t>(cs[std::min(2 * jp + 1, cn - 1)]) * kvh + h) * d;
                 for (int c2 = 0; c2 < d / 32; ++c2) {
-                    const __m512i a = _mm512_loadu_si512(va + c2 * 32);
-                    const __m512i b = _mm512_loadu_si512(vb2 + c2 * 32);
+                    __m512i a, b;
+                    if constexpr (kCodes) {
+                        a = codes_bf16x32(va + c2 * 32);
+                        b = codes_bf16x32(vb2 + c2 * 32);
+                    } else {
+                        a = _mm512_loadu_si512(va + c2 * 32);
+                        b = _mm512_loadu_si512(vb2 + c2 * 32);
+                    }
                     _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2,
                                         _mm512_permutex2var_epi16(a, lo, b));
                     _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2 + 1,
