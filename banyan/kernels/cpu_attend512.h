@@ -218,27 +218,51 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// 32 int8 codes -> 32 bf16 (exact: |code| <= 127), in order.
-inline __m512i codes_bf16x32(const int8_t* p) {
-    const __m512 lo = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    const __m512 hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+// 32 codes of a quantized pool (cpu_dtypes.h: I8, E4M3, E5M2) -> 32 bf16, in order, exactly:
+// int8 |code| <= 127; an fp8 code through half precision as fp8_row_to_f32 does it (e4m3 at
+// 2^-8 of its value: code_unit). Every such value has at most 4 significant bits.
+template <typename Codes>
+inline __m512i codes_bf16x32(const typename Codes::T* p) {
+    __m512 lo, hi;
+    if constexpr (std::is_same<Codes, I8>::value) {
+        lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    } else {
+        const __m512i w = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        __m512i half;
+        if constexpr (std::is_same<Codes, E5M2>::value) {
+            half = _mm512_slli_epi16(w, 8);
+        } else {
+            half = _mm512_or_si512(
+                _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8),
+                _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7));
+        }
+        lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+        hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    }
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 #endif
 
-// T: the queries' type; P: the pool's, T itself or (bf16 queries with AVX512-BF16) int8 codes
-// with a float32 scale per (slot, head) row (kscale, vscale), read in place: the codes are
-// exact in bf16, each key's scale multiplies its scores and each value's its probabilities.
-// (A dequantized copy of every chunk first ran 64 x 256 decodes at ~1.8x a bf16 pool's time.)
-template <typename T, typename P = T>
+// What one unit of codes_bf16x32's output is worth before the row's scale.
+template <typename Codes>
+constexpr float code_unit = std::is_same<Codes, E4M3>::value ? 256.0f : 1.0f;
+
+// T: the queries' type; P: the pool's, T itself or (bf16 queries with AVX512-BF16) the codes
+// of a quantized pool (Codes: I8, E4M3 or E5M2) with a float32 scale per (slot, head) row
+// (kscale, vscale), read in place: the codes are exact in bf16, each key's scale multiplies
+// its scores and each value's its probabilities. (A dequantized copy of every chunk first ran
+// 64 x 256 decodes at ~1.8x a bf16 pool's time with int8, ~2x with fp8.)
+template <typename T, typename P = T, typename Codes = void>
 void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slots, int64_t n,
                const P* kpool, const P* vpool, int64_t kvh, int64_t h, int d, float scale,
                bool causal, const float* kscale = nullptr, const float* vscale = nullptr) {
     constexpr bool kPairs = kPairsFor<T>;
-    constexpr bool kCodes = std::is_same<P, int8_t>::value;
-    static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "int8 codes: bf16 pairs only");
+    constexpr bool kCodes = !std::is_same<Codes, void>::value;
+    static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "codes: bf16 pairs only");
     const T* kr[VBLK];
     alignas(64) float ks[VBLK];
     prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, 2 * VBLK), kvh, h, d);
@@ -259,10 +283,10 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
                     uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
                     for (int e = 0; e < d; e += 32)
-                        _mm512_storeu_si512(kc + e, codes_bf16x32(kpool + row * d + e));
+                        _mm512_storeu_si512(kc + e, codes_bf16x32<Codes>(kpool + row * d + e));
                     kr[j] = kc;
-                    ks[j] = kscale[row];
-                    sc.vsc[j0 + j] = vscale[row];
+                    ks[j] = kscale[row] * code_unit<Codes>;
+                    sc.vsc[j0 + j] = vscale[row] * code_unit<Codes>;
 #endif
                 } else {
                     kr[j] = kpool + row * d;
@@ -307,8 +331,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 for (int c2 = 0; c2 < d / 32; ++c2) {
                     __m512i a, b;
                     if constexpr (kCodes) {
-                        a = codes_bf16x32(va + c2 * 32);
-                        b = codes_bf16x32(vb2 + c2 * 32);
+                        a = codes_bf16x32<Codes>(va + c2 * 32);
+                        b = codes_bf16x32<Codes>(vb2 + c2 * 32);
                     } else {
                         a = _mm512_loadu_si512(va + c2 * 32);
                         b = _mm512_loadu_si512(vb2 + c2 * 32);

@@ -40,10 +40,11 @@ constexpr bool has_wide_paths = true;
 #else
 constexpr bool has_wide_paths = false;
 #endif
-// bf16 queries over an int8 pool with AVX512-BF16: the codes read in place (cpu_attend512.h).
+// bf16 queries over a quantized pool with AVX512-BF16: the codes read in place
+// (cpu_attend512.h).
 #if defined(__AVX512F__)
 template <typename C, typename K>
-constexpr bool codes_in_place = std::is_same<K, I8>::value && kPairsFor<typename C::T>;
+constexpr bool codes_in_place = K::kScaled && kPairsFor<typename C::T>;
 #else
 template <typename C, typename K>
 constexpr bool codes_in_place = false;
@@ -167,9 +168,9 @@ struct Attender {
             wide_plain(r0, nrows, slots, n, causal, kpool, vpool, kvh, h);
         } else if constexpr (codes_in_place<C, K>) {
 #if defined(__AVX512F__)
-            attend512<uint16_t, int8_t>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0,
-                                        nrows, slots, n, kpool, vpool, kvh, h,
-                                        static_cast<int>(d), scale, causal, kscale, vscale);
+            attend512<uint16_t, typename K::T, K>(
+                sc, qraw.data() + static_cast<size_t>(r0) * d, r0, nrows, slots, n, kpool, vpool,
+                kvh, h, static_cast<int>(d), scale, causal, kscale, vscale);
 #endif
         } else {
             dequantized(r0, nrows, slots, n, causal, h, [&](const int32_t* at, int64_t cn) {
