@@ -8,6 +8,7 @@ fuzzer asks for finishes in milliseconds on the tiny model.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -59,7 +60,13 @@ def fuzz(schema: Path, base_url: str, seed: int) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
                           cwd=schema.parent)
     out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-6000:]
+    # The limit makes that error rare, not impossible (one run in six here, a generation in the
+    # coverage phase): tolerated when it is the run's one error and every case it generated
+    # passed; any failed check (a response >= 500 among them) still fails the test.
+    tool_error_only = ("AST constructor recursion depth mismatch" in out
+                       and "Runtime Error: 1\n" in out
+                       and re.search(r"\b(\d+) generated, \1 passed\s*$", out, re.M) is not None)
+    assert done.returncode == 0 or tool_error_only, out[-6000:]
     assert "Server error" not in out, out[-6000:]
     return out
 
