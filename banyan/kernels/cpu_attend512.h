@@ -201,7 +201,7 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
         sum = _mm512_add_ps(sum, p);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (pp != nullptr)  // probabilities rounded to bf16 for the PV products, as bf16 does
-            _mm256_storeu_si256(  // (an int8 pool's: times each value row's scale first)
+            _mm256_storeu_si256(  // (a quantized pool's: times each value row's scale first)
                 reinterpret_cast<__m256i*>(pp + v * VBLK / 2),
                 (__m256i)_mm512_cvtneps_pbh(
                     vmul ? _mm512_mul_ps(p, _mm512_loadu_ps(vmul + v * VBLK)) : p));
