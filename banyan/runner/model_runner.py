@@ -17,16 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from banyan.args import check_linear_kernel
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.host_tensors import int64_tensor
-from banyan.layers.linear import (Linear, LinearMethod, PackedBf16Method, SkinnyBf16Method,
-                                  SkinnyF32Method, convert_linears)
-from banyan.layers.gguf_linear import gguf_repacked_tensors, repack_gguf_linears
+from banyan.layers.gguf_linear import gguf_repacked_tensors
 from banyan.layers.int8_activations import check_activation_quant, enable_int8_activations
-from banyan.layers.quant import check_quantization, quantization_runs, quantized_method
+from banyan.layers.quant import quantization_runs
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
@@ -35,6 +32,7 @@ from banyan.models.native_stack import NativeLayerStack
 from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.cpu_dtype import compute_dtype
 from banyan.runner.device import available_memory, resolve_device
+from banyan.runner.linear_setup import convert_model_linears
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
     compute_prompt_logprobs,
@@ -45,8 +43,6 @@ if TYPE_CHECKING:
     from banyan.args import EngineArgs
 
 logger = logging.getLogger(__name__)
-_NATIVE_NEEDS = ("linear_kernel native needs float32 or bfloat16 on CPU, unquantized, with the "
-                 "native kernels built")
 
 
 @dataclass(slots=True)
@@ -127,7 +123,8 @@ class ModelRunner:
             config=cfg, not_read=(None if gguf_path is None else
                                   lambda model: gguf_repacked_tensors(model, gguf_path)))
         self.quantization = quantization
-        self._convert_linears(quantization, linear_kernel, gguf_file)
+        convert_model_linears(self.model, self.device, self.dtype, quantization, linear_kernel,
+                              gguf_file)
         self.activation_quant = activation_quant
         if activation_quant == "int8":
             enable_int8_activations(self.model)
@@ -179,78 +176,6 @@ class ModelRunner:
             self.backend.name,
             "; small steps: one native call" if self.stack is not None else "",
         )
-
-    def _convert_linears(self, quantization: str, linear_kernel: str,
-                         gguf_file: Path | None) -> None:
-        """Quantize the linears (the tied head too: a quantized copy beside the embedding,
-        which lookups keep reading), or else pick their kernel: oneDNN-prepacked bf16 where it
-        can, the native skinny float32 kernel where asked or measured faster here."""
-        check_quantization(quantization, self.device, self.dtype,
-                           [m.in_features for m in self.model.modules() if isinstance(m, Linear)])
-        check_linear_kernel(linear_kernel)
-        if quantization == "gguf":
-            if gguf_file is None:
-                raise ValueError("--quantization gguf computes with a GGUF file's blocks: "
-                                 "--model must be a .gguf file (or a folder holding one)")
-            self._split_tied_head()
-            repacked, dense = repack_gguf_linears(self.model, gguf_file)
-            logger.info("%d linear layers compute from %s's blocks (%d stay dense)", repacked,
-                        gguf_file.name, len(dense))
-            if dense and linear_kernel != "auto":
-                logger.info("--linear-kernel %s does not apply to them", linear_kernel)
-            return
-        method = quantized_method(quantization)
-        if method is not None and linear_kernel == "native":
-            raise ValueError(_NATIVE_NEEDS)
-        method = method or self._dense_method(linear_kernel)
-        if method is None:
-            return
-        self._split_tied_head()
-        skip: tuple[Linear, ...] = ()
-        if method is SkinnyBf16Method:  # the layer stack stops before the LM head: no plain copy
-            head = self.model.lm_head if self.model.lm_head is not None else self.model.tied_head
-            head.convert(PackedBf16Method())
-            skip = (head,)
-        converted = convert_linears(self.model, method, skip=skip)
-        logger.info("%d linear weights converted to %s", converted, method.__name__)
-
-    def _dense_method(self, linear_kernel: str) -> type[LinearMethod] | None:
-        """The unquantized linears' method: the native skinny kernel where asked, or (auto)
-        where it measured faster here (in bf16: where the CPU has vdpbf16ps and the plain copy
-        beside the packed one is affordable); else oneDNN-packed bf16, or F.linear on the
-        weights as loaded (None)."""
-        packed = PackedBf16Method.available(self.device, self.dtype)
-        skinny = SkinnyBf16Method if packed else SkinnyF32Method
-        runs = skinny.available(self.device, self.dtype)
-        if linear_kernel == "native":
-            if not runs:
-                raise ValueError(_NATIVE_NEEDS)
-            return skinny
-        if linear_kernel != "auto" or not runs:
-            chosen = False
-        elif packed:
-            chosen = (SkinnyBf16Method.suits_here() and
-                      SkinnyBf16Method.affordable(self._layer_weight_bytes()))
-        else:
-            chosen = SkinnyF32Method.chosen_here(self._largest_linear_weight())
-        return skinny if chosen else PackedBf16Method if packed else None
-
-    def _layer_weight_bytes(self) -> int:
-        """Bytes of the decoder layers' linear weights (the LM head not included)."""
-        return sum(m.weight.numel() * m.weight.element_size()
-                   for m in self.model.layers.modules() if isinstance(m, Linear))
-
-    def _split_tied_head(self) -> None:
-        """A tied LM head in a layout of its own (packed or quantized): a Linear beside the
-        embedding, which lookups keep reading."""
-        if self.model.lm_head is None:
-            self.model.tied_head = Linear.from_weight(self.model.embed_tokens.weight)
-
-    def _largest_linear_weight(self) -> torch.Tensor:
-        """The biggest projection weight (the LM head, tied or not, in small models)."""
-        weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
-        weights.append(self.model.embed_tokens.weight)
-        return max(weights, key=lambda w: w.numel()).detach()
 
     @classmethod
     def from_engine_args(
