@@ -77,8 +77,8 @@ def compute_dtype(requested: str | torch.dtype | None, checkpoint: torch.dtype,
         return dtype
     if quantized and dtype == torch.float32 and bf16_gemm_here():
         logger.info("--dtype auto: the linears are quantized and this CPU computes in "
-                       "bfloat16 (AVX512-BF16): activations in bfloat16; --dtype float32 keeps "
-                       "float32")
+                    "bfloat16 (AVX512-BF16): activations in bfloat16; --dtype float32 keeps "
+                    "float32")
         return torch.bfloat16
     files = sorted(Path(model_path).glob("*.safetensors"))
     dtype, why = auto_cpu_dtype(dtype, sum(f.stat().st_size for f in files),
