@@ -32,30 +32,6 @@ struct QuantWeight {
     const void* mins;   // kInt4 / kInt4Wide only
 };
 
-// One weight's value in float32, as the float32 dequantizer computes it (no fused multiply-add).
-float weight_value(const QuantWeight& w, int64_t p, int l, int64_t k) {
-    const int64_t K = w.K, groups = w.group ? K / w.group : 1, g = w.group ? k / w.group : 0;
-    const int64_t at = (p * groups + g) * PANEL + l;
-    if (w.kind == kInt8Rows || w.kind == kInt8Groups) {
-        const float code = static_cast<const int8_t*>(w.codes)[(p * K + k) * PANEL + l];
-        const float s = static_cast<const float*>(w.scale)[w.kind == kInt8Rows ? p * PANEL + l
-                                                                               : at];
-        return code * s;
-    }
-    const uint8_t b = static_cast<const uint8_t*>(w.codes)[(p * (K / 2) + k / 2) * PANEL + l];
-    const float code = static_cast<float>(k & 1 ? b >> 4 : b & 0xF);
-    float s, m;
-    if (w.kind == kInt4) {
-        s = scale_value(static_cast<const uint16_t*>(w.scale)[at]);
-        m = scale_value(static_cast<const uint16_t*>(w.mins)[at]);
-    } else {
-        s = static_cast<const float*>(w.scale)[at];
-        m = static_cast<const float*>(w.mins)[at];
-    }
-    const float scaled = code * s;
-    return scaled + m;
-}
-
 #if defined(__AVX512BF16__)
 constexpr int NP = 3;  // panels a pass: 3 x 8 sums + 3 weights + a broadcast of 32 registers
 constexpr int TB = 8;
@@ -170,18 +146,60 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
     }
 }
 #else
+}  // namespace
+
+extern "C" {  // the float32 dequantizers (cpu_quant_dequant.cpp): the values, one panel at a time
+void banyan_int8_dequant_f32(const int8_t*, const float*, int64_t, int64_t, int64_t, float*,
+                             int64_t);
+void banyan_int8g_dequant_f32(const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t,
+                              float*, int64_t);
+void banyan_int4_dequant_f32(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                             int64_t, int64_t, float*, int64_t);
+void banyan_int4s_dequant_f32(const uint8_t*, const float*, const float*, int64_t, int64_t,
+                              int64_t, int64_t, float*, int64_t);
+}
+
+namespace {
+
+// Panel p's 16 rows of values [16, K] in float32, exactly as the float32 paths compute them.
+void panel_values(const QuantWeight& w, int64_t p, float* rows) {
+    const auto* c8 = static_cast<const int8_t*>(w.codes);
+    const auto* c4 = static_cast<const uint8_t*>(w.codes);
+    switch (w.kind) {
+        case kInt8Rows:
+            banyan_int8_dequant_f32(c8, static_cast<const float*>(w.scale), w.K, p, p + 1, rows, 1);
+            break;
+        case kInt8Groups:
+            banyan_int8g_dequant_f32(c8, static_cast<const float*>(w.scale), w.K, w.group, p,
+                                     p + 1, rows, 1);
+            break;
+        case kInt4:
+            banyan_int4_dequant_f32(c4, static_cast<const uint16_t*>(w.scale),
+                                    static_cast<const uint16_t*>(w.mins), w.K, w.group, p, p + 1,
+                                    rows, 1);
+            break;
+        default:
+            banyan_int4s_dequant_f32(c4, static_cast<const float*>(w.scale),
+                                     static_cast<const float*>(w.mins), w.K, w.group, p, p + 1,
+                                     rows, 1);
+    }
+}
+
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
-    const int64_t K = w.K;
-#pragma omp parallel for num_threads(threads_for(N, n_threads)) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        std::vector<float> row(static_cast<size_t>(K));
-        for (int64_t k = 0; k < K; ++k)
-            row[k] = bf16_to_f32(f32_to_bf16(weight_value(w, n / PANEL, n % PANEL, k)));
-        for (int64_t t = 0; t < T; ++t) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < K; ++k) sum += bf16_to_f32(x[t * K + k]) * row[k];
-            out[t * N + n] = f32_to_bf16(sum + (bias ? bias[n] : 0.0f));
+    const int64_t K = w.K, panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        std::vector<float> rows(static_cast<size_t>(PANEL * K));
+        panel_values(w, p, rows.data());
+        for (float& v : rows) v = bf16_to_f32(f32_to_bf16(v));  // the bf16 weights
+        for (int64_t n = p * PANEL; n < std::min(N, (p + 1) * PANEL); ++n) {
+            const float* row = rows.data() + (n - p * PANEL) * K;
+            for (int64_t t = 0; t < T; ++t) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < K; ++k) sum += bf16_to_f32(x[t * K + k]) * row[k];
+                out[t * N + n] = f32_to_bf16(sum + (bias ? bias[n] : 0.0f));
+            }
         }
     }
 }
