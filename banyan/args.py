@@ -154,10 +154,9 @@ class EngineArgs:
         "by oneDNN where it can), native (the C++ skinny kernel for steps of up to 16 tokens "
         "in float32, 8 in bfloat16, on CPU, which also lets the native layer stack run those "
         "steps; in bfloat16 the weights are then held twice, plain and packed), auto (float32: "
-        "native "
-        "where it measured faster on this CPU, measured once per machine and remembered in the "
-        "kernel cache's choices.json, so every process decides alike; bfloat16: native where "
-        "the CPU has AVX512-BF16 and the second copy takes at most 1/8 of the memory).",
+        "native where it measured faster on this CPU, measured once per machine and remembered "
+        "in the kernel cache's choices.json, so every process decides alike; bfloat16: native "
+        "where the CPU has AVX512-BF16 and the second copy takes at most 1/8 of the memory).",
         choices=list(LINEAR_KERNELS)))
     disaggregation_mode: str = field(default="null", metadata=_doc(
         "Prefill/decode disaggregation role: null (serve both phases), prefill (compute prompts "
