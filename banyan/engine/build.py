@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -175,4 +176,9 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     core.kv_bytes_per_token = runner.pool.bytes_per_slot
     core.quantization = runner.quantization
     core.dtype = str(runner.dtype).removeprefix("torch.")
+    # The ~400k objects torch, the tokenizer and the model left behind are permanent: out of the
+    # collector's sight, a full collection no longer stalls a step for ~200 ms, and the young
+    # collections a step's allocations trigger stop tracing them (2.5% of a batched in-process
+    # run's time on Zen 5 went to gc_collect_main before; the server process froze already).
+    gc.freeze()
     return core

@@ -9,7 +9,6 @@ aborts the requests it held.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -370,9 +369,6 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
             logger.exception("engine failed to start")
             _send_blocking(outbox, EngineFailed(f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from None
-        # The ~400k objects torch, the tokenizer and the model left behind are permanent: out
-        # of the collector's sight, a full collection no longer stalls a step for ~200 ms.
-        gc.freeze()
         loop = EngineLoop(core, inbox, outbox, parent_pid)
         kv_addr = core.kv_source.address if core.kv_source is not None else ""
         _send_blocking(outbox, EngineReady(os.getpid(), core.max_model_len, core.vocab_size,
