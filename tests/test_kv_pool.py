@@ -7,7 +7,7 @@ import torch
 
 from banyan.batch import ForwardBatch, RowPrefix
 from banyan.mem.allocator import SlotAllocator
-from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, num_slots_for_bytes
+from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, lazy_zeros, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 
 
@@ -70,3 +70,12 @@ def test_allocator_hands_out_lowest_free_slots_in_runs() -> None:
     big = list(range(1, 41))
     alloc.free(reversed(big))  # a large free is heapified at once
     assert alloc.free_set() == set(big) and alloc.alloc(40) == big
+
+
+def test_lazy_zeros_reads_zero_and_keeps_writes() -> None:
+    # a private anonymous mapping (huge pages advised): zero until written, each write its own
+    pool = lazy_zeros((3, 5000, 64), torch.bfloat16, torch.device("cpu"))
+    assert pool.shape == (3, 5000, 64) and not bool(pool.any())
+    pool[1, 4999] = 2.0
+    pool[2, 0, 5] = -1.0
+    assert float(pool.sum()) == 127.0 and float(pool[1].sum()) == 128.0
