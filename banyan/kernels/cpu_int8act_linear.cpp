@@ -28,8 +28,11 @@
 // AVX2 (Zen 2/3, Intel Haswell on; AVX-512 machines take it too), with vpdpbusd in place of
 // each vpmaddubsw + vpmaddwd pair where the CPU has AVX512-VNNI or AVX-VNNI (the same integer
 // sums: the tests check both builds against one reference); a plain-loop path builds elsewhere.
+// With AVX512-VNNI, int4 steps of 2 tokens or more take whole panels in 512-bit registers
+// (cpu_int8act_panels512.h) on the same bytes.
 
 #include "cpu_int8act_halves.h"
+#include "cpu_int8act_panels512.h"
 
 namespace {
 
@@ -177,11 +180,58 @@ struct Int5Half {  // groups of 32 (Q5_0): float16 scale and min per block
     }
 };
 
+#if defined(BANYAN_Q8_PANELS)
+// Steps of at least this many tokens take the 512-bit panel loops; fewer keep the halves', whose
+// batch-1 loop streams the weights (twice the units to share among threads, prefetched).
+constexpr int64_t kPanelMinTokens = 2;
+
+template <int TB, typename S>
+void int4_panel_block(const QRows& a, int64_t tb, int64_t t0, int64_t K, int64_t group,
+                      const uint8_t* w0, const uint8_t* w1, const S* scale, const S* mins,
+                      float* res) {
+    if constexpr (TB > 1) {
+        if (tb < TB)
+            return int4_panel_block<TB - 1>(a, tb, t0, K, group, w0, w1, scale, mins, res);
+    }
+    int4_panel<TB>(a, t0, K, group, w0, w1, scale, mins, res);
+}
+
+// over_halves with whole panels as the units, PTB tokens a pass.
+template <typename S>
+void int4_over_panels(const QRows& a, int64_t T, int64_t K, int64_t group, const uint8_t* w,
+                      const S* scale, const S* mins, const float* bias, float* out, int64_t N,
+                      int64_t n_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, groups = K / group;
+#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const uint8_t* w0 = w + 2 * p * (K * HALF / 2);
+        const S* sp = scale + p * groups * PANEL;
+        const S* mp = mins ? mins + p * groups * PANEL : nullptr;
+        alignas(64) float res[PTB * PANEL];
+        for (int64_t t0 = 0; t0 < T; t0 += PTB) {
+            const int64_t tb = std::min<int64_t>(PTB, T - t0);
+            int4_panel_block<PTB>(a, tb, t0, K, group, w0, w0 + K * HALF / 2, sp, mp, res);
+            for (int h = 0; h < 2; ++h) {
+                if (p * PANEL + h * HALF >= N) break;  // the last panel's padding half
+                alignas(32) float half[PTB * HALF];
+                for (int64_t i = 0; i < tb; ++i)
+                    std::memcpy(half + i * HALF, res + i * PANEL + h * HALF, sizeof(float) * HALF);
+                store_half(half, tb, bias, out + t0 * N, N, p * PANEL + h * HALF);
+            }
+        }
+    }
+}
+#endif
+
 template <typename S>
 void q8_int4(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
              const S* scale, const S* mins, const float* bias, float* out, int64_t N,
              int64_t n_threads) {
     const QRows& a = quantize(x, T, K, n_threads);
+#if defined(BANYAN_Q8_PANELS)
+    if (T >= kPanelMinTokens)
+        return int4_over_panels(a, T, K, group, w, scale, mins, bias, out, N, n_threads);
+#endif
     over_halves(T, N, bias, out, n_threads, Int4Half<S>{a, K, group, w, scale, mins});
 }
 
