@@ -16,10 +16,10 @@ from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.batch import RowPrefix
 from banyan.kernels import native
 from banyan.layers.linear import SkinnyBf16Method
-from banyan.layers.quant import dequantize_in_place
+from banyan.layers.quant import bf16_gemm_here, dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
-from banyan.models.native_stack import MAX_TOKENS, NativeLayerStack
+from banyan.models.native_stack import GEMM_MAX_TOKENS, MAX_TOKENS, NativeLayerStack
 from banyan.runner.model_runner import ModelRunner
 from tests.model_helpers import ARCHS, Seq, build_batch, make_runner, random_ids
 
@@ -56,28 +56,38 @@ def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]]
 
 
 def _check_steps(runner: ModelRunner) -> None:
-    """Prefills (too long for the stack), then decodes, a grouped decode over a shared prefix,
-    and decodes mixed with short extends: the stack's output equals the model's."""
+    """Prefills, then decodes, a grouped decode over a shared prefix, and decodes mixed with
+    short extends: the stack's output equals the model's. A bf16 stack of quantized projections
+    with the bf16 GEMM takes long steps too (GEMM_MAX_TOKENS): there the prefills go through it,
+    elsewhere they are too long for it."""
     largest = _every_extend_native(runner).max_tokens
-    assert largest == (8 if runner.dtype == torch.bfloat16 else MAX_TOKENS)
+    bf16 = runner.dtype == torch.bfloat16
+    gemm = bf16 and runner.quantization != "none" and bf16_gemm_here()
+    assert largest == (GEMM_MAX_TOKENS if gemm else 8 if bf16 else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
     shared = random_ids(40, 1)
     seqs = [Seq(0, random_ids(30, 2) + random_ids(20, 12)), Seq(1, shared + random_ids(20, 3)),
             Seq(2, random_ids(7, 4) + random_ids(20, 14))]
     want, got = _step(runner, alloc, [(seqs[0], 30), (seqs[1], 40), (seqs[2], 7)])
-    assert got is None  # 77 tokens: the model's path
+    assert (got is None) == (77 > largest)  # 77 tokens: the model's path unless the GEMM's
+    assert got is None or torch.equal(got, want)
     # a fourth request reusing the second one's 40 cached tokens (a prefix-cache hit)
     fourth = Seq(3, shared + random_ids(20, 5), slots=list(seqs[1].slots))
     prefix = [RowPrefix(3, list(fourth.slots))]
     want, got = _step(runner, alloc, [(fourth, 1)], prefix)
     assert got is not None and torch.equal(got, want)
+    top = min(largest, 16)  # the largest step tried (seqs[2] has 27 tokens)
     for work in ([(s, 1) for s in (*seqs, fourth)],  # decodes: 1 and 3 grouped (40 shared)
                  [(seqs[0], 1), (seqs[1], 3), (seqs[2], 1), (fourth, 3)],  # mixed with extends
-                 [(seqs[2], largest)]):  # the largest step the stack takes
+                 [(seqs[2], top)]):
         want, got = _step(runner, alloc, work)
         assert got is not None and torch.equal(got, want), work
-    want, got = _step(runner, alloc, [(seqs[0], largest - 1), (seqs[1], 2)])
-    assert got is None  # one token too many
+    if gemm:  # decodes and extends, 11 tokens: past 8, so through the bf16 GEMM
+        want, got = _step(runner, alloc, [(seqs[0], 6), (seqs[1], 3), (fourth, 2)])
+        assert got is not None and torch.equal(got, want)
+    else:
+        want, got = _step(runner, alloc, [(seqs[0], largest - 1), (seqs[1], 2)])
+        assert got is None  # one token too many
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -44,6 +44,9 @@ void banyan_rope_qk_bf16(const uint16_t* qkv, int64_t stride, const uint16_t* co
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
+void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
+                            const void* codes, const void* scale, const void* mins, int64_t group,
+                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
 void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
                               const float* bias, float* out, int64_t N, int64_t n_threads);
 void banyan_skinny_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w,
@@ -101,6 +104,9 @@ struct StackLinear {
     const void* mins;
     const void* bias;  // or null; float32 (bf16 for kSkinnyBf16)
     int64_t in, out, group;
+    // bf16 stacks: steps of gemm_from tokens or more run the bf16 GEMM (cpu_quant_gemm_bf16.cpp)
+    // with this kind, as the per-op path does (layers/quant.py decides both); -1: never
+    int64_t gemm, gemm_from;
 };
 
 // Norm weights, embeddings, cos/sin and the stream are of the stack's element type.
@@ -201,14 +207,20 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
     }
 }
 
-// In the bf16 stack: the skinny bf16 kernel on a plain bf16 weight; a quantized weight's float32
-// kernel on x widened to float32, its output rounded back to bf16 (bias float32, added before
-// the rounding), as the per-op path's x.float() and .to(bfloat16) around that kernel do.
+// In the bf16 stack: the skinny bf16 kernel on a plain bf16 weight; a quantized weight's bf16
+// GEMM for long steps, else its float32 kernel on x widened to float32, its output rounded back
+// to bf16 (bias float32, added before the rounding), as the per-op path's x.float() and
+// .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
     if (l.kind == kSkinnyBf16) {
         banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
                                   static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+        return;
+    }
+    if (l.gemm >= 0 && T >= l.gemm_from) {
+        banyan_quant_gemm_bf16(x, T, l.in, l.gemm, l.weight, l.scale, l.mins, l.group,
+                               static_cast<const float*>(l.bias), out, l.out, n_threads);
         return;
     }
     static thread_local std::vector<float> wide_x, wide_out;

@@ -139,7 +139,7 @@ class _QuantMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.numel() >= BF16_GEMM_MIN_TOKENS * layer.in_features \
-                and layer.in_features % 2 == 0 and bf16_gemm_here():  # (inputs in pairs)
+                and bf16_gemm_applies(layer.in_features):
             return self._bf16_gemm(layer, x)
         # A decode calls this ~120 times a token: the common case (2-D float32, contiguous)
         # skips the conversions, whose dispatches cost as much as a small layer's kernel.
@@ -317,6 +317,13 @@ def bf16_gemm_here() -> bool:
     """Whether the bf16 GEMM kernel runs on vdpbf16ps here (its scalar twin is for tests)."""
     lib = native.load()
     return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
+
+
+def bf16_gemm_applies(in_features: int) -> bool:
+    """Whether a quantized layer's bf16 steps of BF16_GEMM_MIN_TOKENS or more run the bf16 GEMM
+    kernel: the one rule for _QuantMethod.apply and the native layer stack. (It reads inputs in
+    pairs: an odd width keeps the float32 kernels.)"""
+    return in_features % 2 == 0 and bf16_gemm_here()
 
 
 def quantized_method(quantization: str) -> type[LinearMethod] | None:

@@ -32,13 +32,22 @@ from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
 from banyan.layers.linear import (Linear, LinearMethod, NativeLinear, SkinnyBf16Method,
                                   SkinnyF32Method)
-from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
+from banyan.layers.quant import (
+    BF16_GEMM_KINDS,
+    BF16_GEMM_MIN_TOKENS,
+    DEQUANT_MIN_TOKENS,
+    bf16_gemm_applies,
+)
 from banyan.mem.kv_pool import KVPool
 from banyan.models.llama import LlamaForCausalLM
 
 # The kernels' own switches: skinny float32 up to SKINNY_ROWS tokens, quantized GEMV-style
 # kernels below DEQUANT_MIN_TOKENS; the stack runs only where every one of them applies.
 MAX_TOKENS = min(SkinnyF32Method.SKINNY_ROWS, DEQUANT_MIN_TOKENS - 1)
+# A bf16 stack of quantized projections with the bf16 GEMM takes batched decodes too: one call
+# a step instead of ~15 Python-dispatched ops a layer (prefill chunks past this keep the per-op
+# path, where that overhead is a small share of the step).
+GEMM_MAX_TOKENS = 256
 LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4,
                 # with 8-bit activations (layers/int8_activations.py)
                 "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8,
@@ -59,7 +68,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class StackLinear(ctypes.Structure):
     _fields_ = [("kind", c_int64), ("weight", c_void_p), ("scale", c_void_p),
                 ("mins", c_void_p), ("bias", c_void_p), ("in_features", c_int64),
-                ("out_features", c_int64), ("group", c_int64)]
+                ("out_features", c_int64), ("group", c_int64), ("gemm", c_int64),
+                ("gemm_from", c_int64)]
 
 
 class StackLayer(ctypes.Structure):
@@ -110,8 +120,12 @@ class NativeLayerStack:
         assert lib is not None
         bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
         self._call = getattr(lib, "banyan_layer_stack_" + ("bf16" if bf16 else "f32"))
-        # the most tokens a step may have: the projections' kernels' own bound
-        self.max_tokens = (min(SkinnyBf16Method.SKINNY_ROWS, BF16_GEMM_MIN_TOKENS - 1) if bf16
+        # the most tokens a step may have: the projections' kernels' own bound, or where every
+        # projection has the bf16 GEMM for long steps, GEMM_MAX_TOKENS
+        gemm = all(p.gemm >= 0 for layer in layers
+                   for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.max_tokens = (GEMM_MAX_TOKENS if bf16 and gemm else
+                           min(SkinnyBf16Method.SKINNY_ROWS, BF16_GEMM_MIN_TOKENS - 1) if bf16
                            else MAX_TOKENS)
 
     @classmethod
@@ -141,9 +155,12 @@ class NativeLayerStack:
             if not all(t.is_contiguous() for t in parts):
                 return None
             keep.extend(parts)
+            # a bf16 stack's long steps: the bf16 GEMM where the per-op path takes it
+            gemm = BF16_GEMM_KINDS[spec.kind] if dtype == torch.bfloat16 and \
+                spec.kind in BF16_GEMM_KINDS and bf16_gemm_applies(layer.in_features) else -1
             return StackLinear(LINEAR_KINDS[spec.kind], _ptr(spec.weight), _ptr(spec.scale),
                                _ptr(spec.mins), _ptr(layer.bias), layer.in_features,
-                               layer.out_features, spec.group)
+                               layer.out_features, spec.group, gemm, BF16_GEMM_MIN_TOKENS)
 
         layers = []
         for i, block in enumerate(model.layers):
