@@ -1,5 +1,5 @@
-"""The Llama decoder stack as one native call for steps of a few tokens
-(kernels/cpu_layer_stack.cpp).
+"""The Llama decoder stack as one native call for steps of a few tokens, or batched decodes
+of a quantized bf16 model (kernels/cpu_layer_stack.cpp).
 
 At batch 1 the per-op path spends about as long in Python (~40 dispatches a layer, each
 allocating its output and checking its inputs) as in its kernels. The stack calls the same
@@ -13,7 +13,10 @@ bit for bit (tested); it runs when every piece has a native kernel:
   between a widened input and a rounded output, as their `apply` does; a library GEMM has
   none),
 - the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS, and
-  below quant.BF16_GEMM_MIN_TOKENS) and the native attention plan covers all of them.
+  below quant.BF16_GEMM_MIN_TOKENS; one whose projections are all quantized with the bf16
+  GEMM: GEMM_MAX_TOKENS, the GEMM taking the long steps' projections as the per-op path's
+  `apply` does, so batched decodes skip Python too) and the native attention plan covers all
+  of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
 into the model's weights and the pool; the stack keeps those tensors referenced, and checks
