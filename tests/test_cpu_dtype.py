@@ -88,7 +88,7 @@ def test_a_bf16_checkpoint_on_this_cpu(bf16_llama: Path, caplog: pytest.LogCaptu
 def test_quantized_linears_compute_in_bf16_where_the_cpu_does(tmp_path: Path) -> None:
     """auto with quantized linears: bfloat16 where the bf16 GEMM over quantized weights runs on
     this CPU's bf16 units, else the checkpoint's float32; an explicit dtype always wins."""
-    from banyan.layers.quant import bf16_gemm_here
+    from banyan.kernels.native import bf16_gemm_here
 
     cpu = torch.device("cpu")
     expect = torch.bfloat16 if bf16_gemm_here() else torch.float32
@@ -101,7 +101,7 @@ def test_quantized_linears_compute_in_bf16_where_the_cpu_does(tmp_path: Path) ->
 
 def test_a_quantized_model_at_auto_on_this_cpu(llama_dir: Path) -> None:
     """int8 linears at auto: the engine's dtype follows the rule above (and runs)."""
-    from banyan.layers.quant import bf16_gemm_here
+    from banyan.kernels.native import bf16_gemm_here
 
     with Engine(str(llama_dir), quantization="int8", device="cpu", disable_tqdm=True,
                 kv_cache_memory="4MiB") as engine:

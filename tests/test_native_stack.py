@@ -15,8 +15,9 @@ from banyan.attention.cpu_native import CpuNativeBackend
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.batch import RowPrefix
 from banyan.kernels import native
-from banyan.layers.linear import SkinnyBf16Method
-from banyan.layers.quant import bf16_gemm_here, dequantize_in_place
+from banyan.kernels.native import bf16_gemm_here
+from banyan.layers.linear import Linear, SkinnyBf16Method
+from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
 from banyan.models.native_stack import GEMM_MAX_TOKENS, MAX_TOKENS, NativeLayerStack
@@ -57,12 +58,13 @@ def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]]
 
 def _check_steps(runner: ModelRunner) -> None:
     """Prefills, then decodes, a grouped decode over a shared prefix, and decodes mixed with
-    short extends: the stack's output equals the model's. A bf16 stack of quantized projections
-    with the bf16 GEMM takes long steps too (GEMM_MAX_TOKENS): there the prefills go through it,
-    elsewhere they are too long for it."""
+    short extends: the stack's output equals the model's. A bf16 stack whose projections all
+    have the bf16 GEMM (quantized, or plain without a bias) takes long steps too
+    (GEMM_MAX_TOKENS): there the prefills go through it, elsewhere they are too long for it."""
     largest = _every_extend_native(runner).max_tokens
     bf16 = runner.dtype == torch.bfloat16
-    gemm = bf16 and runner.quantization != "none" and bf16_gemm_here()
+    biased = any(m.bias is not None for m in runner.model.modules() if isinstance(m, Linear))
+    gemm = bf16 and bf16_gemm_here() and (runner.quantization != "none" or not biased)
     assert largest == (GEMM_MAX_TOKENS if gemm else 8 if bf16 else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
     shared = random_ids(40, 1)

@@ -12,7 +12,7 @@ import torch
 from banyan import Engine, SamplingParams
 from banyan.args import EngineArgs
 from banyan.kernels import native
-from banyan.layers.linear import Linear
+from banyan.layers.linear import Linear, SkinnyBf16Method
 from banyan.layers.quant import Int4Method, Int8Method, check_quantization, dequantize_in_place
 from banyan.runner.model_runner import ModelRunner
 
@@ -135,7 +135,8 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
     float32 sums, one rounding of each output (plus the float32 bias first). Every panel-group
     and token-block tail: rows not a multiple of 16 or 48, tokens not a multiple of 8. On a CPU
     without AVX512-BF16 this checks the kernel's scalar twin."""
-    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, bf16_gemm_here
+    from banyan.kernels.native import bf16_gemm_here
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
 
     torch.manual_seed(out_f + in_f + tokens)
     layer = _quantized_layer(method, out_f, in_f, bias)
@@ -148,6 +149,29 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
     assert ((got.double() - want).abs() <= tol).all()
     if bf16_gemm_here() and tokens >= BF16_GEMM_MIN_TOKENS:  # what the layer runs for bf16
         assert torch.equal(layer(x), got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_f,in_f,tokens", [(70, 128, 9), (49, 96, 21), (100, 608, 64),
+                                               (16, 34, 12)])
+def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) -> None:
+    """A dense bf16 layer's steps of 9..GEMM_ROWS tokens: the same kernel on the plain weight
+    (its pairs transposed per call: inputs not a multiple of 32 take the tail loop, rows not a
+    multiple of 16 repeat the last row), float32 sums and one rounding of each output."""
+    from banyan.kernels.native import bf16_gemm, bf16_gemm_here
+
+    torch.manual_seed(out_f + in_f + tokens)
+    weight = torch.randn(out_f, in_f).bfloat16()
+    x = torch.randn(tokens, in_f).bfloat16()
+    want = x.double() @ weight.double().T
+    got = bf16_gemm(x, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_f)
+    tol = 2**-8 * want.abs() + 1e-4 * want.abs().max()
+    assert ((got.double() - want).abs() <= tol).all()
+    if bf16_gemm_here() and SkinnyBf16Method.available(torch.device("cpu"), torch.bfloat16):
+        layer = Linear.from_weight(weight.clone())
+        layer.convert(SkinnyBf16Method())
+        assert torch.equal(layer(x), got)  # what a dense bf16 layer runs for these steps
 
 
 @needs_kernels

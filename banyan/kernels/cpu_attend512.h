@@ -90,30 +90,6 @@ inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pair
 #endif
 }
 
-// r[i] <- the 16 lanes i of r[0..15] (a 16 x 16 transpose of 32-bit words).
-inline void transpose16(__m512i (&r)[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; ++i)
-        for (int k = 0; k < 4; ++k) {
-            t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
-            t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
-        }
-    for (int k = 0; k < 8; ++k) {
-        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
-        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
-    }
-}
-
 // Raw scores of rows [0, rows) against the 16 keys kr (the block at j0 of the chunk):
 // s[r * CHUNK + j0 + j].
 template <typename T>

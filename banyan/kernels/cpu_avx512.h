@@ -1,5 +1,6 @@
 // AVX-512 helpers of cpu_paged_attention.cpp: a vectorised exp, bf16/float loads, a 16-way
-// transpose-and-add, partial dot products, and the bf16 pair-interleave tables.
+// transpose-and-add, partial dot products, and the bf16 pair-interleave tables; and a 16 x 16
+// transpose of 32-bit words (the attention's keys, the bf16 GEMM's plain weights).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -121,6 +122,30 @@ constexpr bool kPairsFor = std::is_same<T, uint16_t>::value;
 template <typename T>
 constexpr bool kPairsFor = false;
 #endif
+
+// r[i] <- the 16 lanes i of r[0..15] (a 16 x 16 transpose of 32-bit words).
+inline void transpose16(__m512i (&r)[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int k = 0; k < 4; ++k) {
+            t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 8; ++k) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    }
+}
 
 }  // namespace
 

@@ -207,20 +207,20 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
     }
 }
 
-// In the bf16 stack: the skinny bf16 kernel on a plain bf16 weight; a quantized weight's bf16
-// GEMM for long steps, else its float32 kernel on x widened to float32, its output rounded back
+// In the bf16 stack: long steps through the bf16 GEMM where the per-op path takes it; else the
+// skinny bf16 kernel on a plain bf16 weight, or a quantized weight's float32 kernel on x widened to float32, its output rounded back
 // to bf16 (bias float32, added before the rounding), as the per-op path's x.float() and
 // .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
+    if (l.gemm >= 0 && T >= l.gemm_from) {  // (a plain bf16 weight's: no bias, no scales)
+        banyan_quant_gemm_bf16(x, T, l.in, l.gemm, l.weight, l.scale, l.mins, l.group,
+                               static_cast<const float*>(l.bias), out, l.out, n_threads);
+        return;
+    }
     if (l.kind == kSkinnyBf16) {
         banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
                                   static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
-        return;
-    }
-    if (l.gemm >= 0 && T >= l.gemm_from) {
-        banyan_quant_gemm_bf16(x, T, l.in, l.gemm, l.weight, l.scale, l.mins, l.group,
-                               static_cast<const float*>(l.bias), out, l.out, n_threads);
         return;
     }
     static thread_local std::vector<float> wide_x, wide_out;

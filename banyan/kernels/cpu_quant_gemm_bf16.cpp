@@ -17,19 +17,22 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cpu_avx512.h"
 #include "cpu_dtypes.h"
 #include "cpu_quant_common.h"
 
 namespace {
 
-// NativeLinear kinds (banyan/layers/linear.py) this kernel reads.
-enum Kind : int64_t { kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3 };
+// NativeLinear kinds (banyan/layers/linear.py) this kernel reads; kBf16: a plain [N, K] bf16
+// weight (a dense bf16 layer), its values taken as they are.
+enum Kind : int64_t { kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3, kBf16 = 4 };
 
 struct QuantWeight {
     int64_t kind, K, group;
-    const void* codes;
+    const void* codes;  // the panel layout's codes, or kBf16's rows
     const void* scale;  // float32; float16 for kInt4
     const void* mins;   // kInt4 / kInt4Wide only
+    int64_t N;          // rows (kBf16 reads no row past the last)
 };
 
 #if defined(__AVX512BF16__)
@@ -52,8 +55,33 @@ inline __m512 scale16(const void* s, int64_t at, bool half) {
                 : _mm512_loadu_ps(static_cast<const float*>(s) + at);
 }
 
+// A plain bf16 panel into its pairs: 16 rows' 16 pairs (32 words each) transposed as 32-bit
+// words, each register then one pair of inputs across the rows (rows past N repeat the last).
+void fill_plain(const QuantWeight& w, int64_t p, int q, int np, __m512i* tile) {
+    const auto* rows = static_cast<const uint16_t*>(w.codes);
+    const int64_t pairs = w.K / 2;
+    const uint16_t* row[PANEL];
+    for (int i = 0; i < PANEL; ++i) row[i] = rows + std::min(p * PANEL + i, w.N - 1) * w.K;
+    int64_t j0 = 0;
+    for (; j0 + 16 <= pairs; j0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < PANEL; ++i) r[i] = _mm512_loadu_si512(row[i] + 2 * j0);
+        transpose16(r);
+        for (int k = 0; k < 16; ++k) tile[(j0 + k) * np + q] = r[k];
+    }
+    for (; j0 < pairs; ++j0) {  // the last (K / 2) % 16 pairs
+        alignas(64) uint32_t lanes[PANEL];
+        for (int i = 0; i < PANEL; ++i) std::memcpy(&lanes[i], row[i] + 2 * j0, 4);
+        tile[j0 * np + q] = _mm512_load_si512(lanes);
+    }
+}
+
 // Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
 void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
+    if (w.kind == kBf16) {
+        for (int q = 0; q < np; ++q) fill_plain(w, p0 + q, q, np, tile);
+        return;
+    }
     const int64_t K = w.K, pairs = K / 2;
     const int64_t group = w.kind == kInt8Rows ? K : w.group, groups = K / group;
     for (int q = 0; q < np; ++q) {
@@ -128,8 +156,9 @@ struct Ahead {
 
 // The codes (the bulk of the bytes) of panels [p, p + np): contiguous in every kind's layout.
 Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
-    const bool bytes = w.kind == kInt8Rows || w.kind == kInt8Groups;  // a byte a code, else 4 bits
-    const int64_t per_panel = (bytes ? w.K : w.K / 2) * PANEL;
+    const int64_t per_panel = (w.kind == kBf16 ? 2 * w.K
+                               : w.kind == kInt8Rows || w.kind == kInt8Groups ? w.K  // a byte
+                               : w.K / 2) * PANEL;  // 4 bits a code
     return {static_cast<const char*>(w.codes) + p * per_panel, np * per_panel};
 }
 
@@ -190,6 +219,12 @@ void panel_values(const QuantWeight& w, int64_t p, float* rows) {
     const auto* c8 = static_cast<const int8_t*>(w.codes);
     const auto* c4 = static_cast<const uint8_t*>(w.codes);
     switch (w.kind) {
+        case kBf16:
+            for (int64_t i = 0; i < PANEL; ++i)
+                for (int64_t k = 0; k < w.K; ++k)
+                    rows[i * w.K + k] = p * PANEL + i < w.N ? bf16_to_f32(
+                        static_cast<const uint16_t*>(w.codes)[(p * PANEL + i) * w.K + k]) : 0.0f;
+            break;
         case kInt8Rows:
             banyan_int8_dequant_f32(c8, static_cast<const float*>(w.scale), w.K, p, p + 1, rows, 1);
             break;
@@ -234,12 +269,13 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
 extern "C" {
 
 // x [T, K] bf16 through a quantized weight of N rows in the panel layout (`kind` as Kind above;
-// group: inputs per scale, 0 for kInt8Rows) -> out [T, N] bf16. bias: float32 [N] or null.
+// group: inputs per scale, 0 for kInt8Rows), or a plain bf16 one (kBf16: codes [N, K], scale
+// and mins null) -> out [T, N] bf16. bias: float32 [N] or null.
 // K even (the vector loop reads inputs in pairs; quant.py sends odd widths elsewhere).
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
                             const float* bias, uint16_t* out, int64_t N, int64_t n_threads) {
-    quant_gemm(x, T, QuantWeight{kind, K, group, codes, scale, mins}, bias, out, N, n_threads);
+    quant_gemm(x, T, QuantWeight{kind, K, group, codes, scale, mins, N}, bias, out, N, n_threads);
 }
 
 // Whether banyan_quant_gemm_bf16 runs on vdpbf16ps here (else the scalar loop).

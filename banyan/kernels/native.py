@@ -63,6 +63,7 @@ FLAGS = (
     "-std=c++17",
 )
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
+PLAIN_BF16_KIND = 4  # banyan_quant_gemm_bf16's kind for a plain [N, K] bf16 weight (kBf16)
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Quantized KV codes the attention kernel reads (each row with a float32 scale).
 _KV_CODE_SUFFIX = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3",
@@ -221,6 +222,33 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0],
                torch.get_num_threads())
     return out
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T, both bf16, contiguous, K even: the bf16 GEMM kernel on a
+    plain weight (float32 sums, one rounding per output)."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable"
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    with kernel_range("banyan::bf16_gemm"):
+        lib.banyan_quant_gemm_bf16(x.data_ptr(), x.shape[0], x.shape[1], PLAIN_BF16_KIND,
+                                   weight.data_ptr(), None, None, 0, None, out.data_ptr(),
+                                   weight.shape[0], torch.get_num_threads())
+    return out
+
+
+def bf16_gemm_here() -> bool:
+    """Whether the bf16 GEMM kernel (cpu_quant_gemm_bf16.cpp) runs on vdpbf16ps here (its
+    scalar twin is for tests)."""
+    lib = load()
+    return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
+
+
+def bf16_gemm_applies(in_features: int) -> bool:
+    """Whether a layer's long bf16 steps may run the bf16 GEMM kernel: the one rule for the
+    quantized methods' and the dense bf16 method's `apply` and the native layer stack. (It
+    reads inputs in pairs: an odd width keeps the other kernels.)"""
+    return in_features % 2 == 0 and bf16_gemm_here()
 
 
 def remembered(question: str, measure: Callable[[], bool]) -> bool:

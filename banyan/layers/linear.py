@@ -230,6 +230,10 @@ class SkinnyBf16Method(PackedBf16Method):
     # slower than with oneDNN's packed GEMM alone on Zen 5 (median of 5 alternating runs,
     # 466 vs 491 tok/s); at 8 the two were even; at 1 the layer stack is 2x.
     SKINNY_ROWS = 8
+    # Up to 256 tokens (batched decodes, short chunks) the bf16 GEMM kernel on the plain weight
+    # (cpu_quant_gemm_bf16.cpp, its pairs transposed per call; even with oneDNN's packed GEMM
+    # at 64 tokens), which the layer stack can call too; longer steps take oneDNN's.
+    GEMM_ROWS = 256
     MEMORY_SHARE = 8  # the plain copies may take up to 1/8 of the machine's memory
 
     def adopt(self, layer: Linear) -> None:
@@ -243,7 +247,17 @@ class SkinnyBf16Method(PackedBf16Method):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
+        if x.dim() == 2 and self.takes_gemm(layer, x.shape[0]):
+            return native.bf16_gemm(x.contiguous(), layer.weight)
         return super().apply(layer, x)
+
+    @classmethod
+    def takes_gemm(cls, layer: Linear, tokens: int | None = None) -> bool:
+        """Whether steps of `tokens` (None: some step) past SKINNY_ROWS and up to GEMM_ROWS go
+        through the bf16 GEMM kernel on the plain weight (the one rule for `apply` and the
+        native layer stack): where it runs on vdpbf16ps and the layer has no bias."""
+        return ((tokens is None or tokens <= cls.GEMM_ROWS) and layer.bias is None
+                and native.bf16_gemm_applies(layer.in_features))
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:

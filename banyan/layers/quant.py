@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from banyan.kernels import native
+from banyan.kernels.native import bf16_gemm_applies
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear
 
 PANEL = 16
@@ -313,17 +314,6 @@ class Int4Method(_QuantMethod):
 
 
 @cache
-def bf16_gemm_here() -> bool:
-    """Whether the bf16 GEMM kernel runs on vdpbf16ps here (its scalar twin is for tests)."""
-    lib = native.load()
-    return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
-
-
-def bf16_gemm_applies(in_features: int) -> bool:
-    """Whether a quantized layer's bf16 steps of BF16_GEMM_MIN_TOKENS or more run the bf16 GEMM
-    kernel: the one rule for _QuantMethod.apply and the native layer stack. (It reads inputs in
-    pairs: an odd width keeps the float32 kernels.)"""
-    return in_features % 2 == 0 and bf16_gemm_here()
 
 
 def quantized_method(quantization: str) -> type[LinearMethod] | None:

@@ -1,5 +1,5 @@
 """The Llama decoder stack as one native call for steps of a few tokens, or batched decodes
-of a quantized bf16 model (kernels/cpu_layer_stack.cpp).
+of a bf16 model (kernels/cpu_layer_stack.cpp).
 
 At batch 1 the per-op path spends about as long in Python (~40 dispatches a layer, each
 allocating its output and checking its inputs) as in its kernels. The stack calls the same
@@ -13,10 +13,10 @@ bit for bit (tested); it runs when every piece has a native kernel:
   between a widened input and a rounded output, as their `apply` does; a library GEMM has
   none),
 - the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS, and
-  below quant.BF16_GEMM_MIN_TOKENS; one whose projections are all quantized with the bf16
-  GEMM: GEMM_MAX_TOKENS, the GEMM taking the long steps' projections as the per-op path's
-  `apply` does, so batched decodes skip Python too) and the native attention plan covers all
-  of them.
+  below quant.BF16_GEMM_MIN_TOKENS; one whose projections all have the bf16 GEMM, quantized
+  or plain bf16 without a bias: GEMM_MAX_TOKENS, the GEMM taking the long steps' projections
+  as the per-op path's `apply` does, so batched decodes skip Python too) and the native
+  attention plan covers all of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
 into the model's weights and the pool; the stack keeps those tensors referenced, and checks
@@ -47,10 +47,10 @@ from banyan.models.llama import LlamaForCausalLM
 # The kernels' own switches: skinny float32 up to SKINNY_ROWS tokens, quantized GEMV-style
 # kernels below DEQUANT_MIN_TOKENS; the stack runs only where every one of them applies.
 MAX_TOKENS = min(SkinnyF32Method.SKINNY_ROWS, DEQUANT_MIN_TOKENS - 1)
-# A bf16 stack of quantized projections with the bf16 GEMM takes batched decodes too: one call
-# a step instead of ~15 Python-dispatched ops a layer (prefill chunks past this keep the per-op
-# path, where that overhead is a small share of the step).
-GEMM_MAX_TOKENS = 256
+# A bf16 stack whose projections all have the bf16 GEMM takes batched decodes too: one call a
+# step instead of ~15 Python-dispatched ops a layer (prefill chunks past this keep the per-op
+# path, where that overhead is a small share of the step; a dense layer's GEMM bound as well).
+GEMM_MAX_TOKENS = SkinnyBf16Method.GEMM_ROWS
 LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4,
                 # with 8-bit activations (layers/int8_activations.py)
                 "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8,
@@ -159,11 +159,15 @@ class NativeLayerStack:
                 return None
             keep.extend(parts)
             # a bf16 stack's long steps: the bf16 GEMM where the per-op path takes it
-            gemm = BF16_GEMM_KINDS[spec.kind] if dtype == torch.bfloat16 and \
-                spec.kind in BF16_GEMM_KINDS and bf16_gemm_applies(layer.in_features) else -1
+            gemm, gemm_from = -1, 0
+            if dtype == torch.bfloat16 and spec.kind in BF16_GEMM_KINDS and \
+                    bf16_gemm_applies(layer.in_features):
+                gemm, gemm_from = BF16_GEMM_KINDS[spec.kind], BF16_GEMM_MIN_TOKENS
+            elif spec.kind == "skinny_bf16" and SkinnyBf16Method.takes_gemm(layer):
+                gemm, gemm_from = native.PLAIN_BF16_KIND, SkinnyBf16Method.SKINNY_ROWS + 1
             return StackLinear(LINEAR_KINDS[spec.kind], _ptr(spec.weight), _ptr(spec.scale),
                                _ptr(spec.mins), _ptr(layer.bias), layer.in_features,
-                               layer.out_features, spec.group, gemm, BF16_GEMM_MIN_TOKENS)
+                               layer.out_features, spec.group, gemm, gemm_from)
 
         layers = []
         for i, block in enumerate(model.layers):

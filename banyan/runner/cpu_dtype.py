@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from banyan.kernels.native import cpu_flags
-from banyan.layers.quant import bf16_gemm_here
+from banyan.kernels.native import bf16_gemm_here, cpu_flags
 from banyan.models.config import resolve_dtype
 from banyan.runner.device import available_memory
 
