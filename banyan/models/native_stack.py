@@ -35,12 +35,7 @@ from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
 from banyan.layers.linear import (Linear, LinearMethod, NativeLinear, SkinnyBf16Method,
                                   SkinnyF32Method)
-from banyan.layers.quant import (
-    BF16_GEMM_KINDS,
-    BF16_GEMM_MIN_TOKENS,
-    DEQUANT_MIN_TOKENS,
-    bf16_gemm_applies,
-)
+from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
 from banyan.mem.kv_pool import KVPool
 from banyan.models.llama import LlamaForCausalLM
 
@@ -161,7 +156,7 @@ class NativeLayerStack:
             # a bf16 stack's long steps: the bf16 GEMM where the per-op path takes it
             gemm, gemm_from = -1, 0
             if dtype == torch.bfloat16 and spec.kind in BF16_GEMM_KINDS and \
-                    bf16_gemm_applies(layer.in_features):
+                    native.bf16_gemm_applies(layer.in_features):
                 gemm, gemm_from = BF16_GEMM_KINDS[spec.kind], BF16_GEMM_MIN_TOKENS
             elif spec.kind == "skinny_bf16" and SkinnyBf16Method.takes_gemm(layer):
                 gemm, gemm_from = native.PLAIN_BF16_KIND, SkinnyBf16Method.SKINNY_ROWS + 1
