@@ -64,7 +64,8 @@ def _check_steps(runner: ModelRunner) -> None:
     largest = _every_extend_native(runner).max_tokens
     bf16 = runner.dtype == torch.bfloat16
     biased = any(m.bias is not None for m in runner.model.modules() if isinstance(m, Linear))
-    gemm = bf16 and bf16_gemm_here() and (runner.quantization != "none" or not biased)
+    gemm = bf16 and bf16_gemm_here() and (runner.quantization != "none" or
+                                          not (biased or native.amx_here()))
     assert largest == (GEMM_MAX_TOKENS if gemm else 8 if bf16 else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
     shared = random_ids(40, 1)

@@ -244,6 +244,11 @@ def bf16_gemm_here() -> bool:
     return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
 
 
+def amx_here() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (which oneDNN's GEMMs use)."""
+    return "amx_bf16" in cpu_flags().split()
+
+
 def bf16_gemm_applies(in_features: int) -> bool:
     """Whether a layer's long bf16 steps may run the bf16 GEMM kernel: the one rule for the
     quantized methods' and the dense bf16 method's `apply` and the native layer stack. (It

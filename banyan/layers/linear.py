@@ -255,9 +255,11 @@ class SkinnyBf16Method(PackedBf16Method):
     def takes_gemm(cls, layer: Linear, tokens: int | None = None) -> bool:
         """Whether steps of `tokens` (None: some step) past SKINNY_ROWS and up to GEMM_ROWS go
         through the bf16 GEMM kernel on the plain weight (the one rule for `apply` and the
-        native layer stack): where it runs on vdpbf16ps and the layer has no bias."""
+        native layer stack): where it runs on vdpbf16ps, the layer has no bias, and the CPU has
+        no AMX (oneDNN's GEMM on AMX tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13:
+        ~3x what vdpbf16ps gives; unmeasured against this kernel there, so oneDNN keeps it)."""
         return ((tokens is None or tokens <= cls.GEMM_ROWS) and layer.bias is None
-                and native.bf16_gemm_applies(layer.in_features))
+                and native.bf16_gemm_applies(layer.in_features) and not native.amx_here())
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
