@@ -208,9 +208,9 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
 }
 
 // In the bf16 stack: long steps through the bf16 GEMM where the per-op path takes it; else the
-// skinny bf16 kernel on a plain bf16 weight, or a quantized weight's float32 kernel on x widened to float32, its output rounded back
-// to bf16 (bias float32, added before the rounding), as the per-op path's x.float() and
-// .to(bfloat16) around that kernel do.
+// skinny bf16 kernel on a plain bf16 weight, or a quantized weight's float32 kernel on x widened
+// to float32, its output rounded back to bf16 (bias float32, added before the rounding), as the
+// per-op path's x.float() and .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
     if (l.gemm >= 0 && T >= l.gemm_from) {  // (a plain bf16 weight's: no bias, no scales)
