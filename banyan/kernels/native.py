@@ -237,6 +237,7 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@cache
 def bf16_gemm_here() -> bool:
     """Whether the bf16 GEMM kernel (cpu_quant_gemm_bf16.cpp) runs on vdpbf16ps here (its
     scalar twin is for tests)."""
@@ -244,6 +245,7 @@ def bf16_gemm_here() -> bool:
     return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
 
 
+@cache
 def amx_here() -> bool:
     """Whether this CPU has AMX tiles for bf16 (which oneDNN's GEMMs use)."""
     return "amx_bf16" in cpu_flags().split()

@@ -14,7 +14,6 @@ cpu_quant_gemm_bf16.cpp), as a bf16 model's GEMM does with its weights.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import torch
@@ -311,9 +310,6 @@ class Int4Method(_QuantMethod):
         scale_per_input = scale.float().repeat_interleave(self.group, dim=1)
         low_per_input = low.float().repeat_interleave(self.group, dim=1)
         return codes.float() * scale_per_input + low_per_input
-
-
-@cache
 
 
 def quantized_method(quantization: str) -> type[LinearMethod] | None:
