@@ -92,13 +92,14 @@ const QRows& quantize(const float* x, int64_t T, int64_t K, int64_t n_threads) {
     return r;
 }
 
-// A half panel's results for TB tokens (res [TB][8]) plus the bias, stored.
-void store_half(const float* res, int64_t tb, const float* bias, float* out, int64_t N,
-                int64_t row0) {
+// A half panel's results for TB tokens (res [TB][stride], its 8 rows first) plus the bias,
+// stored.
+void store_half(const float* res, int64_t stride, int64_t tb, const float* bias, float* out,
+                int64_t N, int64_t row0) {
     const int64_t count = std::min<int64_t>(HALF, N - row0);
     for (int64_t i = 0; i < tb; ++i)
         for (int64_t r = 0; r < count; ++r)
-            out[i * N + row0 + r] = res[i * HALF + r] + (bias ? bias[row0 + r] : 0.0f);
+            out[i * N + row0 + r] = res[i * stride + r] + (bias ? bias[row0 + r] : 0.0f);
 }
 
 // One block of tb (1..TB) tokens, through the loop instantiated for exactly tb.
@@ -124,7 +125,7 @@ void over_halves(int64_t T, int64_t N, const float* bias, float* out, int64_t n_
         for (int64_t t0 = 0; t0 < T; t0 += ATB) {
             const int64_t tb = std::min<int64_t>(ATB, T - t0);
             run_block<ATB>(half, tb, t0, u, res);
-            store_half(res, tb, bias, out + t0 * N, N, row0);
+            store_half(res, HALF, tb, bias, out + t0 * N, N, row0);
         }
     }
 }
@@ -185,39 +186,34 @@ struct Int5Half {  // groups of 32 (Q5_0): float16 scale and min per block
 // batch-1 loop streams the weights (twice the units to share among threads, prefetched).
 constexpr int64_t kPanelMinTokens = 2;
 
-template <int TB, typename S>
-void int4_panel_block(const QRows& a, int64_t tb, int64_t t0, int64_t K, int64_t group,
-                      const uint8_t* w0, const uint8_t* w1, const S* scale, const S* mins,
-                      float* res) {
-    if constexpr (TB > 1) {
-        if (tb < TB)
-            return int4_panel_block<TB - 1>(a, tb, t0, K, group, w0, w1, scale, mins, res);
+template <typename S>
+struct Int4Panel {  // run_block's unit: panel p (both its half panels), PTB tokens a pass
+    const QRows& a;
+    int64_t K, group;
+    const uint8_t* w;
+    const S *scale, *mins;
+    template <int TB>
+    void run(int64_t t0, int64_t p, float* res) const {
+        const int64_t at = p * (K / group) * PANEL;
+        const uint8_t* w0 = w + 2 * p * (K * HALF / 2);
+        int4_panel<TB>(a, t0, K, group, w0, w0 + K * HALF / 2, scale + at,
+                       mins ? mins + at : nullptr, res);
     }
-    int4_panel<TB>(a, t0, K, group, w0, w1, scale, mins, res);
-}
+};
 
 // over_halves with whole panels as the units, PTB tokens a pass.
 template <typename S>
-void int4_over_panels(const QRows& a, int64_t T, int64_t K, int64_t group, const uint8_t* w,
-                      const S* scale, const S* mins, const float* bias, float* out, int64_t N,
-                      int64_t n_threads) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, groups = K / group;
+void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, float* out,
+                      int64_t N, int64_t n_threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-        const uint8_t* w0 = w + 2 * p * (K * HALF / 2);
-        const S* sp = scale + p * groups * PANEL;
-        const S* mp = mins ? mins + p * groups * PANEL : nullptr;
         alignas(64) float res[PTB * PANEL];
         for (int64_t t0 = 0; t0 < T; t0 += PTB) {
             const int64_t tb = std::min<int64_t>(PTB, T - t0);
-            int4_panel_block<PTB>(a, tb, t0, K, group, w0, w0 + K * HALF / 2, sp, mp, res);
-            for (int h = 0; h < 2; ++h) {
-                if (p * PANEL + h * HALF >= N) break;  // the last panel's padding half
-                alignas(32) float half[PTB * HALF];
-                for (int64_t i = 0; i < tb; ++i)
-                    std::memcpy(half + i * HALF, res + i * PANEL + h * HALF, sizeof(float) * HALF);
-                store_half(half, tb, bias, out + t0 * N, N, p * PANEL + h * HALF);
-            }
+            run_block<PTB>(panel, tb, t0, p, res);
+            for (int64_t row0 = p * PANEL; row0 < std::min(N, (p + 1) * PANEL); row0 += HALF)
+                store_half(res + (row0 - p * PANEL), PANEL, tb, bias, out + t0 * N, N, row0);
         }
     }
 }
@@ -230,7 +226,8 @@ void q8_int4(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t*
     const QRows& a = quantize(x, T, K, n_threads);
 #if defined(BANYAN_Q8_PANELS)
     if (T >= kPanelMinTokens)
-        return int4_over_panels(a, T, K, group, w, scale, mins, bias, out, N, n_threads);
+        return int4_over_panels(Int4Panel<S>{a, K, group, w, scale, mins}, T, bias, out, N,
+                                n_threads);
 #endif
     over_halves(T, N, bias, out, n_threads, Int4Half<S>{a, K, group, w, scale, mins});
 }
