@@ -27,7 +27,7 @@ def test_matches_float64(tokens: int, n: int, k: int, bias: bool) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * k**0.5)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16])
 @pytest.mark.parametrize("n,k", [(1, 1), (7, 13), (5, 33), (64, 576), (131, 1000)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_matches_float64_rounded_once(tokens: int, n: int, k: int, bias: bool) -> None:
@@ -44,6 +44,28 @@ def test_bf16_matches_float64_rounded_once(tokens: int, n: int, k: int, bias: bo
     # and as close to the exact value as oneDNN's bf16 GEMM gets (it, too, rounds once)
     library = torch.nn.functional.linear(x, w, b).double()
     assert (got.double() - want).abs().max() <= (library - want).abs().max() + 1e-5 * k**0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_values_whatever_the_thread_count(dtype: torch.dtype) -> None:
+    """The rows are split across the threads and each output is one row's own sum, so every
+    thread count gives the same bits, and no row is left out (131 rows: a split with a remainder
+    at every block width)."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(131, 200, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        for tokens in (1, 5, 8):
+            x = torch.randn(tokens, 200, generator=gen).to(dtype)
+            results = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                results.append(native.skinny_linear(x, w, None))
+            assert all(torch.equal(r, results[0]) for r in results)
+            want = torch.nn.functional.linear(x.double(), w.double())
+            torch.testing.assert_close(results[0].double(), want, rtol=2**-7, atol=1e-3)
+    finally:
+        torch.set_num_threads(before)
 
 
 _PACKS = PackedBf16Method.available(torch.device("cpu"), torch.bfloat16)
