@@ -10,6 +10,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from banyan.scheduler.speculation import SpeculationConfig
+
+_SPECULATION = SpeculationConfig()  # the defaults of its flags
+
 
 LINEAR_KERNELS = ("auto", "torch", "native")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # mem/kv_pool.py maps them to dtypes
@@ -119,9 +123,9 @@ class EngineArgs:
         "lookup), draft (a smaller model with the same tokenizer, --spec-draft-model), none. "
         "Outputs are unchanged: every guess is checked by the model.",
         choices=["none", "ngram", "draft"]))
-    speculative_num_tokens: int = field(default=4, metadata=_doc(
+    speculative_num_tokens: int = field(default=_SPECULATION.num_tokens, metadata=_doc(
         "Most tokens guessed per request per step (fewer when a request's guesses keep failing)."))
-    speculative_max_step_tokens: int = field(default=16, metadata=_doc(
+    speculative_max_step_tokens: int = field(default=_SPECULATION.max_step_tokens, metadata=_doc(
         "Guesses only fill a step up to this many decode tokens (decodes plus guesses): larger "
         "batches are compute-bound and get none (docs/performance.md, Speculative decoding)."))
     spec_ngram_min: int = field(default=2, metadata=_doc(

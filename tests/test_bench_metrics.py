@@ -89,6 +89,16 @@ def test_token_check_counts_mismatches_and_missing_usage() -> None:
     assert s["ttft_ms"] is None and s["tpot_ms"] is None
 
 
+def test_token_check_of_answers_that_may_end_at_eos() -> None:
+    """Without ignore_eos (a workload of real tasks) fewer tokens are fine, more are not."""
+    records = [rec(0, server_prompt_tokens=10, server_completion_tokens=3),
+               rec(1, server_prompt_tokens=10, server_completion_tokens=6)]
+    for r in records:
+        r.exact = False
+    s = summarize(records, duration=1.0)
+    assert s["token_check"]["output_checked"] == 2 and s["token_check"]["output_mismatches"] == 1
+
+
 def test_all_failed_and_zero_duration() -> None:
     s = summarize([rec(0, success=False, error="x")], duration=0.0)
     assert s["completed"] == 0 and s["output_tok_s"] == 0.0 and s["failed"] == 1

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from banyan.bench.offline import run_workload
-from banyan.bench.workloads import agent_workload, multi_turn_workload, random_workload
+from banyan.bench.workloads import (Workload, agent_workload, multi_turn_workload,
+                                    random_workload)
 from banyan.engine import Engine
 
 
@@ -60,6 +61,29 @@ def test_agent_and_random(engine: Engine) -> None:
     res = run_workload(engine, w, use_tqdm=False)
     assert res["output_tokens"] == sum(r.output_len for r in w.requests)
     assert not engine.core.scheduler.requests  # nothing left behind
+
+
+def test_answers_end_at_eos_only_where_the_workload_says(engine: Engine,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A workload of real tasks (grounded generation) lets the model end its answer; the
+    synthetic ones keep exact lengths (ignore_eos)."""
+    seen: list[bool] = []
+    add = engine.add_request
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["params"].ignore_eos)  # type: ignore[union-attr]
+        return add(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    w = random_workload(2, 8, 3, engine.core.vocab_size, seed=3)
+    run_workload(engine, w, use_tqdm=False)
+    tasks = Workload("tasks", w.requests, stop_at_eos=True)
+    res = run_workload(engine, tasks, use_tqdm=False)
+    assert seen == [True, True, False, False]
+    assert res["failed"] == 0 and 2 <= res["output_tokens"] <= 6
+    with pytest.raises(ValueError, match="stop_at_eos"):
+        Workload("chained", multi_turn_workload(1, 2, 8, 4, 3, 100, seed=0).requests,
+                 stop_at_eos=True)
 
 
 def test_cli_offline(llama_dir: Path, tmp_path: Path,

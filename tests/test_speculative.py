@@ -26,6 +26,9 @@ from tests.test_engine import SETTINGS, check_pool_empty, prompts_1_to_300
 
 def spec_engine(model: Path, algo: str, draft: Path | None = None, **kwargs: object) -> Engine:
     extra = {"spec_draft_model": str(draft)} if draft is not None else {}
+    # 4 guesses: the short pool of the "retraction" setting is sized for it (guesses never
+    # evict or retract, so with more of them that setting stops retracting)
+    kwargs.setdefault("speculative_num_tokens", 4)
     engine = Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
                     speculative_algorithm=algo, speculative_max_step_tokens=64,
                     spec_ngram_min=1, **extra, **kwargs)
@@ -56,8 +59,9 @@ def test_greedy_identical_to_transformers(model_dirs: dict[str, Path], arch: str
     prompts = prompts_1_to_300(7, seed=3)
     max_new = [6 + (5 * i) % 23 for i in range(len(prompts))]
     expected = [hf_greedy(target, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    guesses = 4 if setting == "retraction" else 8  # the engine's default elsewhere
     with spec_engine(target, algo, model_dirs[draft] if draft else None,
-                     **SETTINGS[setting]) as engine:
+                     speculative_num_tokens=guesses, **SETTINGS[setting]) as engine:
         assert run_greedy(engine, prompts, max_new) == expected
         stats = engine.core.scheduler.speculation.stats
         assert stats.num_drafts > 0  # guesses were made and checked

@@ -73,7 +73,10 @@ def grounded_workload(tokenizer: Any, num_requests: int, output_len: int) -> Wor
         task = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
         message = task.format(text=paragraphs[i % len(paragraphs)], code=CODE)
         reqs.append(BenchRequest(_render(tokenizer, message), output_len, group=i))
-    return Workload("grounded", reqs, 0, {"num_requests": num_requests, "output_len": output_len})
+    # the answer is the task: a repeated passage ends at EOS, and what a model writes past it
+    # (an invented next turn) is neither grounded nor anything a user would be sent
+    return Workload("grounded", reqs, 0, {"num_requests": num_requests, "output_len": output_len,
+                                          "stop_at_eos": True}, stop_at_eos=True)
 
 
 def chat_workload(tokenizer: Any, num_requests: int, output_len: int) -> Workload:

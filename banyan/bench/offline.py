@@ -150,7 +150,7 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
         records[i].prompt_tokens = len(prompt)
         records[i].start = time.perf_counter() - t0
         params = SamplingParams(max_new_tokens=reqs[i].output_len, temperature=0.0,
-                                ignore_eos=True)
+                                ignore_eos=not workload.stop_at_eos)
         engine.add_request(input_ids=prompt, params=params, request_id=f"{prefix}{i}")
 
     pending = 0

@@ -82,7 +82,8 @@ def prepare(workload: Workload, tokenizer: Any, endpoint: str, prompt_format: st
         raise ValueError(f"endpoint must be completions or chat, got {endpoint!r}")
     if prompt_format not in ("ids", "text"):
         raise ValueError(f"prompt format must be ids or text, got {prompt_format!r}")
-    common = {"model": model, "temperature": 0.0, "stream": True, "ignore_eos": True,
+    common = {"model": model, "temperature": 0.0, "stream": True,
+              "ignore_eos": not workload.stop_at_eos,
               "stream_options": {"include_usage": True}}
     out: list[Prepared] = []
     if endpoint == "completions" and prompt_format == "ids":
@@ -208,7 +209,8 @@ async def run_async(workload: Workload, prepared: Sequence[Prepared], tokenizer:
     from tqdm import tqdm
 
     base = root_url(opts.base_url)
-    records = [RequestRecord(i, p.prompt_tokens, r.output_len, r.group, r.parent)
+    records = [RequestRecord(i, p.prompt_tokens, r.output_len, r.group, r.parent,
+                             exact=not workload.stop_at_eos)
                for i, (p, r) in enumerate(zip(prepared, workload.requests))]
     kids = workload.children()
     roots = workload.roots()

@@ -9,7 +9,8 @@ thought (a tree per question). The answer put into the history is either what th
 generated (offline, history="model") or the parent's scripted `answer_ids` (history="scripted":
 the serve client always, since the OpenAI API returns text, not token ids; every engine then sees
 the same prompts token for token). Lengths are exact either way: requests run with ignore_eos, so
-every answer has exactly output_len tokens, and the scripted answers have that length too.
+every answer has exactly output_len tokens, and the scripted answers have that length too; a
+workload of real tasks (`stop_at_eos`: input-grounded generation) lets answers end at EOS.
 
 This module imports nothing heavy (no torch), so peer scripts in other virtual environments can
 use it.
@@ -41,6 +42,14 @@ class Workload:
     # Prompt tokens a perfect prefix cache could serve (the optimum for the hit rate).
     reusable_tokens: int = 0
     params: dict[str, object] = field(default_factory=dict)
+    # Answers end where the model ends them (output_len is then a limit): a workload of real
+    # tasks, whose tokens past the answer would be the model inventing a next turn. Only for
+    # workloads no other request continues (a history needs its exact length).
+    stop_at_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop_at_eos and self.dependent:
+            raise ValueError("stop_at_eos: a dependent workload needs answers of exact length")
 
     @property
     def dependent(self) -> bool:

@@ -1,0 +1,109 @@
+"""Speculative decoding at batch 1, side by side in one process: one engine per configuration
+(none, ngram with the default number of guesses a step and with 8, optionally a draft), the grounded and chat
+workloads run on each in turn, round after round, so every ratio compares runs a few seconds
+apart (this machine's speed drifts by 20-40% over minutes; separate processes minutes apart
+measured the drift, not speculation).
+
+    python benchmarks/spec_side_by_side.py [--model DIR|FILE] [--dtype bfloat16] [--rounds 5] \
+        [--configs none,ngram,ngram-k8,ngram-k6] [--draft DIR --draft-quantization int4] [--out FILE]
+
+Per configuration and workload: output tokens/s of each round (prefill included, the prefix
+cache flushed before each run), the median of the per-round ratios to "none", and the
+acceptance statistics (vLLM's names). The grounded workload's answers end at EOS (what a user
+is sent; every configuration produces the same greedy tokens); chat runs to --output-len.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from banyan import Engine
+from banyan.bench.grounded import chat_workload, grounded_workload
+from banyan.bench.offline import machine_info, run_workload
+
+
+
+def config(name: str) -> dict[str, Any]:
+    """Engine arguments of a configuration: none, ngram or draft (the engine's default number
+    of guesses), or ngram-kN / draft-kN (at most N guesses a step)."""
+    algorithm, _, k = name.partition("-k")
+    if algorithm not in ("none", "ngram", "draft") or (k and (algorithm == "none"
+                                                               or not k.isdigit())):
+        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], draft[-kN]")
+    return {"speculative_algorithm": algorithm} | (
+        {"speculative_num_tokens": int(k)} if k else {})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: Banyan's default model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--configs", default="none,ngram,ngram-k8")
+    parser.add_argument("--draft", default=None, help="draft model (the 'draft' config)")
+    parser.add_argument("--draft-quantization", default="int4")
+    parser.add_argument("--num-requests", type=int, default=5)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    ns = parser.parse_args()
+    names = ns.configs.split(",")
+    if "none" not in names:
+        raise SystemExit("--configs must include none (the ratios' base)")
+    engines: dict[str, Engine] = {}
+    for name in names:
+        extra = config(name)
+        if extra["speculative_algorithm"] == "draft":
+            extra.update(spec_draft_model=ns.draft or ns.model,
+                         spec_draft_quantization=ns.draft_quantization)
+        engines[name] = Engine(model=ns.model, dtype=ns.dtype, max_running_requests=1,
+                               kv_cache_memory="512MiB", disable_tqdm=True, **extra)
+    tokenizer = engines["none"].tokenizer
+    workloads = {"grounded": grounded_workload(tokenizer, ns.num_requests, ns.output_len),
+                 "chat": chat_workload(tokenizer, ns.num_requests, ns.output_len)}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in names}
+                                                        for w in workloads}
+    for engine in engines.values():  # warm: first allocations, first touches of the pool
+        run_workload(engine, workloads["chat"], use_tqdm=False)
+    for r in range(ns.rounds):
+        for wname, workload in workloads.items():
+            for name, engine in engines.items():
+                engine.flush_cache()
+                res = run_workload(engine, workload, use_tqdm=False)
+                runs[wname][name].append({"output_tok_s": res["output_tok_s"],
+                                          "output_tokens": res["output_tokens"],
+                                          "speculative": res["speculative"]})
+                print(f"round {r + 1} {wname:8s} {name:9s} {res['output_tok_s']:7.1f} tok/s",
+                      flush=True)
+    summary: dict[str, dict[str, Any]] = {}
+    for wname, by_config in runs.items():
+        base = [x["output_tok_s"] for x in by_config["none"]]
+        summary[wname] = {}
+        for name, rounds in by_config.items():
+            rates = [x["output_tok_s"] for x in rounds]
+            spec = rounds[-1]["speculative"]
+            summary[wname][name] = {
+                "median_tok_s": round(statistics.median(rates), 1),
+                "ratio_to_none_median": round(statistics.median(
+                    [a / b for a, b in zip(rates, base, strict=True)]), 3),
+                "ratios": [round(a / b, 3) for a, b in zip(rates, base, strict=True)],
+                "output_tokens": rounds[-1]["output_tokens"],
+                "mean_acceptance_length": spec.get("mean_acceptance_length") if spec else None}
+            print(f"{wname:8s} {name:9s} median {summary[wname][name]['median_tok_s']:7.1f} "
+                  f"tok/s, x{summary[wname][name]['ratio_to_none_median']:.2f} of none "
+                  f"(acceptance length {summary[wname][name]['mean_acceptance_length']})")
+    out = {"command": "python benchmarks/spec_side_by_side.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(ns).items()
+               if v is not None and k != "out").replace(str(Path.home()), "~"),
+           "machine": machine_info(), "summary": summary, "runs": runs}
+    for engine in engines.values():
+        engine.close()
+    if ns.out:
+        ns.out.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
