@@ -5,12 +5,15 @@ apart (this machine's speed drifts by 20-40% over minutes; separate processes mi
 measured the drift, not speculation).
 
     python benchmarks/spec_side_by_side.py [--model DIR|FILE] [--dtype bfloat16] [--rounds 5] \
-        [--configs none,ngram,ngram-k8,ngram-k6] [--draft DIR --draft-quantization int4] [--out FILE]
+        [--configs none,ngram,ngram-k8,ngram-k6] [--draft DIR --draft-quantization int4] [--load] \
+        [--out FILE]
 
 Per configuration and workload: output tokens/s of each round (prefill included, the prefix
 cache flushed before each run), the median of the per-round ratios to "none", and the
 acceptance statistics (vLLM's names). The grounded workload's answers end at EOS (what a user
 is sent; every configuration produces the same greedy tokens); chat runs to --output-len.
+With --load, a second engine per configuration (no batch limit) runs random 64 x 128/128 too:
+speculation under load, where the adaptive rule should turn it off.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from banyan import Engine
 from banyan.bench.grounded import chat_workload, grounded_workload
 from banyan.bench.offline import machine_info, run_workload
+from banyan.bench.workloads import random_workload
 
 
 
@@ -48,29 +52,37 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=5)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--load", action="store_true", help="also random 64 x 128/128")
     parser.add_argument("--out", type=Path, default=None)
     ns = parser.parse_args()
     names = ns.configs.split(",")
     if "none" not in names:
         raise SystemExit("--configs must include none (the ratios' base)")
-    engines: dict[str, Engine] = {}
-    for name in names:
+
+    def build(name: str, **limits: Any) -> Engine:
         extra = config(name)
         if extra["speculative_algorithm"] == "draft":
             extra.update(spec_draft_model=ns.draft or ns.model,
                          spec_draft_quantization=ns.draft_quantization)
-        engines[name] = Engine(model=ns.model, dtype=ns.dtype, max_running_requests=1,
-                               kv_cache_memory="512MiB", disable_tqdm=True, **extra)
+        return Engine(model=ns.model, dtype=ns.dtype, disable_tqdm=True, **limits, **extra)
+
+    engines = {name: build(name, max_running_requests=1, kv_cache_memory="512MiB")
+               for name in names}
     tokenizer = engines["none"].tokenizer
     workloads = {"grounded": grounded_workload(tokenizer, ns.num_requests, ns.output_len),
                  "chat": chat_workload(tokenizer, ns.num_requests, ns.output_len)}
+    engines_for = {w: engines for w in workloads}
+    if ns.load:
+        workloads["load"] = random_workload(64, 128, 128, engines["none"].core.vocab_size, seed=0)
+        engines_for["load"] = {name: build(name, kv_cache_memory="2GiB") for name in names}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in names}
                                                         for w in workloads}
-    for engine in engines.values():  # warm: first allocations, first touches of the pool
-        run_workload(engine, workloads["chat"], use_tqdm=False)
+    for wname in ("chat", "load"):  # warm: first allocations, first touches of the pool
+        for engine in engines_for.get(wname, {}).values():
+            run_workload(engine, workloads[wname], use_tqdm=False)
     for r in range(ns.rounds):
         for wname, workload in workloads.items():
-            for name, engine in engines.items():
+            for name, engine in engines_for[wname].items():
                 engine.flush_cache()
                 res = run_workload(engine, workload, use_tqdm=False)
                 runs[wname][name].append({"output_tok_s": res["output_tok_s"],
@@ -95,12 +107,14 @@ def main() -> None:
             print(f"{wname:8s} {name:9s} median {summary[wname][name]['median_tok_s']:7.1f} "
                   f"tok/s, x{summary[wname][name]['ratio_to_none_median']:.2f} of none "
                   f"(acceptance length {summary[wname][name]['mean_acceptance_length']})")
-    out = {"command": "python benchmarks/spec_side_by_side.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(ns).items()
-               if v is not None and k != "out").replace(str(Path.home()), "~"),
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+             for k, v in vars(ns).items() if v not in (None, False) and k != "out"]
+    out = {"command": "python benchmarks/spec_side_by_side.py " + " ".join(flags).replace(
+               str(Path.home()), "~"),
            "machine": machine_info(), "summary": summary, "runs": runs}
-    for engine in engines.values():
-        engine.close()
+    for by_name in {id(e): e for e in engines_for.values()}.values():
+        for engine in by_name.values():
+            engine.close()
     if ns.out:
         ns.out.write_text(json.dumps(out, indent=2))
 
