@@ -47,8 +47,8 @@ class Proposer(Protocol):
 @dataclass(slots=True)
 class SpeculationConfig:
     # most tokens proposed per request per step: 8, since checking them costs ~1.4-1.6x a decode
-    # at batch 1 and a grounded answer's runs accept ~5 (spec_side_by_side.py: grounded 2.11x
-    # with 8, 1.91x with 4, bf16 on Zen 5); a request's own acceptance rate scales it down
+    # at batch 1 and a grounded answer's runs accept ~5 (spec_side_by_side.py: grounded 2.14x
+    # with 8, 1.84x with 4, dense bf16 on Zen 5); a request's own acceptance rate scales it down
     num_tokens: int = 8
     max_step_tokens: int = 16  # decode work of a step (decodes + guesses) speculation may fill
     min_rate: float = 0.15  # acceptance rate below which a request pauses speculation
