@@ -1,11 +1,11 @@
 """Speculative decoding at batch 1, side by side in one process: one engine per configuration
-(none, ngram with the default number of guesses a step and with 8, optionally a draft), the grounded and chat
-workloads run on each in turn, round after round, so every ratio compares runs a few seconds
-apart (this machine's speed drifts by 20-40% over minutes; separate processes minutes apart
-measured the drift, not speculation).
+(none, ngram with the default number of guesses a step or --configs' ngram-kN, optionally a
+draft), the grounded and chat workloads run on each in turn, round after round, so every ratio
+compares runs a few seconds apart (this machine's speed drifts by 20-40% over minutes; separate
+processes minutes apart measured the drift, not speculation).
 
     python benchmarks/spec_side_by_side.py [--model DIR|FILE] [--dtype bfloat16] [--rounds 5] \
-        [--configs none,ngram,ngram-k8,ngram-k6] [--draft DIR --draft-quantization int4] [--load] \
+        [--configs none,ngram,ngram-k4,ngram-k6] [--draft DIR --draft-quantization int4] [--load] \
         [--out FILE]
 
 Per configuration and workload: output tokens/s of each round (prefill included, the prefix
@@ -30,7 +30,6 @@ from banyan.bench.offline import machine_info, run_workload
 from banyan.bench.workloads import random_workload
 
 
-
 def config(name: str) -> dict[str, Any]:
     """Engine arguments of a configuration: none, ngram or draft (the engine's default number
     of guesses), or ngram-kN / draft-kN (at most N guesses a step)."""
@@ -46,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: Banyan's default model")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--configs", default="none,ngram,ngram-k8")
+    parser.add_argument("--configs", default="none,ngram,ngram-k4")
     parser.add_argument("--draft", default=None, help="draft model (the 'draft' config)")
     parser.add_argument("--draft-quantization", default="int4")
     parser.add_argument("--num-requests", type=int, default=5)
@@ -68,6 +67,7 @@ def main() -> None:
 
     engines = {name: build(name, max_running_requests=1, kv_cache_memory="512MiB")
                for name in names}
+    built = list(engines.values())
     tokenizer = engines["none"].tokenizer
     workloads = {"grounded": grounded_workload(tokenizer, ns.num_requests, ns.output_len),
                  "chat": chat_workload(tokenizer, ns.num_requests, ns.output_len)}
@@ -75,6 +75,7 @@ def main() -> None:
     if ns.load:
         workloads["load"] = random_workload(64, 128, 128, engines["none"].core.vocab_size, seed=0)
         engines_for["load"] = {name: build(name, kv_cache_memory="2GiB") for name in names}
+        built += engines_for["load"].values()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in names}
                                                         for w in workloads}
     for wname in ("chat", "load"):  # warm: first allocations, first touches of the pool
@@ -97,24 +98,23 @@ def main() -> None:
         for name, rounds in by_config.items():
             rates = [x["output_tok_s"] for x in rounds]
             spec = rounds[-1]["speculative"]
-            summary[wname][name] = {
+            ratios = [a / b for a, b in zip(rates, base, strict=True)]
+            row = summary[wname][name] = {
                 "median_tok_s": round(statistics.median(rates), 1),
-                "ratio_to_none_median": round(statistics.median(
-                    [a / b for a, b in zip(rates, base, strict=True)]), 3),
-                "ratios": [round(a / b, 3) for a, b in zip(rates, base, strict=True)],
+                "ratio_to_none_median": round(statistics.median(ratios), 3),
+                "ratios": [round(x, 3) for x in ratios],
                 "output_tokens": rounds[-1]["output_tokens"],
                 "mean_acceptance_length": spec.get("mean_acceptance_length") if spec else None}
-            print(f"{wname:8s} {name:9s} median {summary[wname][name]['median_tok_s']:7.1f} "
-                  f"tok/s, x{summary[wname][name]['ratio_to_none_median']:.2f} of none "
-                  f"(acceptance length {summary[wname][name]['mean_acceptance_length']})")
+            print(f"{wname:8s} {name:9s} median {row['median_tok_s']:7.1f} tok/s, "
+                  f"x{row['ratio_to_none_median']:.2f} of none "
+                  f"(acceptance length {row['mean_acceptance_length']})")
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
              for k, v in vars(ns).items() if v not in (None, False) and k != "out"]
     out = {"command": "python benchmarks/spec_side_by_side.py " + " ".join(flags).replace(
                str(Path.home()), "~"),
            "machine": machine_info(), "summary": summary, "runs": runs}
-    for by_name in {id(e): e for e in engines_for.values()}.values():
-        for engine in by_name.values():
-            engine.close()
+    for engine in built:
+        engine.close()
     if ns.out:
         ns.out.write_text(json.dumps(out, indent=2))
 
