@@ -1,5 +1,5 @@
 // The signature of the paged-attention entry points (cpu_paged_attention.cpp defines one per
-// query and pool type; cpu_layer_stack.cpp calls two), written once.
+// query and pool type; cpu_layer_stack.cpp calls two), written once; and the prefill kernel's.
 //
 // q, out: [T, H, D], the step's flat tokens (only the requests below are read and written);
 // k, v: one layer of the pool, [slots, KVH, D]; kscale, vscale: [slots, KVH] float32 for a
@@ -18,4 +18,13 @@
               const int64_t* req_len, const int64_t* q_start, const int64_t* n_new,           \
               const int64_t* order, const int64_t* group_start, const int64_t* group_prefix,  \
               int64_t n_groups, QT* out, int64_t heads, int64_t kvh, int64_t d, float scale,  \
+              int64_t n_threads)
+
+// The prefill kernel's entry points (cpu_prefill_attention.cpp): the same arguments without
+// the grouping (each request attends alone, causally, over its whole context).
+#define BANYAN_PREFILL_ATTENTION_SIGNATURE(NAME, QT, KT)                                       \
+    void NAME(const QT* q, const KT* k, const KT* v, const float* kscale, const float* vscale, \
+              const int32_t* table, int64_t table_stride, const int64_t* req_row,             \
+              const int64_t* req_len, const int64_t* q_start, const int64_t* n_new,           \
+              int64_t n_reqs, QT* out, int64_t heads, int64_t kvh, int64_t d, float scale,    \
               int64_t n_threads)

@@ -35,34 +35,14 @@
 #include <omp.h>
 
 #include "cpu_dtypes.h"
-
-// GCC vectorises for 256-bit registers on most AVX-512 CPUs unless told otherwise; the tiles
-// below are sized for two registers of the widest kind (12 accumulators), so ask for 512.
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC target("prefer-vector-width=512")
-#endif
+#include "cpu_paged_attention.h"
+#include "cpu_prefill_common.h"
+#include "cpu_prefill_pairs.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int VLEN = 16;  // floats per vector register
-#else
-constexpr int VLEN = 8;  // AVX2 (and the SSE / portable builds: GCC splits the tiles)
-#endif
-constexpr int NV = 2 * VLEN;  // the vector width of a tile: rows of S^T, columns of O
 constexpr int KM = 6;         // keys per S^T tile (6 x 2 accumulator registers)
 constexpr int PM = 6;         // rows per P V tile
-constexpr int BK = 64;        // keys per block
-
-inline float fmadd(float a, float b, float c) {
-#if defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
-    return __builtin_fmaf(a, b, c);
-#else
-    return a * b + c;  // no FMA unit: a library fmaf call would be far slower
-#endif
-}
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // st[j][0, NV) = sum_e kb[j][e] * qt[e][0, NV) for the M keys j of the tile; kMax: and
 // mx[0, NV) = max(mx, the tile's scores) (a block no row stops inside: no mask to apply).
@@ -180,109 +160,21 @@ inline void load_row(const typename K::T* src, float s, int64_t d, float* dst) {
     }
 }
 
-// One thread's buffers. rp: rows padded to NV; dv: head dim padded to NV (the padding columns
-// of V stay zero, so the padding columns of O are zero and never written out).
-struct Buffers {
-    std::vector<float> qt, kb, vb, st, o, m, l, corr;
-    std::vector<int32_t> lim;  // keys each row sees (contexts < 2^31)
-    int64_t rp = 0, dv = 0;
-    void fit(int64_t rows, int64_t d) {
-        const int64_t rp_new = round_up(rows, NV), dv_new = round_up(d, NV);
-        if (rp_new <= rp && dv_new == dv) return;
-        rp = std::max(rp, rp_new);
-        dv = dv_new;
-        qt.assign(d * rp, 0.0f);
-        kb.assign(BK * d, 0.0f);
-        vb.assign(BK * dv, 0.0f);
-        st.assign(BK * rp, 0.0f);
-        o.assign(rp * dv, 0.0f);
-        m.assign(rp, 0.0f);
-        l.assign(rp, 0.0f);
-        corr.assign(rp, 0.0f);
-        lim.assign(rp, 0);
-    }
-};
-
-// exp(x) for x <= 0 (clamped at -87): exp_clamped's polynomial with fused multiply-adds,
-// as the AVX2 row kernel's exp256_nonpos computes it.
-inline float exp_nonpos_fma(float x) {
-    x = x > -87.0f ? x : -87.0f;
-    const float fx = std::floor(fmadd(x, 1.44269504088896341f, 0.5f));
-    float r = fmadd(fx, -0.693359375f, x);
-    r = fmadd(fx, 2.12194440e-4f, r);
-    const float z = r * r;
-    float y = 1.9875691500e-4f;
-    y = fmadd(y, r, 1.3981999507e-3f);
-    y = fmadd(y, r, 8.3334519073e-3f);
-    y = fmadd(y, r, 4.1665795894e-2f);
-    y = fmadd(y, r, 1.6666665459e-1f);
-    y = fmadd(y, r, 5.0000001201e-1f);
-    y = fmadd(y, z, r + 1.0f);
-    const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return y * scale;
-}
-
-// The online-softmax update of rows [0, rp) for one block of nk keys starting at key k0:
-// st [nk][rp] scores in, probabilities out (0 where masked); corr: the rows' new maxima in
-// (merged by the score tiles, unless kCausal), exp(m_old - m_new) out. kCausal (the diagonal
-// blocks only): row r sees keys < lim[r]; the scores of the others become -inf.
-template <bool kCausal>
-void softmax_block(Buffers& b, int64_t k0, int64_t nk) {
-    const int64_t rp = b.rp;
-    float* st = b.st.data();
-    float* mx = b.corr.data();
-    const int32_t* lim = b.lim.data();
-    if constexpr (kCausal) {
-        for (int64_t j = 0; j < nk; ++j) {
-            float* s = st + j * rp;
-            const int32_t key = static_cast<int32_t>(k0 + j);
-#pragma omp simd
-            for (int64_t r = 0; r < rp; ++r) {
-                const float v = key < lim[r] ? s[r] : -INFINITY;
-                s[r] = v;
-                mx[r] = mx[r] > v ? mx[r] : v;
-            }
-        }
-    }
-    // NV rows at a time, their maxima and sums in registers
-    for (int64_t r0 = 0; r0 < rp; r0 += NV) {
-        float mv[NV], sum[NV];
-#pragma omp simd
-        for (int r = 0; r < NV; ++r) {
-            mv[r] = mx[r0 + r];
-            sum[r] = 0.0f;
-        }
-        for (int64_t j = 0; j < nk; ++j) {
-            float* s = st + j * rp + r0;
-            const int32_t key = static_cast<int32_t>(k0 + j);
-            // exp(-inf - max) clamps to exp(-87), not 0: masked keys are zeroed explicitly
-#pragma omp simd
-            for (int r = 0; r < NV; ++r) {
-                const float p = exp_nonpos_fma(s[r] - mv[r]);
-                s[r] = (!kCausal || key < lim[r0 + r]) ? p : 0.0f;
-                sum[r] += s[r];
-            }
-        }
-        // Rows that have seen no key yet hold m = -inf: the correction clamps to ~1e-38 and
-        // multiplies l = 0 and o = 0 (never NaN). A row whose max stays: exactly 1.
-#pragma omp simd
-        for (int r = 0; r < NV; ++r) {
-            const float c = exp_nonpos_fma(b.m[r0 + r] - mv[r]);
-            b.m[r0 + r] = mv[r];
-            mx[r0 + r] = c;
-            b.l[r0 + r] = fmadd(b.l[r0 + r], c, sum[r]);
-        }
-    }
-}
-
 // One work item: query positions [t0, t0 + bq) of a request, the G query heads of KV head h.
 template <typename C, typename K>
 void attend_block(Buffers& b, const typename C::T* q, const typename K::T* kpool,
                   const typename K::T* vpool, const float* kscale, const float* vscale,
                   const int32_t* slots, int64_t prefix, int64_t t0, int64_t bq, int64_t h,
                   int64_t heads, int64_t kvh, int64_t d, float scale, typename C::T* out) {
+#if defined(BANYAN_PREFILL_PAIRS)
+    if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
+        if (pairs_fit(d)) {  // vdpbf16ps over bf16 pairs (cpu_prefill_pairs.h)
+            attend_block_pairs(b, q, kpool, vpool, slots, prefix, t0, bq, h, heads, kvh, d,
+                               scale, out);
+            return;
+        }
+    }
+#endif
     const int64_t g = heads / kvh, rows = bq * g;
     b.fit(rows, d);
     const int64_t rp = b.rp, dv = b.dv;
@@ -398,11 +290,7 @@ extern "C" {
 // req_row, req_len (context with its new tokens, all stored), q_start (its first token in q),
 // n_new (its new tokens, attending causally).
 #define BANYAN_PREFILL_ATTENTION(NAME, C, K)                                                  \
-    void NAME(const C::T* q, const K::T* k, const K::T* v, const float* kscale,               \
-              const float* vscale, const int32_t* table, int64_t table_stride,              \
-              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,       \
-              const int64_t* n_new, int64_t n_reqs, C::T* out, int64_t heads, int64_t kvh,  \
-              int64_t d, float scale, int64_t n_threads) {                                  \
+    BANYAN_PREFILL_ATTENTION_SIGNATURE(NAME, C::T, K::T) {                                    \
         prefill_attention<C, K>(q, k, v, kscale, vscale, table, table_stride, req_row,       \
                                 req_len, q_start, n_new, n_reqs, out, heads, kvh, d, scale,  \
                                 n_threads);                                                  \
@@ -416,5 +304,14 @@ BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e4m3, F32, E4M3)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e4m3, BF16, E4M3)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e5m2, F32, E5M2)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
+
+// 1 when bf16 queries over a bf16 pool take the vdpbf16ps pair path (cpu_prefill_pairs.h).
+int banyan_prefill_pairs() {
+#if defined(BANYAN_PREFILL_PAIRS)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 }  // extern "C"

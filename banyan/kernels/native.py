@@ -196,6 +196,8 @@ def load() -> ctypes.CDLL | None:
         stack.restype = None
     lib.banyan_vector_bits.argtypes = []
     lib.banyan_vector_bits.restype = i64
+    lib.banyan_prefill_pairs.argtypes = []
+    lib.banyan_prefill_pairs.restype = ctypes.c_int
     return lib
 
 
@@ -205,6 +207,14 @@ def vector_bits() -> int:
     the portable loops alone (or no kernels)."""
     lib = load()
     return 0 if lib is None else int(lib.banyan_vector_bits())
+
+
+@cache
+def prefill_pairs_here() -> bool:
+    """Whether the prefill kernel runs bf16 over a bf16 pool as vdpbf16ps over bf16 pairs
+    (cpu_prefill_pairs.h: AVX512-BF16 CPUs)."""
+    lib = load()
+    return lib is not None and bool(lib.banyan_prefill_pairs())
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,

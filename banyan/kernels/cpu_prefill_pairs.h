@@ -1,0 +1,239 @@
+// The prefill kernel's path for bf16 queries over a bf16 pool on CPUs with AVX512-BF16: the
+// same work items, key blocks and online softmax as attend_block (cpu_prefill_attention.cpp),
+// but both products run as vdpbf16ps over bf16 pairs instead of float32 FMAs over widened
+// copies, half the instructions for the same multiply-adds:
+//
+//   S^T = K Q^T: Q^T as pairs of dims (qp [d/2][rp] words: row r's dims 2p, 2p + 1), each key
+//   row's pair of dims broadcast; float32 sums, times the scale after (Q is not rounded again);
+//   O = O x corr + P V: the probabilities rounded to bf16 in pairs of keys (pp [pairs][rp]),
+//   as the row kernel's bf16 path and a bf16 matmul of P and V round them; V as pairs of keys
+//   per dim (vp [pairs][d], interleaved once per block for all rows).
+//
+// Each row's arithmetic is the same whatever tile or work item it falls in (pairs in order,
+// key blocks from 0): the bits do not depend on the thread count. Head dims that are a
+// multiple of 32 only (two 16-lane words of pairs per 64 bytes); others take the float path.
+#pragma once
+
+#include "cpu_prefill_common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BANYAN_PREFILL_PAIRS 1
+
+#include <immintrin.h>
+
+#include "cpu_avx512.h"
+#include "cpu_dtypes.h"
+
+namespace {
+
+constexpr int KP = 8;  // keys per score tile: 8 x 2 accumulators (32 rows)
+constexpr int RP = 6;  // rows per P V tile: 6 x CV accumulators (CV <= 4 words of 16 dims)
+
+inline bool pairs_fit(int64_t d) { return d % 32 == 0; }
+
+// st[j][0, 32) = scale x (key j . the 32 rows of qp), M keys of kb [.][d]; kMax: and
+// mx[0, 32) = max(mx, the tile's scores).
+template <int M, bool kMax>
+inline void qk_pairs_tile(const uint16_t* kb, int64_t d, const uint32_t* qp, int64_t ldq,
+                          float scale, float* st, int64_t lds, float* mx) {
+    __m512 acc[M][2];
+    for (int j = 0; j < M; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < d / 2; ++p) {
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + p * ldq);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qp + p * ldq + 16);
+        for (int j = 0; j < M; ++j) {
+            int32_t w;
+            std::memcpy(&w, kb + j * d + 2 * p, 4);
+            const __m512bh kj = (__m512bh)_mm512_set1_epi32(w);
+            acc[j][0] = _mm512_dpbf16_ps(acc[j][0], q0, kj);
+            acc[j][1] = _mm512_dpbf16_ps(acc[j][1], q1, kj);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+    if constexpr (kMax) m0 = _mm512_loadu_ps(mx), m1 = _mm512_loadu_ps(mx + 16);
+    for (int j = 0; j < M; ++j) {
+        const __m512 s0 = _mm512_mul_ps(acc[j][0], sv), s1 = _mm512_mul_ps(acc[j][1], sv);
+        _mm512_storeu_ps(st + j * lds, s0);
+        _mm512_storeu_ps(st + j * lds + 16, s1);
+        if constexpr (kMax) m0 = _mm512_max_ps(m0, s0), m1 = _mm512_max_ps(m1, s1);
+    }
+    if constexpr (kMax) _mm512_storeu_ps(mx, m0), _mm512_storeu_ps(mx + 16, m1);
+}
+
+// S^T for nk keys x 32 rows: tiles of KP keys, the last one of nk % KP.
+template <bool kMax>
+void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* qp, int64_t ldq,
+                    float scale, float* st, int64_t lds, float* mx) {
+    int64_t j0 = 0;
+    for (; j0 + KP <= nk; j0 += KP)
+        qk_pairs_tile<KP, kMax>(kb + j0 * d, d, qp, ldq, scale, st + j0 * lds, lds, mx);
+    const uint16_t* k = kb + j0 * d;
+    float* s = st + j0 * lds;
+    switch (nk - j0) {
+        case 1: qk_pairs_tile<1, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 2: qk_pairs_tile<2, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 3: qk_pairs_tile<3, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 4: qk_pairs_tile<4, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 5: qk_pairs_tile<5, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 6: qk_pairs_tile<6, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 7: qk_pairs_tile<7, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        default: break;
+    }
+}
+
+// pp[q][r] = (bf16(st[2q][r]), bf16(st[2q + 1][r])) for rows [0, rp) (rp % 16 == 0); a lone
+// last key pairs with a probability of 0.
+inline void prob_pairs(const float* st, int64_t rp, int64_t nk, uint32_t* pp) {
+    for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
+        const float* a = st + 2 * q * rp;
+        const bool lone = 2 * q + 1 >= nk;
+        for (int64_t r = 0; r < rp; r += 16) {
+            const __m512 bv = lone ? _mm512_setzero_ps() : _mm512_loadu_ps(a + rp + r);
+            const __m512i lo = _mm512_cvtepu16_epi32(
+                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + r)));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(bv));
+            _mm512_storeu_si512(pp + q * rp + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+// vp[q][x] = (V[2q][x], V[2q + 1][x]) for the nk keys of the block at k0 (a lone last key:
+// zeros beside it), read from the pool rows of KV head h.
+inline void value_pairs(const uint16_t* vpool, const int32_t* slots, int64_t k0, int64_t nk,
+                        int64_t kvh, int64_t h, int64_t d, uint32_t* vp) {
+    const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
+    for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
+        const uint16_t* a = vpool + (static_cast<int64_t>(slots[k0 + 2 * q]) * kvh + h) * d;
+        const bool lone = 2 * q + 1 >= nk;
+        const uint16_t* b =
+            lone ? a : vpool + (static_cast<int64_t>(slots[k0 + 2 * q + 1]) * kvh + h) * d;
+        for (int64_t c = 0; c < d; c += 32) {
+            const __m512i va = _mm512_loadu_si512(a + c);
+            const __m512i vb = lone ? _mm512_setzero_si512() : _mm512_loadu_si512(b + c);
+            _mm512_storeu_si512(vp + q * d + c, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_storeu_si512(vp + q * d + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
+// o[i][0, 16 CV) = o[i] x corr[i] + sum_q pp[q][i] . vp[q][0, 16 CV) for the M rows i.
+template <int M, int CV>
+inline void pv_pairs_tile(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t d,
+                          int64_t pairs, const float* corr, float* o, int64_t ldo) {
+    __m512 acc[M][CV];
+    for (int i = 0; i < M; ++i) {
+        const __m512 c = _mm512_set1_ps(corr[i]);
+        for (int v = 0; v < CV; ++v)
+            acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo + 16 * v), c);
+    }
+    for (int64_t q = 0; q < pairs; ++q) {
+        __m512bh vv[CV];
+        for (int v = 0; v < CV; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vp + q * d + 16 * v);
+        for (int i = 0; i < M; ++i) {
+            const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[q * ldp + i]));
+            for (int v = 0; v < CV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], vv[v], pw);
+        }
+    }
+    for (int i = 0; i < M; ++i)
+        for (int v = 0; v < CV; ++v) _mm512_storeu_ps(o + i * ldo + 16 * v, acc[i][v]);
+}
+
+// P V into 16 CV columns of O for `rows` rows: tiles of RP rows, the last one of rows % RP.
+template <int CV>
+void pv_pairs_tiles(int64_t rows, const uint32_t* pp, int64_t ldp, const uint32_t* vp,
+                    int64_t d, int64_t pairs, const float* corr, float* o, int64_t ldo) {
+    int64_t i0 = 0;
+    for (; i0 + RP <= rows; i0 += RP)
+        pv_pairs_tile<RP, CV>(pp + i0, ldp, vp, d, pairs, corr + i0, o + i0 * ldo, ldo);
+    const uint32_t* p = pp + i0;
+    const float* c = corr + i0;
+    float* oi = o + i0 * ldo;
+    switch (rows - i0) {
+        case 1: pv_pairs_tile<1, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
+        case 2: pv_pairs_tile<2, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
+        case 3: pv_pairs_tile<3, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
+        case 4: pv_pairs_tile<4, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
+        case 5: pv_pairs_tile<5, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
+        default: break;
+    }
+}
+
+template <typename V>
+inline void at_least(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+// One work item of attend_block (query positions [t0, t0 + bq) of a request, the G query
+// heads of KV head h), bf16 queries and pool, pairs_fit(d).
+inline void attend_block_pairs(Buffers& b, const uint16_t* q, const uint16_t* kpool,
+                               const uint16_t* vpool, const int32_t* slots, int64_t prefix,
+                               int64_t t0, int64_t bq, int64_t h, int64_t heads, int64_t kvh,
+                               int64_t d, float scale, uint16_t* out) {
+    const int64_t g = heads / kvh, rows = bq * g;
+    b.fit(rows, d);
+    const int64_t rp = b.rp, dv = b.dv;  // (dv == d)
+    at_least(b.qp, d / 2 * rp);
+    at_least(b.pp, BK / 2 * rp);
+    at_least(b.vp, BK / 2 * d);
+    at_least(b.kb16, BK * d);
+    const int64_t kend = prefix + t0 + bq;
+    for (int64_t r = 0; r < rp; ++r) {
+        b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
+        b.m[r] = -INFINITY;
+        b.l[r] = 0.0f;
+    }
+    // Q^T in pairs of dims, unscaled; padding rows zero
+    std::fill(b.qp.begin(), b.qp.begin() + d / 2 * rp, 0u);
+    for (int64_t t = 0; t < bq; ++t)
+        for (int64_t gh = 0; gh < g; ++gh) {
+            const uint16_t* src = q + ((t0 + t) * heads + h * g + gh) * d;
+            for (int64_t p = 0; p < d / 2; ++p)
+                std::memcpy(&b.qp[p * rp + t * g + gh], src + 2 * p, 4);
+        }
+    std::fill(b.o.begin(), b.o.begin() + rp * dv, 0.0f);
+    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+        const int64_t nk = std::min<int64_t>(BK, kend - k0);
+        for (int64_t j = 0; j < nk; ++j)
+            std::memcpy(&b.kb16[j * d],
+                        kpool + (static_cast<int64_t>(slots[k0 + j]) * kvh + h) * d,
+                        d * sizeof(uint16_t));
+        value_pairs(vpool, slots, k0, nk, kvh, h, d, b.vp.data());
+        const bool diagonal = k0 + nk > prefix + t0 + 1;  // some row stops inside the block
+        std::copy_n(b.m.begin(), rp, b.corr.begin());
+        for (int64_t r0 = 0; r0 < rp; r0 += 32) {
+            if (diagonal)
+                qk_pairs_tiles<false>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale, &b.st[r0], rp,
+                                      &b.corr[r0]);
+            else
+                qk_pairs_tiles<true>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale, &b.st[r0], rp,
+                                     &b.corr[r0]);
+        }
+        if (diagonal)
+            softmax_block<true>(b, k0, nk);
+        else
+            softmax_block<false>(b, k0, nk);
+        prob_pairs(b.st.data(), rp, nk, b.pp.data());
+        const int64_t pairs = (nk + 1) / 2;
+        if (d % 64 == 0)
+            for (int64_t c0 = 0; c0 < d; c0 += 64)
+                pv_pairs_tiles<4>(rows, b.pp.data(), rp, b.vp.data() + c0, d, pairs,
+                                  b.corr.data(), &b.o[c0], dv);
+        else
+            for (int64_t c0 = 0; c0 < d; c0 += 32)
+                pv_pairs_tiles<2>(rows, b.pp.data(), rp, b.vp.data() + c0, d, pairs,
+                                  b.corr.data(), &b.o[c0], dv);
+    }
+    for (int64_t t = 0; t < bq; ++t)
+        for (int64_t gh = 0; gh < g; ++gh) {
+            const int64_t r = t * g + gh;
+            const float inv = 1.0f / b.l[r];
+            uint16_t* dst = out + ((t0 + t) * heads + h * g + gh) * d;
+            const float* src = &b.o[r * dv];
+            for (int64_t e = 0; e < d; ++e) dst[e] = BF16::store(src[e] * inv);
+        }
+}
+
+}  // namespace
+
+#endif  // __AVX512BF16__ && __AVX512BW__
