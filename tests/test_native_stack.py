@@ -1,8 +1,9 @@
 """The native layer stack (models/native_stack.py): a small step's decoder layers in one call give
 bit for bit the hidden states of the model's own per-op forward, on every test architecture
 (bias, q/k norms, MQA, tied heads), for every projection kernel (skinny float32, int8, int4,
-GGUF Q8_0 / Q4_1 / Q4_K blocks; skinny bf16 in a bf16 model), for decodes alone, grouped by a shared prefix, and mixed with
-short extends; and it stands aside where a piece has no native kernel."""
+GGUF Q8_0 / Q4_1 / Q4_K blocks; skinny bf16 in a bf16 model), for decodes alone, grouped by a
+shared prefix, mixed with short extends, and beside extends on the prefill kernel; and it stands
+aside where a piece has no native kernel."""
 
 from __future__ import annotations
 
@@ -91,6 +92,15 @@ def _check_steps(runner: ModelRunner) -> None:
     else:
         want, got = _step(runner, alloc, [(seqs[0], largest - 1), (seqs[1], 2)])
         assert got is None  # one token too many
+    # extends past max_extend go to the prefill kernel, inside the stack too: a decode, a fresh
+    # 4-token prompt and a 3-token extend over the shared prefix, 8 tokens
+    runner.backend = CpuNativeBackend(runner.pool, runner.table, max_extend=2)
+    runner.stack = NativeLayerStack.build(runner.model, runner.pool, runner.backend)
+    assert runner.stack is not None
+    work = [(seqs[1], 1), (Seq(4, random_ids(4, 21)), 4), (fourth, 3)]
+    want, got = _step(runner, alloc, work)
+    assert got is not None and torch.equal(got, want)
+    assert runner.stack._step.pf_reqs == 2 and runner.stack._step.n_groups == 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -31,6 +31,14 @@ from banyan.mem.kv_pool import LayerKV
 
 NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
 MAX_NATIVE_EXTEND = 256
+# bf16 over a bf16 pool where the prefill kernel runs vdpbf16ps over pairs (AVX512-BF16): it
+# overtakes the row kernel from ~8 tokens. One layer of SmolLM2 on Zen 5, 2 threads
+# (benchmarks/prefill_attention.py), row -> prefill kernel over 512 / 2,048 cached tokens:
+# 8 tokens 0.06 -> 0.05 / 0.15 -> 0.14 ms, 16 tokens 0.08 -> 0.07 / 0.27 -> 0.24, 32 tokens
+# 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75. The row kernel keeps up to
+# 16, which covers a speculative check of k + 1 tokens (its grouping and thread split suit
+# one short request); the layer stack runs both kernels, so the split costs no Python.
+BF16_PAIRS_EXTEND = 16
 # On AVX2 CPUs (attend256) extends of up to 16 tokens: whole steps over 2,048 cached tokens on
 # Zen 3 (f32 / gguf SmolLM2), SDPA -> kernel: 4 tokens 56 -> 43 / 54 -> 29 ms, 16 tokens 116 ->
 # 112 / 98 -> 87 ms, 64 tokens 346 -> 375 / 305 -> 307 ms. 16 is also the longest step the
@@ -42,8 +50,8 @@ AVX2_NATIVE_EXTEND = 16
 # 1.80 -> 1.26 ms; bf16 4 tokens 0.54 -> 0.17 ms (512), 16 tokens 1.95 -> 0.40 / 5.75 -> 1.41
 # ms (bf16 has no AVX2 row loops); float32 over fp8_e4m3 / int8 codes, 16 tokens over 2,048:
 # 2.10 -> 1.27 / 2.64 -> 1.65 ms. Float32 over float32 or int8 keeps AVX2_NATIVE_EXTEND all
-# the same: the native layer stack (models/native_stack.py, those pools only) runs a step of up
-# to 16 tokens only when the row kernel takes all of it, and saves more than the 1.1-1.5x.
+# the same (measured when the native layer stack ran a step only if the row kernel took all of
+# it; it now runs the prefill kernel's requests too).
 
 @dataclass(slots=True)
 class NativePlan:
@@ -63,10 +71,14 @@ def default_max_extend(dtype: torch.dtype = torch.float32,
                        code_dtype: torch.dtype | None = None) -> int:
     """Longest extend (a prefill chunk, with or without cached tokens) the row kernel should
     take on this machine for a pool of this compute dtype and these K/V codes (None: the dtype
-    itself); longer ones go to the prefill kernel. MAX_NATIVE_EXTEND with the AVX-512 paths;
+    itself); longer ones go to the prefill kernel. BF16_PAIRS_EXTEND for bf16 over bf16 where
+    the prefill kernel has its pair path, else MAX_NATIVE_EXTEND with the AVX-512 paths;
     with the AVX2 ones AVX2_NATIVE_EXTEND for float32 over float32 or int8 (the native layer
     stack's steps); else 1 (decodes only: see above)."""
     bits = native.vector_bits()
+    if bits == 512 and dtype == torch.bfloat16 and code_dtype in (None, torch.bfloat16) and \
+            native.prefill_pairs_here():
+        return BF16_PAIRS_EXTEND
     if bits == 512:
         return MAX_NATIVE_EXTEND
     if bits == 256 and dtype == torch.float32 and code_dtype in (None, torch.float32, torch.int8):

@@ -44,6 +44,9 @@ void banyan_rope_qk_bf16(const uint16_t* qkv, int64_t stride, const uint16_t* co
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_f32, float, float);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_int8, float, int8_t);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_bf16_bf16, uint16_t, uint16_t);
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
                             const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
@@ -146,8 +149,14 @@ struct StackStep {
     const int64_t* order;
     const int64_t* group_start;
     const int64_t* group_prefix;
-    int64_t n_groups;
+    int64_t n_groups;  // 0: no request on the row kernel
     int64_t n_threads;
+    // the prefill kernel's requests (longer chunks; PrefillPlan), each int64 [pf_reqs]
+    const int64_t* pf_req_row;
+    const int64_t* pf_req_len;
+    const int64_t* pf_q_start;
+    const int64_t* pf_n_new;
+    int64_t pf_reqs;  // 0: none
 };
 
 void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* xsum,
@@ -268,6 +277,7 @@ struct Kernels<float> {
     static constexpr auto silu_and_mul = banyan_silu_and_mul_f32;
     static constexpr auto rope_qk = banyan_rope_qk_f32;
     static constexpr auto attention = banyan_paged_attention_f32_f32;
+    static constexpr auto prefill = banyan_prefill_attention_f32_f32;
 };
 
 template <>
@@ -276,26 +286,41 @@ struct Kernels<uint16_t> {
     static constexpr auto silu_and_mul = banyan_silu_and_mul_bf16;
     static constexpr auto rope_qk = banyan_rope_qk_bf16;
     static constexpr auto attention = banyan_paged_attention_bf16_bf16;
+    static constexpr auto prefill = banyan_prefill_attention_bf16_bf16;
 };
 
+// The row kernel's requests, then the prefill kernel's (each writes its own rows of out).
 template <typename T>
 void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const T* q, T* out) {
     const float sm = static_cast<float>(m->scale);
+    const int64_t H = m->heads, KVH = m->kv_heads, D = m->head_dim, nt = s->n_threads;
     if constexpr (std::is_same<T, float>::value) {
-        if (L.k_scale != nullptr) {
-            banyan_paged_attention_f32_int8(
-                q, static_cast<const int8_t*>(L.k_pool), static_cast<const int8_t*>(L.v_pool),
-                L.k_scale, L.v_scale, s->table, s->table_stride, s->req_row, s->req_len,
-                s->q_start, s->n_new, s->order, s->group_start, s->group_prefix, s->n_groups,
-                out, m->heads, m->kv_heads, m->head_dim, sm, s->n_threads);
+        if (L.k_scale != nullptr) {  // an int8 pool
+            const auto* k = static_cast<const int8_t*>(L.k_pool);
+            const auto* v = static_cast<const int8_t*>(L.v_pool);
+            if (s->n_groups > 0)
+                banyan_paged_attention_f32_int8(
+                    q, k, v, L.k_scale, L.v_scale, s->table, s->table_stride, s->req_row,
+                    s->req_len, s->q_start, s->n_new, s->order, s->group_start,
+                    s->group_prefix, s->n_groups, out, H, KVH, D, sm, nt);
+            if (s->pf_reqs > 0)
+                banyan_prefill_attention_f32_int8(
+                    q, k, v, L.k_scale, L.v_scale, s->table, s->table_stride, s->pf_req_row,
+                    s->pf_req_len, s->pf_q_start, s->pf_n_new, s->pf_reqs, out, H, KVH, D, sm,
+                    nt);
             return;
         }
     }
-    Kernels<T>::attention(q, static_cast<const T*>(L.k_pool), static_cast<const T*>(L.v_pool),
-                          nullptr, nullptr, s->table, s->table_stride, s->req_row, s->req_len,
-                          s->q_start, s->n_new, s->order, s->group_start, s->group_prefix,
-                          s->n_groups, out, m->heads, m->kv_heads, m->head_dim, sm,
-                          s->n_threads);
+    const T* k = static_cast<const T*>(L.k_pool);
+    const T* v = static_cast<const T*>(L.v_pool);
+    if (s->n_groups > 0)
+        Kernels<T>::attention(q, k, v, nullptr, nullptr, s->table, s->table_stride, s->req_row,
+                              s->req_len, s->q_start, s->n_new, s->order, s->group_start,
+                              s->group_prefix, s->n_groups, out, H, KVH, D, sm, nt);
+    if (s->pf_reqs > 0)
+        Kernels<T>::prefill(q, k, v, nullptr, nullptr, s->table, s->table_stride,
+                            s->pf_req_row, s->pf_req_len, s->pf_q_start, s->pf_n_new,
+                            s->pf_reqs, out, H, KVH, D, sm, nt);
 }
 
 // Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).

@@ -16,7 +16,7 @@ bit for bit (tested); it runs when every piece has a native kernel:
   below quant.BF16_GEMM_MIN_TOKENS; one whose projections all have the bf16 GEMM, quantized
   or plain bf16 without a bias: GEMM_MAX_TOKENS, the GEMM taking the long steps' projections
   as the per-op path's `apply` does, so batched decodes skip Python too) and the native
-  attention plan covers all of them.
+  attention plans (the row kernel's and the prefill kernel's) cover all of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
 into the model's weights and the pool; the stack keeps those tensors referenced, and checks
@@ -90,7 +90,8 @@ class StackStep(ctypes.Structure):
                 ("table_stride", c_int64), ("req_row", c_void_p), ("req_len", c_void_p),
                 ("q_start", c_void_p), ("n_new", c_void_p), ("order", c_void_p),
                 ("group_start", c_void_p), ("group_prefix", c_void_p), ("n_groups", c_int64),
-                ("n_threads", c_int64)]
+                ("n_threads", c_int64), ("pf_req_row", c_void_p), ("pf_req_len", c_void_p),
+                ("pf_q_start", c_void_p), ("pf_n_new", c_void_p), ("pf_reqs", c_int64)]
 
 
 def _vector(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
@@ -193,15 +194,16 @@ class NativeLayerStack:
         """The model's forward (final-normed hidden states [T, hidden]) in one native call, or
         None when this step is not one the stack runs."""
         T = input_ids.shape[0]
-        plan = meta.native if isinstance(meta, NativeMetadata) else None
-        if (T > self.max_tokens or plan is None or plan.num_tokens != T
-                or meta.backend is not self.backend):
+        if T > self.max_tokens or not isinstance(meta, NativeMetadata) or \
+                meta.backend is not self.backend:
             return None
+        plan, long = meta.native, meta.prefill
+        if (plan.num_tokens if plan else 0) + (long.num_tokens if long else 0) != T:
+            return None  # some request on SDPA (the prefill kernel switched off)
         if Linear.generation != self._generation:  # some Linear's method was set since
             if any(layer.method is not method for layer, method in self._methods):
                 return None  # one of these projections was converted after the stack was built
             self._generation = Linear.generation  # (another model's)
-        assert isinstance(meta, NativeMetadata)
         # [T, hidden], a fresh tensor: the stream (nn.Embedding's own lookup, without the
         # module call around it)
         h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)
@@ -213,11 +215,21 @@ class NativeLayerStack:
             cos.data_ptr(), sin.data_ptr()
         s.slots, s.table, s.table_stride = meta.out_slots.data_ptr(), table.data_ptr(), \
             table.shape[1]
-        s.req_row, s.req_len, s.q_start = plan.req_row.data_ptr(), plan.req_len.data_ptr(), \
-            plan.q_start.data_ptr()
-        s.n_new, s.order, s.group_start = plan.n_new.data_ptr(), plan.order.data_ptr(), \
-            plan.group_start.data_ptr()
-        s.group_prefix, s.n_groups = plan.group_prefix.data_ptr(), plan.group_prefix.shape[0]
+        if plan is None:
+            s.n_groups = 0
+        else:
+            s.req_row, s.req_len, s.q_start = plan.req_row.data_ptr(), \
+                plan.req_len.data_ptr(), plan.q_start.data_ptr()
+            s.n_new, s.order, s.group_start = plan.n_new.data_ptr(), plan.order.data_ptr(), \
+                plan.group_start.data_ptr()
+            s.group_prefix, s.n_groups = plan.group_prefix.data_ptr(), \
+                plan.group_prefix.shape[0]
+        if long is None:
+            s.pf_reqs = 0
+        else:
+            s.pf_req_row, s.pf_req_len = long.req_row.data_ptr(), long.req_len.data_ptr()
+            s.pf_q_start, s.pf_n_new = long.q_start.data_ptr(), long.n_new.data_ptr()
+            s.pf_reqs = long.n_new.shape[0]
         s.n_threads = torch.get_num_threads()
         with native.kernel_range("banyan::layer_stack"):
             self._call(*self._args)
