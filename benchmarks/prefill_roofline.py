@@ -11,7 +11,7 @@ GFLOP/s at prefill and decode shapes against the peak. In one process:
    head once (the one logit row sampled), and causal attention 2 x 2 x T(T+1)/2 x heads x
    head_dim per layer;
 3. the engine's prefill: one request of T fresh random tokens (no cache hit), max_new_tokens 1,
-   chunked_prefill_size T, best of ROUNDS;
+   chunked_prefill_size T, the prefix cache flushed before each, best of ROUNDS;
 4. every linear of layer 0 and the head, through the engine's own method (as loaded: GGUF
    blocks, int8 / int4, dense), at T, 64 and 1 rows: ms and GFLOP/s.
 
@@ -71,7 +71,9 @@ def head_of(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-def linear_table(model: torch.nn.Module, tokens: int, rounds: int) -> list[dict[str, Any]]:
+def linear_table(model: torch.nn.Module, tokens: int, rounds: int,
+                 dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Each linear's time on inputs of the engine's compute dtype."""
     layer = model.layers[0]
     named = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
              ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj),
@@ -79,7 +81,7 @@ def linear_table(model: torch.nn.Module, tokens: int, rounds: int) -> list[dict[
     rows = []
     for name, linear in named:
         for t in (tokens, 64, 1):
-            x = torch.randn(t, linear.in_features)
+            x = torch.randn(t, linear.in_features).to(dtype)
             seconds = best_seconds(lambda: linear(x), rounds, 3 if t >= 512 else 20)
             flops = 2 * t * linear.in_features * linear.out_features
             rows.append({"linear": name, "rows": t, "in": linear.in_features,
@@ -106,6 +108,9 @@ def time_prefill(engine: Engine, tokens: int, vocab: int, rounds: int, seed: int
     best = float("inf")
     for r in range(rounds + 1):  # the first is a warm-up
         prompt = [rng.randrange(3, vocab) for _ in range(tokens)]  # fresh: no cached prefix
+        # an empty cache, so each run reuses the warm-up's slots: a pool page's first touch
+        # (zeroed by the OS) is paid once per server, not per prefill
+        engine.flush_cache()
         t0 = time.perf_counter()
         engine.add_request(input_ids=prompt, params=params, request_id=f"p{r}")
         while engine.core.request_ids():
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         model = runner.model
         seconds = time_prefill(engine, ns.tokens, runner.vocab_size, ns.rounds, seed=11)
         with torch.inference_mode():
-            linears = linear_table(model, ns.tokens, ns.rounds)
+            linears = linear_table(model, ns.tokens, ns.rounds, runner.dtype)
     flops = prefill_flops(model, ns.tokens)
     peak = max(peaks.values())
     at_peak = flops["total"] / (peak * 1e9)
