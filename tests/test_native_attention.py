@@ -85,6 +85,19 @@ def test_a_group_bigger_than_a_work_slice(dtype: torch.dtype) -> None:
     assert groups_of(meta) == [(40, 70)]
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_big_groups_shared_prefix_through_the_pair_tiles(dim: int) -> None:
+    """bf16, 8 members x 3 query heads over 150 shared keys (two blocks and a part): on
+    AVX512-BF16 CPUs the shared keys go through the prefill kernel's pair tiles (kPairRows),
+    their softmax state merged with each member's own keys."""
+    c = [1]
+    system = fresh(c, 150)
+    reqs = [Req(system + fresh(c, 1 + 9 * i)) for i in range(8)] + [Req(fresh(c, 90))]
+    scene = Scene(reqs, 9, 3, dim=dim, dtype=torch.bfloat16)
+    meta = scene.check(native_backend(scene), atol=2e-2)
+    assert groups_of(meta) == [(8, 150)]
+
+
 def test_decodes_mixed_with_extends_and_stale_rows() -> None:
     c = [1]
     system = fresh(c, 64)

@@ -27,6 +27,10 @@
 #include "cpu_attend.h"
 #include "cpu_attend512.h"
 #include "cpu_paged_attention.h"
+// (the prefill kernel's tile options stay with its tiles)
+#pragma GCC push_options
+#include "cpu_prefill_pairs.h"
+#pragma GCC pop_options
 
 namespace {
 
@@ -35,6 +39,8 @@ namespace {
 // dozen KB per thread: they stay in cache). The portable loops convert codes as they load a
 // block instead (on Zen 3 an extra pass before them measured 1.4x slower).
 constexpr int64_t QCHUNK = 128;
+// Rows from which a segment all of them see whole takes the pair tiles (AVX512-BF16, bf16).
+constexpr int kPairRows = 12;
 #if defined(__AVX512F__)
 constexpr bool has_wide_paths = true;
 #else
@@ -98,6 +104,9 @@ struct Attender {
     std::vector<typename C::T> kq, vq;
     std::vector<int32_t> iota;
     bool wide = false;
+#if defined(BANYAN_PREFILL_PAIRS)
+    Buffers pairs;  // a decode group's shared keys through the prefill kernel's pair tiles
+#endif
 
     Attender(const typename K::T* k, const typename K::T* v, const float* ks, const float* vs,
              int64_t kv_heads, int64_t dim, float sm_scale)
@@ -143,6 +152,19 @@ struct Attender {
     }
 
     void segment(int r0, int nrows, const int32_t* slots, int64_t n, bool causal, int64_t h) {
+#if defined(BANYAN_PREFILL_PAIRS)
+        // many rows over the same keys (a decode group's shared prefix): register tiles of 32
+        // rows x 8 keys and 6 rows x 64 dims, where the row loop takes 8 rows a pass
+        if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
+            if (wide && !causal && nrows >= kPairRows && n >= BK && pairs_fit(d)) {
+                const size_t at = static_cast<size_t>(r0);
+                shared_segment_pairs(pairs, qraw.data() + at * d, nrows, slots, n, kpool, vpool,
+                                     kvh, h, d, scale, sc.m.data() + at, sc.l.data() + at,
+                                     sc.acc.data() + at * d);
+                return;
+            }
+        }
+#endif
         if (!wide) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
             if constexpr (std::is_same<K, F32>::value) {

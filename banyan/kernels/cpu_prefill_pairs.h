@@ -164,52 +164,62 @@ inline void at_least(std::vector<V>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
-// One work item of attend_block (query positions [t0, t0 + bq) of a request, the G query
-// heads of KV head h), bf16 queries and pool, pairs_fit(d).
-inline void attend_block_pairs(Buffers& b, const uint16_t* q, const uint16_t* kpool,
-                               const uint16_t* vpool, const int32_t* slots, int64_t prefix,
-                               int64_t t0, int64_t bq, int64_t h, int64_t heads, int64_t kvh,
-                               int64_t d, float scale, uint16_t* out) {
-    const int64_t g = heads / kvh, rows = bq * g;
+// Buffers for `rows` query rows in pairs; every row's state fresh (m = -inf, l = 0, o = 0).
+inline void fit_pairs(Buffers& b, int64_t rows, int64_t d) {
     b.fit(rows, d);
-    const int64_t rp = b.rp, dv = b.dv;  // (dv == d)
-    at_least(b.qp, d / 2 * rp);
-    at_least(b.pp, BK / 2 * rp);
+    at_least(b.qp, d / 2 * b.rp);
+    at_least(b.pp, BK / 2 * b.rp);
     at_least(b.vp, BK / 2 * d);
     at_least(b.kb16, BK * d);
-    const int64_t kend = prefix + t0 + bq;
-    for (int64_t r = 0; r < rp; ++r) {
-        b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
-        b.m[r] = -INFINITY;
-        b.l[r] = 0.0f;
-    }
-    // Q^T in pairs of dims, unscaled; padding rows zero
-    std::fill(b.qp.begin(), b.qp.begin() + d / 2 * rp, 0u);
-    for (int64_t t = 0; t < bq; ++t)
-        for (int64_t gh = 0; gh < g; ++gh) {
-            const uint16_t* src = q + ((t0 + t) * heads + h * g + gh) * d;
-            for (int64_t p = 0; p < d / 2; ++p)
-                std::memcpy(&b.qp[p * rp + t * g + gh], src + 2 * p, 4);
-        }
-    std::fill(b.o.begin(), b.o.begin() + rp * dv, 0.0f);
+    std::fill(b.qp.begin(), b.qp.begin() + d / 2 * b.rp, 0u);  // padding rows: zero
+    std::fill(b.m.begin(), b.m.begin() + b.rp, -INFINITY);
+    std::fill(b.l.begin(), b.l.begin() + b.rp, 0.0f);
+    std::fill(b.o.begin(), b.o.begin() + b.rp * b.dv, 0.0f);
+}
+
+// Row r's query (d bf16, unscaled) as pairs of dims in column r of qp.
+inline void set_query_pairs(Buffers& b, int64_t r, const uint16_t* src, int64_t d) {
+    for (int64_t p = 0; p < d / 2; ++p) std::memcpy(&b.qp[p * b.rp + r], src + 2 * p, 4);
+}
+
+// The online softmax of rows [0, rows) (set up by fit_pairs, set_query_pairs and b.lim) over
+// keys slots[0, kend) of KV head h, BK at a time; blocks past `unmasked` (the fewest keys any
+// row sees) apply the rows' limits.
+inline void attend_pairs(Buffers& b, int64_t rows, const uint16_t* kpool, const uint16_t* vpool,
+                         const int32_t* slots, int64_t kend, int64_t unmasked, int64_t kvh,
+                         int64_t h, int64_t d, float scale) {
+    const int64_t rp = b.rp, dv = b.dv;  // (dv == d)
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = std::min<int64_t>(BK, kend - k0);
-        for (int64_t j = 0; j < nk; ++j)
-            std::memcpy(&b.kb16[j * d],
-                        kpool + (static_cast<int64_t>(slots[k0 + j]) * kvh + h) * d,
-                        d * sizeof(uint16_t));
+        // K rows copied (a memcpy call a row cost more than the copy), and the next block's
+        // K and V rows requested meanwhile, into L2: a decode group's few dozen rows do too
+        // little work a block to hide the loads of its slots, and a whole block requested at
+        // once into L1 was evicted before its turn (perf: half the time on the K loads)
+        const int64_t ahead = std::min<int64_t>(kend - k0 - nk, BK);
+        for (int64_t j = 0; j < nk; ++j) {
+            const uint16_t* src = kpool + (static_cast<int64_t>(slots[k0 + j]) * kvh + h) * d;
+            for (int64_t e = 0; e < d; e += 32)
+                _mm512_storeu_si512(&b.kb16[j * d + e], _mm512_loadu_si512(src + e));
+            if (j < ahead) {
+                const int64_t next = (static_cast<int64_t>(slots[k0 + nk + j]) * kvh + h) * d;
+                for (int64_t e = 0; e < d; e += 32) {
+                    _mm_prefetch(reinterpret_cast<const char*>(kpool + next + e), _MM_HINT_T1);
+                    _mm_prefetch(reinterpret_cast<const char*>(vpool + next + e), _MM_HINT_T1);
+                }
+            }
+        }
         value_pairs(vpool, slots, k0, nk, kvh, h, d, b.vp.data());
-        const bool diagonal = k0 + nk > prefix + t0 + 1;  // some row stops inside the block
+        const bool masked = k0 + nk > unmasked;  // some row stops inside the block
         std::copy_n(b.m.begin(), rp, b.corr.begin());
         for (int64_t r0 = 0; r0 < rp; r0 += 32) {
-            if (diagonal)
+            if (masked)
                 qk_pairs_tiles<false>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale, &b.st[r0], rp,
                                       &b.corr[r0]);
             else
                 qk_pairs_tiles<true>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale, &b.st[r0], rp,
                                      &b.corr[r0]);
         }
-        if (diagonal)
+        if (masked)
             softmax_block<true>(b, k0, nk);
         else
             softmax_block<false>(b, k0, nk);
@@ -224,14 +234,55 @@ inline void attend_block_pairs(Buffers& b, const uint16_t* q, const uint16_t* kp
                 pv_pairs_tiles<2>(rows, b.pp.data(), rp, b.vp.data() + c0, d, pairs,
                                   b.corr.data(), &b.o[c0], dv);
     }
+}
+
+// One work item of attend_block (query positions [t0, t0 + bq) of a request, the G query
+// heads of KV head h), bf16 queries and pool, pairs_fit(d).
+inline void attend_block_pairs(Buffers& b, const uint16_t* q, const uint16_t* kpool,
+                               const uint16_t* vpool, const int32_t* slots, int64_t prefix,
+                               int64_t t0, int64_t bq, int64_t h, int64_t heads, int64_t kvh,
+                               int64_t d, float scale, uint16_t* out) {
+    const int64_t g = heads / kvh, rows = bq * g;
+    fit_pairs(b, rows, d);
+    const int64_t kend = prefix + t0 + bq;
+    for (int64_t r = 0; r < b.rp; ++r)  // row r = (position t, head gh) = t * g + gh
+        b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
+    for (int64_t t = 0; t < bq; ++t)
+        for (int64_t gh = 0; gh < g; ++gh)
+            set_query_pairs(b, t * g + gh, q + ((t0 + t) * heads + h * g + gh) * d, d);
+    attend_pairs(b, rows, kpool, vpool, slots, kend, prefix + t0 + 1, kvh, h, d, scale);
     for (int64_t t = 0; t < bq; ++t)
         for (int64_t gh = 0; gh < g; ++gh) {
             const int64_t r = t * g + gh;
             const float inv = 1.0f / b.l[r];
             uint16_t* dst = out + ((t0 + t) * heads + h * g + gh) * d;
-            const float* src = &b.o[r * dv];
+            const float* src = &b.o[r * b.dv];
             for (int64_t e = 0; e < d; ++e) dst[e] = BF16::store(src[e] * inv);
         }
+}
+
+// The row kernel's shared segment of a decode group (cpu_paged_attention.cpp): `rows` query
+// rows (qraw [rows][d] bf16, unscaled) all see keys slots[0, n) of KV head h; their softmax
+// states there (m, l [rows], acc [rows][d], scores in scaled units as here) move on over those
+// keys, merged online. Each key block then serves every row of the group in register tiles
+// instead of a few rows at a time.
+inline void shared_segment_pairs(Buffers& b, const uint16_t* qraw, int64_t rows,
+                                 const int32_t* slots, int64_t n, const uint16_t* kpool,
+                                 const uint16_t* vpool, int64_t kvh, int64_t h, int64_t d,
+                                 float scale, float* m, float* l, float* acc) {
+    fit_pairs(b, rows, d);
+    std::fill(b.lim.begin(), b.lim.begin() + b.rp, static_cast<int32_t>(n));
+    for (int64_t r = 0; r < rows; ++r) set_query_pairs(b, r, qraw + r * d, d);
+    attend_pairs(b, rows, kpool, vpool, slots, n, n, kvh, h, d, scale);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float top = std::max(m[r], b.m[r]);
+        // (a fresh state's m = -inf: its weight clamps to ~1e-38 and multiplies l = acc = 0)
+        const float wa = exp_nonpos_fma(m[r] - top), wb = exp_nonpos_fma(b.m[r] - top);
+        l[r] = fmadd(l[r], wa, b.l[r] * wb);
+        for (int64_t e = 0; e < d; ++e)
+            acc[r * d + e] = fmadd(acc[r * d + e], wa, b.o[r * b.dv + e] * wb);
+        m[r] = top;
+    }
 }
 
 }  // namespace
