@@ -85,7 +85,7 @@ def test_a_group_bigger_than_a_work_slice(dtype: torch.dtype) -> None:
     assert groups_of(meta) == [(40, 70)]
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 96, 128])
 def test_a_big_groups_shared_prefix_through_the_pair_tiles(dim: int) -> None:
     """bf16, 8 members x 3 query heads over 150 shared keys (two blocks and a part): on
     AVX512-BF16 CPUs the shared keys go through the prefill kernel's pair tiles (kPairRows),

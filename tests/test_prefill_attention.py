@@ -1,10 +1,10 @@
 """The blocked prefill attention kernel (banyan/kernels/cpu_prefill_attention.cpp) through the
 cpu-native backend, against a float64 softmax attention (tests.test_attention.naive): ragged
 prefixes, chunks around the edges of its query and key tiles, MHA / GQA 3 and 4 / MQA, head dims
-64, 128 and 40 (not a multiple of the tiles' vector width), float32 and bf16, quantized pools,
-table rows with holes, several chunks in one step beside the row kernel's decodes and short
-extends, outputs independent of the thread count, and greedy generation against the SDPA
-backend."""
+64, 128, 96 and 40 (not a multiple of the tiles' vector width), float32 and bf16 (on AVX512-BF16
+CPUs through the pair path), quantized pools, table rows with holes, several chunks in one step
+beside the row kernel's decodes and short extends, outputs independent of the thread count, and
+greedy generation against the SDPA backend."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def tile_edge_requests(group: int) -> list[Req]:
 
 
 # (heads, KV heads, head dim): MHA, GQA 3 and 4, MQA at 64; the other dims on fewer of them
-SHAPES = [(4, 4, 64), (6, 2, 64), (8, 2, 64), (6, 1, 64), (6, 2, 128), (8, 2, 128), (4, 4, 40),
-          (6, 1, 40)]
+# (96: the bf16 pair path's 32-column tiles; 40: no pair path)
+SHAPES = [(4, 4, 64), (6, 2, 64), (8, 2, 64), (6, 1, 64), (6, 2, 128), (8, 2, 128), (6, 2, 96),
+          (4, 4, 40), (6, 1, 40)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
