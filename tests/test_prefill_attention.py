@@ -123,17 +123,18 @@ def test_switched_off_the_long_chunks_take_sdpa(monkeypatch: pytest.MonkeyPatch)
     assert meta.prefill is None and [e.length for e in meta.extends] == [100]
 
 
-def test_the_output_does_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_output_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     """The kernel shrinks its query blocks when it has fewer work items than threads; each row's
     arithmetic stays the same, so the bits do too (the engine may change its thread count
     between steps)."""
     c = [1]
-    scene = Scene([Req(fresh(c, 90 + 70), extend=70)], 6, 3, dim=64, layers=1)
+    scene = Scene([Req(fresh(c, 90 + 70), extend=70)], 6, 3, dim=64, dtype=dtype, layers=1)
     backend = prefill_backend(scene)
     meta = backend.plan(scene.batch, scene.out_slots)
     assert isinstance(meta, NativeMetadata) and meta.prefill is not None
-    q = torch.randn(70, 6, 64, generator=torch.Generator().manual_seed(3))
-    k, v = (x[scene.out_slots].float() for x in scene.values(0))
+    q = torch.randn(70, 6, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    k, v = (x[scene.out_slots].to(dtype) for x in scene.values(0))
     before = torch.get_num_threads()
     outs = []
     try:
