@@ -27,7 +27,8 @@
 #include "cpu_attend.h"
 #include "cpu_attend512.h"
 #include "cpu_paged_attention.h"
-// (the prefill kernel's tile options stay with its tiles)
+// the prefill kernel's pair tiles, for a decode group's shared prefix (the vector-width pragma
+// of their header confined to them)
 #pragma GCC push_options
 #include "cpu_prefill_pairs.h"
 #pragma GCC pop_options
