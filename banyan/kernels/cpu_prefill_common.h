@@ -44,21 +44,25 @@ struct Buffers {
     // in 32-bit words, and the block's key rows copied out of the pool
     std::vector<uint32_t> qp, pp, vp;
     std::vector<uint16_t> kb16;
-    int64_t rp = 0, dv = 0;
+    int64_t rp = 0, dv = 0;  // this item's; the arrays hold `cap` rows
+    int64_t cap = 0;
     void fit(int64_t rows, int64_t d) {
-        const int64_t rp_new = round_up(rows, NV), dv_new = round_up(d, NV);
-        if (rp_new <= rp && dv_new == dv) return;
-        rp = std::max(rp, rp_new);
+        // rp is the item's own (a short last block of a chunk after full ones computes its own
+        // padded rows, not the widest item's); the arrays grow only
+        const int64_t dv_new = round_up(d, NV);
+        rp = round_up(rows, NV);
+        if (rp <= cap && dv_new == dv) return;
+        cap = std::max(cap, rp);
         dv = dv_new;
-        qt.assign(d * rp, 0.0f);
+        qt.assign(d * cap, 0.0f);
         kb.assign(BK * d, 0.0f);
         vb.assign(BK * dv, 0.0f);
-        st.assign(BK * rp, 0.0f);
-        o.assign(rp * dv, 0.0f);
-        m.assign(rp, 0.0f);
-        l.assign(rp, 0.0f);
-        corr.assign(rp, 0.0f);
-        lim.assign(rp, 0);
+        st.assign(BK * cap, 0.0f);
+        o.assign(cap * dv, 0.0f);
+        m.assign(cap, 0.0f);
+        l.assign(cap, 0.0f);
+        corr.assign(cap, 0.0f);
+        lim.assign(cap, 0);
     }
 };
 
