@@ -31,13 +31,15 @@ from banyan.mem.kv_pool import LayerKV
 
 NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
 MAX_NATIVE_EXTEND = 256
-# bf16 over a bf16 pool where the prefill kernel runs vdpbf16ps over pairs (AVX512-BF16): it
-# overtakes the row kernel from ~8 tokens. One layer of SmolLM2 on Zen 5, 2 threads
+# bf16 queries (over a bf16, int8 or fp8 pool) where the prefill kernel runs vdpbf16ps over
+# pairs (AVX512-BF16): it overtakes the row kernel from ~8 tokens. One layer of SmolLM2 on Zen 5, 2 threads
 # (benchmarks/prefill_attention.py), row -> prefill kernel over 512 / 2,048 cached tokens:
 # 8 tokens 0.06 -> 0.05 / 0.15 -> 0.14 ms, 16 tokens 0.08 -> 0.07 / 0.27 -> 0.24, 32 tokens
-# 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75. The row kernel keeps up to
-# 16, which covers a speculative check of k + 1 tokens (its grouping and thread split suit
-# one short request); the layer stack runs both kernels, so the split costs no Python.
+# 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75; over int8 / fp8 e4m3
+# codes (2,048 cached), 8 tokens 0.15 -> 0.13 / 0.17 -> 0.14, 64 tokens 1.17 -> 0.73 / 1.04 ->
+# 0.74, 256 tokens 4.37 -> 2.58 / 4.29 -> 2.62. The row kernel keeps up to 16, which covers a
+# speculative check of k + 1 tokens (its grouping and thread split suit one short request);
+# the layer stack runs both kernels, so the split costs no Python.
 BF16_PAIRS_EXTEND = 16
 # On AVX2 CPUs (attend256) extends of up to 16 tokens: whole steps over 2,048 cached tokens on
 # Zen 3 (f32 / gguf SmolLM2), SDPA -> kernel: 4 tokens 56 -> 43 / 54 -> 29 ms, 16 tokens 116 ->
@@ -71,13 +73,12 @@ def default_max_extend(dtype: torch.dtype = torch.float32,
                        code_dtype: torch.dtype | None = None) -> int:
     """Longest extend (a prefill chunk, with or without cached tokens) the row kernel should
     take on this machine for a pool of this compute dtype and these K/V codes (None: the dtype
-    itself); longer ones go to the prefill kernel. BF16_PAIRS_EXTEND for bf16 over bf16 where
+    itself); longer ones go to the prefill kernel. BF16_PAIRS_EXTEND for bf16 queries where
     the prefill kernel has its pair path, else MAX_NATIVE_EXTEND with the AVX-512 paths;
     with the AVX2 ones AVX2_NATIVE_EXTEND for float32 over float32 or int8 (the native layer
     stack's steps); else 1 (decodes only: see above)."""
     bits = native.vector_bits()
-    if bits == 512 and dtype == torch.bfloat16 and code_dtype in (None, torch.bfloat16) and \
-            native.prefill_pairs_here():
+    if bits == 512 and dtype == torch.bfloat16 and native.prefill_pairs_here():
         return BF16_PAIRS_EXTEND
     if bits == 512:
         return MAX_NATIVE_EXTEND

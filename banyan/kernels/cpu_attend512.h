@@ -193,40 +193,6 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// 32 codes of a quantized pool (cpu_dtypes.h: I8, E4M3, E5M2) -> 32 bf16, in order, exactly:
-// int8 |code| <= 127; an fp8 code through half precision as fp8_row_to_f32 does it (e4m3 at
-// 2^-8 of its value: code_unit). Every such value has at most 4 significant bits.
-template <typename Codes>
-inline __m512i codes_bf16x32(const typename Codes::T* p) {
-    __m512 lo, hi;
-    if constexpr (std::is_same<Codes, I8>::value) {
-        lo = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        hi = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-    } else {
-        const __m512i w = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        __m512i half;
-        if constexpr (std::is_same<Codes, E5M2>::value) {
-            half = _mm512_slli_epi16(w, 8);
-        } else {
-            half = _mm512_or_si512(
-                _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8),
-                _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7));
-        }
-        lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
-        hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
-    }
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-#endif
-
-// What one unit of codes_bf16x32's output is worth before the row's scale.
-template <typename Codes>
-constexpr float code_unit = std::is_same<Codes, E4M3>::value ? 256.0f : 1.0f;
-
 // T: the queries' type; P: the pool's, T itself or (bf16 queries with AVX512-BF16) the codes
 // of a quantized pool (Codes: I8, E4M3 or E5M2) with a float32 scale per (slot, head) row
 // (kscale, vscale), read in place: the codes are exact in bf16, each key's scale multiplies

@@ -167,10 +167,14 @@ void attend_block(Buffers& b, const typename C::T* q, const typename K::T* kpool
                   const int32_t* slots, int64_t prefix, int64_t t0, int64_t bq, int64_t h,
                   int64_t heads, int64_t kvh, int64_t d, float scale, typename C::T* out) {
 #if defined(BANYAN_PREFILL_PAIRS)
-    if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
-        if (pairs_fit(d)) {  // vdpbf16ps over bf16 pairs (cpu_prefill_pairs.h)
-            attend_block_pairs(b, q, kpool, vpool, slots, prefix, t0, bq, h, heads, kvh, d,
-                               scale, out);
+    if constexpr (std::is_same<C, BF16>::value) {  // vdpbf16ps over bf16 pairs
+        if (pairs_fit(d)) {  // (cpu_prefill_pairs.h)
+            if constexpr (std::is_same<K, BF16>::value)
+                attend_block_pairs(b, q, kpool, vpool, nullptr, nullptr, slots, prefix, t0, bq,
+                                   h, heads, kvh, d, scale, out);
+            else  // int8 / fp8 codes
+                attend_block_pairs<K>(b, q, kpool, vpool, kscale, vscale, slots, prefix, t0,
+                                      bq, h, heads, kvh, d, scale, out);
             return;
         }
     }

@@ -1,7 +1,8 @@
-// The prefill kernel's path for bf16 queries over a bf16 pool on CPUs with AVX512-BF16: the
-// same work items, key blocks and online softmax as attend_block (cpu_prefill_attention.cpp),
-// but both products run as vdpbf16ps over bf16 pairs instead of float32 FMAs over widened
-// copies, half the instructions for the same multiply-adds:
+// The prefill kernel's path for bf16 queries over a bf16 pool (or int8 / fp8 codes: see
+// attend_pairs) on CPUs with AVX512-BF16: the same work items, key blocks and online softmax as
+// attend_block (cpu_prefill_attention.cpp), but both products run as vdpbf16ps over bf16 pairs
+// instead of float32 FMAs over widened copies, half the instructions for the same
+// multiply-adds:
 //
 //   S^T = K Q^T: Q^T as pairs of dims (qp [d/2][rp] words: row r's dims 2p, 2p + 1), each key
 //   row's pair of dims broadcast; float32 sums, times the scale after (Q is not rounded again);
@@ -31,11 +32,11 @@ constexpr int RP = 6;  // rows per P V tile: 6 x CV accumulators (CV <= 4 words 
 
 inline bool pairs_fit(int64_t d) { return d % 32 == 0; }
 
-// st[j][0, 32) = scale x (key j . the 32 rows of qp), M keys of kb [.][d]; kMax: and
-// mx[0, 32) = max(mx, the tile's scores).
+// st[j][0, 32) = scale x kmul[j] x (key j . the 32 rows of qp), M keys of kb [.][d] (kmul:
+// a quantized pool's key scales, or null for 1); kMax: and mx[0, 32) = max(mx, the scores).
 template <int M, bool kMax>
 inline void qk_pairs_tile(const uint16_t* kb, int64_t d, const uint32_t* qp, int64_t ldq,
-                          float scale, float* st, int64_t lds, float* mx) {
+                          float scale, const float* kmul, float* st, int64_t lds, float* mx) {
     __m512 acc[M][2];
     for (int j = 0; j < M; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < d / 2; ++p) {
@@ -53,7 +54,8 @@ inline void qk_pairs_tile(const uint16_t* kb, int64_t d, const uint32_t* qp, int
     __m512 m0 = _mm512_setzero_ps(), m1 = m0;
     if constexpr (kMax) m0 = _mm512_loadu_ps(mx), m1 = _mm512_loadu_ps(mx + 16);
     for (int j = 0; j < M; ++j) {
-        const __m512 s0 = _mm512_mul_ps(acc[j][0], sv), s1 = _mm512_mul_ps(acc[j][1], sv);
+        const __m512 sj = kmul ? _mm512_mul_ps(sv, _mm512_set1_ps(kmul[j])) : sv;
+        const __m512 s0 = _mm512_mul_ps(acc[j][0], sj), s1 = _mm512_mul_ps(acc[j][1], sj);
         _mm512_storeu_ps(st + j * lds, s0);
         _mm512_storeu_ps(st + j * lds + 16, s1);
         if constexpr (kMax) m0 = _mm512_max_ps(m0, s0), m1 = _mm512_max_ps(m1, s1);
@@ -64,53 +66,71 @@ inline void qk_pairs_tile(const uint16_t* kb, int64_t d, const uint32_t* qp, int
 // S^T for nk keys x 32 rows: tiles of KP keys, the last one of nk % KP.
 template <bool kMax>
 void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* qp, int64_t ldq,
-                    float scale, float* st, int64_t lds, float* mx) {
+                    float scale, const float* kmul, float* st, int64_t lds, float* mx) {
     int64_t j0 = 0;
     for (; j0 + KP <= nk; j0 += KP)
-        qk_pairs_tile<KP, kMax>(kb + j0 * d, d, qp, ldq, scale, st + j0 * lds, lds, mx);
+        qk_pairs_tile<KP, kMax>(kb + j0 * d, d, qp, ldq, scale, kmul ? kmul + j0 : nullptr,
+                                st + j0 * lds, lds, mx);
     const uint16_t* k = kb + j0 * d;
+    const float* km = kmul ? kmul + j0 : nullptr;
     float* s = st + j0 * lds;
     switch (nk - j0) {
-        case 1: qk_pairs_tile<1, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
-        case 2: qk_pairs_tile<2, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
-        case 3: qk_pairs_tile<3, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
-        case 4: qk_pairs_tile<4, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
-        case 5: qk_pairs_tile<5, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
-        case 6: qk_pairs_tile<6, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
-        case 7: qk_pairs_tile<7, kMax>(k, d, qp, ldq, scale, s, lds, mx); break;
+        case 1: qk_pairs_tile<1, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
+        case 2: qk_pairs_tile<2, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
+        case 3: qk_pairs_tile<3, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
+        case 4: qk_pairs_tile<4, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
+        case 5: qk_pairs_tile<5, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
+        case 6: qk_pairs_tile<6, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
+        case 7: qk_pairs_tile<7, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
         default: break;
     }
 }
 
-// pp[q][r] = (bf16(st[2q][r]), bf16(st[2q + 1][r])) for rows [0, rp) (rp % 16 == 0); a lone
-// last key pairs with a probability of 0.
-inline void prob_pairs(const float* st, int64_t rp, int64_t nk, uint32_t* pp) {
+// pp[q][r] = (bf16(st[2q][r] vmul[2q]), bf16(st[2q + 1][r] vmul[2q + 1])) for rows [0, rp)
+// (rp % 16 == 0; vmul: a quantized pool's value scales, as the row kernel applies them, or
+// null for 1); a lone last key pairs with a probability of 0.
+inline void prob_pairs(const float* st, int64_t rp, int64_t nk, const float* vmul,
+                       uint32_t* pp) {
     for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
         const float* a = st + 2 * q * rp;
         const bool lone = 2 * q + 1 >= nk;
+        const __m512 ma = _mm512_set1_ps(vmul ? vmul[2 * q] : 1.0f);
+        const __m512 mb = _mm512_set1_ps(vmul && !lone ? vmul[2 * q + 1] : 1.0f);
         for (int64_t r = 0; r < rp; r += 16) {
-            const __m512 bv = lone ? _mm512_setzero_ps() : _mm512_loadu_ps(a + rp + r);
-            const __m512i lo = _mm512_cvtepu16_epi32(
-                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + r)));
+            __m512 av = _mm512_loadu_ps(a + r);
+            __m512 bv = lone ? _mm512_setzero_ps() : _mm512_loadu_ps(a + rp + r);
+            if (vmul) av = _mm512_mul_ps(av, ma), bv = _mm512_mul_ps(bv, mb);
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(av));
             const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(bv));
             _mm512_storeu_si512(pp + q * rp + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
 
+// 32 values of a pool row as bf16: as they are, or a quantized pool's codes (Codes: I8, E4M3,
+// E5M2), exact in bf16 (their scales are applied to the products).
+template <typename Codes, typename P>
+inline __m512i row_bf16x32(const P* p) {
+    if constexpr (std::is_same<Codes, void>::value)
+        return _mm512_loadu_si512(p);
+    else
+        return codes_bf16x32<Codes>(p);
+}
+
 // vp[q][x] = (V[2q][x], V[2q + 1][x]) for the nk keys of the block at k0 (a lone last key:
 // zeros beside it), read from the pool rows of KV head h.
-inline void value_pairs(const uint16_t* vpool, const int32_t* slots, int64_t k0, int64_t nk,
+template <typename Codes, typename P>
+inline void value_pairs(const P* vpool, const int32_t* slots, int64_t k0, int64_t nk,
                         int64_t kvh, int64_t h, int64_t d, uint32_t* vp) {
     const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
     for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
-        const uint16_t* a = vpool + (static_cast<int64_t>(slots[k0 + 2 * q]) * kvh + h) * d;
+        const P* a = vpool + (static_cast<int64_t>(slots[k0 + 2 * q]) * kvh + h) * d;
         const bool lone = 2 * q + 1 >= nk;
-        const uint16_t* b =
+        const P* b =
             lone ? a : vpool + (static_cast<int64_t>(slots[k0 + 2 * q + 1]) * kvh + h) * d;
         for (int64_t c = 0; c < d; c += 32) {
-            const __m512i va = _mm512_loadu_si512(a + c);
-            const __m512i vb = lone ? _mm512_setzero_si512() : _mm512_loadu_si512(b + c);
+            const __m512i va = row_bf16x32<Codes>(a + c);
+            const __m512i vb = lone ? _mm512_setzero_si512() : row_bf16x32<Codes>(b + c);
             _mm512_storeu_si512(vp + q * d + c, _mm512_permutex2var_epi16(va, lo, vb));
             _mm512_storeu_si512(vp + q * d + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
         }
@@ -184,11 +204,18 @@ inline void set_query_pairs(Buffers& b, int64_t r, const uint16_t* src, int64_t 
 
 // The online softmax of rows [0, rows) (set up by fit_pairs, set_query_pairs and b.lim) over
 // keys slots[0, kend) of KV head h, BK at a time; blocks past `unmasked` (the fewest keys any
-// row sees) apply the rows' limits.
-inline void attend_pairs(Buffers& b, int64_t rows, const uint16_t* kpool, const uint16_t* vpool,
-                         const int32_t* slots, int64_t kend, int64_t unmasked, int64_t kvh,
-                         int64_t h, int64_t d, float scale) {
+// row sees) apply the rows' limits. Codes: void for a bf16 pool (P uint16_t), or a quantized
+// pool's (I8, E4M3, E5M2) with their (slot, head) scales kscale, vscale: the codes are exact
+// in bf16, each key's scale multiplies its scores and each value's its probabilities, as in
+// the row kernel (no dequantized copy of the pool).
+template <typename Codes = void, typename P = uint16_t>
+inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpool,
+                         const float* kscale, const float* vscale, const int32_t* slots,
+                         int64_t kend, int64_t unmasked, int64_t kvh, int64_t h, int64_t d,
+                         float scale) {
+    constexpr bool kCodes = !std::is_same<Codes, void>::value;
     const int64_t rp = b.rp, dv = b.dv;  // (dv == d)
+    alignas(64) float kmul[BK], vmul[BK];
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = std::min<int64_t>(BK, kend - k0);
         // K rows copied (a memcpy call a row cost more than the copy), and the next block's
@@ -197,9 +224,14 @@ inline void attend_pairs(Buffers& b, int64_t rows, const uint16_t* kpool, const 
         // once into L1 was evicted before its turn (perf: half the time on the K loads)
         const int64_t ahead = std::min<int64_t>(kend - k0 - nk, BK);
         for (int64_t j = 0; j < nk; ++j) {
-            const uint16_t* src = kpool + (static_cast<int64_t>(slots[k0 + j]) * kvh + h) * d;
+            const int64_t row = static_cast<int64_t>(slots[k0 + j]) * kvh + h;
+            const P* src = kpool + row * d;
             for (int64_t e = 0; e < d; e += 32)
-                _mm512_storeu_si512(&b.kb16[j * d + e], _mm512_loadu_si512(src + e));
+                _mm512_storeu_si512(&b.kb16[j * d + e], row_bf16x32<Codes>(src + e));
+            if constexpr (kCodes) {
+                kmul[j] = kscale[row] * code_unit<Codes>;
+                vmul[j] = vscale[row] * code_unit<Codes>;
+            }
             if (j < ahead) {
                 const int64_t next = (static_cast<int64_t>(slots[k0 + nk + j]) * kvh + h) * d;
                 for (int64_t e = 0; e < d; e += 32) {
@@ -208,22 +240,22 @@ inline void attend_pairs(Buffers& b, int64_t rows, const uint16_t* kpool, const 
                 }
             }
         }
-        value_pairs(vpool, slots, k0, nk, kvh, h, d, b.vp.data());
+        value_pairs<Codes>(vpool, slots, k0, nk, kvh, h, d, b.vp.data());
         const bool masked = k0 + nk > unmasked;  // some row stops inside the block
         std::copy_n(b.m.begin(), rp, b.corr.begin());
         for (int64_t r0 = 0; r0 < rp; r0 += 32) {
             if (masked)
-                qk_pairs_tiles<false>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale, &b.st[r0], rp,
-                                      &b.corr[r0]);
+                qk_pairs_tiles<false>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale,
+                                      kCodes ? kmul : nullptr, &b.st[r0], rp, &b.corr[r0]);
             else
-                qk_pairs_tiles<true>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale, &b.st[r0], rp,
-                                     &b.corr[r0]);
+                qk_pairs_tiles<true>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale,
+                                     kCodes ? kmul : nullptr, &b.st[r0], rp, &b.corr[r0]);
         }
         if (masked)
             softmax_block<true>(b, k0, nk);
         else
             softmax_block<false>(b, k0, nk);
-        prob_pairs(b.st.data(), rp, nk, b.pp.data());
+        prob_pairs(b.st.data(), rp, nk, kCodes ? vmul : nullptr, b.pp.data());
         const int64_t pairs = (nk + 1) / 2;
         if (d % 64 == 0)
             for (int64_t c0 = 0; c0 < d; c0 += 64)
@@ -237,11 +269,13 @@ inline void attend_pairs(Buffers& b, int64_t rows, const uint16_t* kpool, const 
 }
 
 // One work item of attend_block (query positions [t0, t0 + bq) of a request, the G query
-// heads of KV head h), bf16 queries and pool, pairs_fit(d).
-inline void attend_block_pairs(Buffers& b, const uint16_t* q, const uint16_t* kpool,
-                               const uint16_t* vpool, const int32_t* slots, int64_t prefix,
-                               int64_t t0, int64_t bq, int64_t h, int64_t heads, int64_t kvh,
-                               int64_t d, float scale, uint16_t* out) {
+// heads of KV head h), bf16 queries over a bf16 pool or a quantized one (attend_pairs),
+// pairs_fit(d).
+template <typename Codes = void, typename P = uint16_t>
+inline void attend_block_pairs(Buffers& b, const uint16_t* q, const P* kpool, const P* vpool,
+                               const float* kscale, const float* vscale, const int32_t* slots,
+                               int64_t prefix, int64_t t0, int64_t bq, int64_t h, int64_t heads,
+                               int64_t kvh, int64_t d, float scale, uint16_t* out) {
     const int64_t g = heads / kvh, rows = bq * g;
     fit_pairs(b, rows, d);
     const int64_t kend = prefix + t0 + bq;
@@ -250,7 +284,8 @@ inline void attend_block_pairs(Buffers& b, const uint16_t* q, const uint16_t* kp
     for (int64_t t = 0; t < bq; ++t)
         for (int64_t gh = 0; gh < g; ++gh)
             set_query_pairs(b, t * g + gh, q + ((t0 + t) * heads + h * g + gh) * d, d);
-    attend_pairs(b, rows, kpool, vpool, slots, kend, prefix + t0 + 1, kvh, h, d, scale);
+    attend_pairs<Codes>(b, rows, kpool, vpool, kscale, vscale, slots, kend, prefix + t0 + 1,
+                        kvh, h, d, scale);
     for (int64_t t = 0; t < bq; ++t)
         for (int64_t gh = 0; gh < g; ++gh) {
             const int64_t r = t * g + gh;
@@ -273,7 +308,7 @@ inline void shared_segment_pairs(Buffers& b, const uint16_t* qraw, int64_t rows,
     fit_pairs(b, rows, d);
     std::fill(b.lim.begin(), b.lim.begin() + b.rp, static_cast<int32_t>(n));
     for (int64_t r = 0; r < rows; ++r) set_query_pairs(b, r, qraw + r * d, d);
-    attend_pairs(b, rows, kpool, vpool, slots, n, n, kvh, h, d, scale);
+    attend_pairs(b, rows, kpool, vpool, nullptr, nullptr, slots, n, n, kvh, h, d, scale);
     for (int64_t r = 0; r < rows; ++r) {
         const float top = std::max(m[r], b.m[r]);
         // (a fresh state's m = -inf: its weight clamps to ~1e-38 and multiplies l = acc = 0)
