@@ -16,9 +16,11 @@ on a 2,048-token prefill. One layer of SmolLM2-135M's attention (9 query heads, 
 
 Every variant of a case runs once per round, interleaved, ROUNDS rounds; the fastest round is
 kept (the median too). GFLOP/s count causal FLOPs: 4 x H x D x the keys each query row sees;
-`of_peak` divides them by the higher of the two peaks.
+`of_peak` divides them by the higher of the two peaks. `--codes int8,fp8_e4m3` adds bf16
+queries over a pool of those codes (the kernels read them with their scales, in place).
 
     flock /tmp/banyan-cpu.lock python benchmarks/prefill_attention.py [--rounds 7] [--out FILE]
+        [--codes int8,fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from banyan.attention.native_plan import default_max_extend, plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
+from banyan.mem.kv_pool import dequantize_rows, kv_code_dtype, quantize_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 LONG = [(0, 512), (0, 1024), (0, 2048), (2048, 256)]  # (cached tokens, new tokens)
@@ -65,14 +68,20 @@ def causal_flops(prefix: int, n: int) -> int:
     return 4 * HEADS * HEAD_DIM * keys
 
 
-def case(prefix: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
-    """The variants of one shape: callables running one layer's attention."""
+def case(prefix: int, n: int, dtype: torch.dtype,
+         codes: torch.dtype | None = None) -> dict[str, Callable[[], Any]]:
+    """The variants of one shape: callables running one layer's attention (codes: the pool
+    quantized to int8 / fp8, read with its scales; SDPA then gets the dequantized values)."""
     gen = torch.Generator().manual_seed(0)
     total = prefix + n
     # the pool as the engine holds it: slot 0 is padding, the request's tokens at 1..total
     k = torch.randn(total + 1, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     v = torch.randn(total + 1, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    pk, pv, k_scale, v_scale = k, v, None, None
+    if codes is not None:
+        (pk, k_scale), (pv, v_scale) = quantize_rows(k, codes), quantize_rows(v, codes)
+        k, v = dequantize_rows(pk, k_scale, dtype), dequantize_rows(pv, v_scale, dtype)
     out = torch.empty_like(q)
     table = torch.arange(1, total + 1, dtype=torch.int32)[None]
     zero = torch.zeros(1, dtype=torch.int64)
@@ -80,14 +89,15 @@ def case(prefix: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]
     scale = HEAD_DIM**-0.5
 
     def prefill_kernel() -> None:
-        native.prefill_attention(q, k, v, table, zero, req_len, zero, n_new, scale, out)
+        native.prefill_attention(q, pk, pv, table, zero, req_len, zero, n_new, scale, out,
+                                 k_scale, v_scale)
 
     plan = plan_native(table, [0], [prefix], [n], [0])
 
     def row_kernel() -> None:
-        native.paged_attention(q, k, v, table, plan.req_row, plan.req_len, plan.q_start,
+        native.paged_attention(q, pk, pv, table, plan.req_row, plan.req_len, plan.q_start,
                                plan.n_new, plan.order, plan.group_start, plan.group_prefix,
-                               scale, out)
+                               scale, out, k_scale, v_scale)
 
     qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     ks, vs = (x[1:].transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, KVH, total, D]
@@ -117,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--codes", default="", help="also bf16 queries over a pool of these codes "
+                    "(comma-separated: int8, fp8_e4m3, fp8_e5m2)")
     ns = ap.parse_args(argv)
     if native.load() is None:
         print("native kernels unavailable", file=sys.stderr)
@@ -130,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, shapes, names in (("long", LONG, ("prefill_kernel", "sdpa")),
                                  ("short", SHORT, ("prefill_kernel", "row_kernel", "sdpa"))):
-        for dname, dtype in DTYPES.items():
+        pools = [(d, t, None) for d, t in DTYPES.items()] + [
+            (f"bfloat16/{c}", torch.bfloat16, kv_code_dtype(c)) for c in ns.codes.split(",") if c]
+        for dname, dtype, codes in pools:
             for prefix, n in shapes:
-                variants = case(prefix, n, dtype)
+                variants = case(prefix, n, dtype, codes)
                 got = timed({k: variants[k] for k in names}, ns.rounds)
                 flops = causal_flops(prefix, n)
                 row: dict[str, Any] = {"set": label, "dtype": dname, "cached": prefix,
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 cells = "  ".join(f"{name} {row[name]['ms']:8.2f} ms {row[name]['gflops']:6.1f}"
                                   for name in names)
-                print(f"{dname:8} {prefix:5} cached + {n:5} new: {cells}  GFLOP/s", flush=True)
+                print(f"{dname:13} {prefix:5} cached + {n:5} new: {cells}  GFLOP/s", flush=True)
     result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
               "rounds": ns.rounds, "default_max_extend": default_max_extend(),

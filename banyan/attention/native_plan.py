@@ -36,8 +36,8 @@ MAX_NATIVE_EXTEND = 256
 # (benchmarks/prefill_attention.py), row -> prefill kernel over 512 / 2,048 cached tokens:
 # 8 tokens 0.06 -> 0.05 / 0.15 -> 0.14 ms, 16 tokens 0.08 -> 0.07 / 0.27 -> 0.24, 32 tokens
 # 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75; over int8 / fp8 e4m3
-# codes (2,048 cached), 8 tokens 0.15 -> 0.13 / 0.17 -> 0.14, 64 tokens 1.17 -> 0.73 / 1.04 ->
-# 0.74, 256 tokens 4.37 -> 2.58 / 4.29 -> 2.62. The row kernel keeps up to 16, which covers a
+# codes (2,048 cached, `--codes`), 8 tokens 0.17 -> 0.12 / 0.16 -> 0.13, 64 tokens 1.13 -> 0.69
+# / 1.14 -> 0.71. The row kernel keeps up to 16, which covers a
 # speculative check of k + 1 tokens (its grouping and thread split suit one short request);
 # the layer stack runs both kernels, so the split costs no Python.
 BF16_PAIRS_EXTEND = 16
