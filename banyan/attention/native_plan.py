@@ -32,14 +32,14 @@ from banyan.mem.kv_pool import LayerKV
 NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
 MAX_NATIVE_EXTEND = 256
 # bf16 queries (over a bf16, int8 or fp8 pool) where the prefill kernel runs vdpbf16ps over
-# pairs (AVX512-BF16): it overtakes the row kernel from ~8 tokens. One layer of SmolLM2 on Zen 5, 2 threads
-# (benchmarks/prefill_attention.py), row -> prefill kernel over 512 / 2,048 cached tokens:
-# 8 tokens 0.06 -> 0.05 / 0.15 -> 0.14 ms, 16 tokens 0.08 -> 0.07 / 0.27 -> 0.24, 32 tokens
-# 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75; over int8 / fp8 e4m3
-# codes (2,048 cached, `--codes`), 8 tokens 0.17 -> 0.12 / 0.16 -> 0.13, 64 tokens 1.13 -> 0.69
-# / 1.14 -> 0.71. The row kernel keeps up to 16, which covers a
-# speculative check of k + 1 tokens (its grouping and thread split suit one short request);
-# the layer stack runs both kernels, so the split costs no Python.
+# pairs (AVX512-BF16): it overtakes the row kernel from ~8 tokens. One layer of SmolLM2 on Zen 5,
+# 2 threads (benchmarks/prefill_attention.py), row -> prefill kernel over 512 / 2,048 cached
+# tokens: 8 tokens 0.06 -> 0.05 / 0.15 -> 0.14 ms, 16 tokens 0.08 -> 0.07 / 0.27 -> 0.24, 32
+# tokens 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75; over int8 / fp8
+# e4m3 codes (2,048 cached, `--codes`), 8 tokens 0.17 -> 0.12 / 0.16 -> 0.13, 64 tokens 1.13 ->
+# 0.69 / 1.14 -> 0.71. The row kernel keeps up to 16, which covers a speculative check of k + 1
+# tokens (its grouping and thread split suit one short request); the layer stack runs both
+# kernels, so the split costs no Python.
 BF16_PAIRS_EXTEND = 16
 # On AVX2 CPUs (attend256) extends of up to 16 tokens: whole steps over 2,048 cached tokens on
 # Zen 3 (f32 / gguf SmolLM2), SDPA -> kernel: 4 tokens 56 -> 43 / 54 -> 29 ms, 16 tokens 116 ->

@@ -106,38 +106,17 @@ inline void pv_tile(const float* pt, int64_t ldp, const float* vb, int64_t ldv, 
 template <bool kMax>
 void qk_tiles(int64_t nk, const float* kb, int64_t d, const float* qt, int64_t ldq, float* st,
               int64_t lds, float* mx) {
-    int64_t j0 = 0;
-    for (; j0 + KM <= nk; j0 += KM)
-        qk_tile<KM, kMax>(kb + j0 * d, d, qt, ldq, d, st + j0 * lds, lds, mx);
-    const float* k = kb + j0 * d;
-    float* s = st + j0 * lds;
-    switch (nk - j0) {
-        case 1: qk_tile<1, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
-        case 2: qk_tile<2, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
-        case 3: qk_tile<3, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
-        case 4: qk_tile<4, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
-        case 5: qk_tile<5, kMax>(k, d, qt, ldq, d, s, lds, mx); break;
-        default: break;
-    }
+    in_tiles<KM>(nk, [&](auto m, int64_t j0) {
+        qk_tile<decltype(m)::value, kMax>(kb + j0 * d, d, qt, ldq, d, st + j0 * lds, lds, mx);
+    });
 }
 
 // P V into NV columns of O for `rows` rows: tiles of PM rows, the last one of rows % PM.
 inline void pv_tiles(int64_t rows, const float* pt, int64_t ldp, const float* vb, int64_t ldv,
                      int64_t nk, const float* corr, float* o, int64_t ldo) {
-    int64_t i0 = 0;
-    for (; i0 + PM <= rows; i0 += PM)
-        pv_tile<PM>(pt + i0, ldp, vb, ldv, nk, corr + i0, o + i0 * ldo, ldo);
-    const float* p = pt + i0;
-    const float* c = corr + i0;
-    float* oi = o + i0 * ldo;
-    switch (rows - i0) {
-        case 1: pv_tile<1>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
-        case 2: pv_tile<2>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
-        case 3: pv_tile<3>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
-        case 4: pv_tile<4>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
-        case 5: pv_tile<5>(p, ldp, vb, ldv, nk, c, oi, ldo); break;
-        default: break;
-    }
+    in_tiles<PM>(rows, [&](auto m, int64_t i0) {
+        pv_tile<decltype(m)::value>(pt + i0, ldp, vb, ldv, nk, corr + i0, o + i0 * ldo, ldo);
+    });
 }
 
 // A pool row (one slot, one KV head) -> d float32 values: codes times the row's scale.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // GCC vectorises for 256-bit registers on most AVX-512 CPUs unless told otherwise; the tiles
@@ -34,6 +35,25 @@ inline float fmadd(float a, float b, float c) {
 }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <int M, typename F>
+inline void last_tile(int64_t left, int64_t i0, F& tile) {
+    if constexpr (M > 0) {
+        if (left == M)
+            tile(std::integral_constant<int, M>{}, i0);
+        else
+            last_tile<M - 1>(left, i0, tile);
+    }
+}
+
+// tile(std::integral_constant<int, M>{}, i0) over [0, n): tiles of Full, then one of the
+// n % Full left, so every tile's size is a compile-time constant (its sums stay in registers).
+template <int Full, typename F>
+inline void in_tiles(int64_t n, F&& tile) {
+    int64_t i0 = 0;
+    for (; i0 + Full <= n; i0 += Full) tile(std::integral_constant<int, Full>{}, i0);
+    last_tile<Full - 1>(n - i0, i0, tile);
+}
 
 // One thread's buffers. rp: rows padded to NV; dv: head dim padded to NV (the padding columns
 // of V stay zero, so the padding columns of O are zero and never written out).

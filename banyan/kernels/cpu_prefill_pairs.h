@@ -67,23 +67,11 @@ inline void qk_pairs_tile(const uint16_t* kb, int64_t d, const uint32_t* qp, int
 template <bool kMax>
 void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* qp, int64_t ldq,
                     float scale, const float* kmul, float* st, int64_t lds, float* mx) {
-    int64_t j0 = 0;
-    for (; j0 + KP <= nk; j0 += KP)
-        qk_pairs_tile<KP, kMax>(kb + j0 * d, d, qp, ldq, scale, kmul ? kmul + j0 : nullptr,
-                                st + j0 * lds, lds, mx);
-    const uint16_t* k = kb + j0 * d;
-    const float* km = kmul ? kmul + j0 : nullptr;
-    float* s = st + j0 * lds;
-    switch (nk - j0) {
-        case 1: qk_pairs_tile<1, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        case 2: qk_pairs_tile<2, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        case 3: qk_pairs_tile<3, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        case 4: qk_pairs_tile<4, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        case 5: qk_pairs_tile<5, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        case 6: qk_pairs_tile<6, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        case 7: qk_pairs_tile<7, kMax>(k, d, qp, ldq, scale, km, s, lds, mx); break;
-        default: break;
-    }
+    in_tiles<KP>(nk, [&](auto m, int64_t j0) {
+        qk_pairs_tile<decltype(m)::value, kMax>(kb + j0 * d, d, qp, ldq, scale,
+                                                kmul ? kmul + j0 : nullptr, st + j0 * lds, lds,
+                                                mx);
+    });
 }
 
 // pp[q][r] = (bf16(st[2q][r] vmul[2q]), bf16(st[2q + 1][r] vmul[2q + 1])) for rows [0, rp)
@@ -163,20 +151,10 @@ inline void pv_pairs_tile(const uint32_t* pp, int64_t ldp, const uint32_t* vp, i
 template <int CV>
 void pv_pairs_tiles(int64_t rows, const uint32_t* pp, int64_t ldp, const uint32_t* vp,
                     int64_t d, int64_t pairs, const float* corr, float* o, int64_t ldo) {
-    int64_t i0 = 0;
-    for (; i0 + RP <= rows; i0 += RP)
-        pv_pairs_tile<RP, CV>(pp + i0, ldp, vp, d, pairs, corr + i0, o + i0 * ldo, ldo);
-    const uint32_t* p = pp + i0;
-    const float* c = corr + i0;
-    float* oi = o + i0 * ldo;
-    switch (rows - i0) {
-        case 1: pv_pairs_tile<1, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
-        case 2: pv_pairs_tile<2, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
-        case 3: pv_pairs_tile<3, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
-        case 4: pv_pairs_tile<4, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
-        case 5: pv_pairs_tile<5, CV>(p, ldp, vp, d, pairs, c, oi, ldo); break;
-        default: break;
-    }
+    in_tiles<RP>(rows, [&](auto m, int64_t i0) {
+        pv_pairs_tile<decltype(m)::value, CV>(pp + i0, ldp, vp, d, pairs, corr + i0,
+                                              o + i0 * ldo, ldo);
+    });
 }
 
 template <typename V>
@@ -234,9 +212,11 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
             }
             if (j < ahead) {
                 const int64_t next = (static_cast<int64_t>(slots[k0 + nk + j]) * kvh + h) * d;
-                for (int64_t e = 0; e < d; e += 32) {
-                    _mm_prefetch(reinterpret_cast<const char*>(kpool + next + e), _MM_HINT_T1);
-                    _mm_prefetch(reinterpret_cast<const char*>(vpool + next + e), _MM_HINT_T1);
+                const char* kn = reinterpret_cast<const char*>(kpool + next);
+                const char* vn = reinterpret_cast<const char*>(vpool + next);
+                for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(P)); off += 64) {
+                    _mm_prefetch(kn + off, _MM_HINT_T1);
+                    _mm_prefetch(vn + off, _MM_HINT_T1);
                 }
             }
         }

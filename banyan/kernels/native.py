@@ -211,8 +211,8 @@ def vector_bits() -> int:
 
 @cache
 def prefill_pairs_here() -> bool:
-    """Whether the prefill kernel runs bf16 over a bf16 pool as vdpbf16ps over bf16 pairs
-    (cpu_prefill_pairs.h: AVX512-BF16 CPUs)."""
+    """Whether the prefill kernel runs bf16 queries (over a bf16, int8 or fp8 pool) as
+    vdpbf16ps over bf16 pairs (cpu_prefill_pairs.h: AVX512-BF16 CPUs)."""
     lib = load()
     return lib is not None and bool(lib.banyan_prefill_pairs())
 
