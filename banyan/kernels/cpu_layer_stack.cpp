@@ -289,38 +289,37 @@ struct Kernels<uint16_t> {
     static constexpr auto prefill = banyan_prefill_attention_bf16_bf16;
 };
 
-// The row kernel's requests, then the prefill kernel's (each writes its own rows of out).
-template <typename T>
-void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const T* q, T* out) {
+// The row kernel's requests, then the prefill kernel's (each writes its own rows of out), over
+// a pool of P: T itself (no scales) or int8 codes with their scales.
+template <typename T, typename P, typename Paged, typename Prefill>
+void attend_pool(const StackModel* m, const StackStep* s, const T* q, T* out, const void* k_pool,
+                 const void* v_pool, const float* ks, const float* vs, Paged paged,
+                 Prefill prefill) {
     const float sm = static_cast<float>(m->scale);
     const int64_t H = m->heads, KVH = m->kv_heads, D = m->head_dim, nt = s->n_threads;
+    const P* k = static_cast<const P*>(k_pool);
+    const P* v = static_cast<const P*>(v_pool);
+    if (s->n_groups > 0)
+        paged(q, k, v, ks, vs, s->table, s->table_stride, s->req_row, s->req_len, s->q_start,
+              s->n_new, s->order, s->group_start, s->group_prefix, s->n_groups, out, H, KVH, D,
+              sm, nt);
+    if (s->pf_reqs > 0)
+        prefill(q, k, v, ks, vs, s->table, s->table_stride, s->pf_req_row, s->pf_req_len,
+                s->pf_q_start, s->pf_n_new, s->pf_reqs, out, H, KVH, D, sm, nt);
+}
+
+template <typename T>
+void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const T* q, T* out) {
     if constexpr (std::is_same<T, float>::value) {
         if (L.k_scale != nullptr) {  // an int8 pool
-            const auto* k = static_cast<const int8_t*>(L.k_pool);
-            const auto* v = static_cast<const int8_t*>(L.v_pool);
-            if (s->n_groups > 0)
-                banyan_paged_attention_f32_int8(
-                    q, k, v, L.k_scale, L.v_scale, s->table, s->table_stride, s->req_row,
-                    s->req_len, s->q_start, s->n_new, s->order, s->group_start,
-                    s->group_prefix, s->n_groups, out, H, KVH, D, sm, nt);
-            if (s->pf_reqs > 0)
-                banyan_prefill_attention_f32_int8(
-                    q, k, v, L.k_scale, L.v_scale, s->table, s->table_stride, s->pf_req_row,
-                    s->pf_req_len, s->pf_q_start, s->pf_n_new, s->pf_reqs, out, H, KVH, D, sm,
-                    nt);
+            attend_pool<T, int8_t>(m, s, q, out, L.k_pool, L.v_pool, L.k_scale, L.v_scale,
+                                   banyan_paged_attention_f32_int8,
+                                   banyan_prefill_attention_f32_int8);
             return;
         }
     }
-    const T* k = static_cast<const T*>(L.k_pool);
-    const T* v = static_cast<const T*>(L.v_pool);
-    if (s->n_groups > 0)
-        Kernels<T>::attention(q, k, v, nullptr, nullptr, s->table, s->table_stride, s->req_row,
-                              s->req_len, s->q_start, s->n_new, s->order, s->group_start,
-                              s->group_prefix, s->n_groups, out, H, KVH, D, sm, nt);
-    if (s->pf_reqs > 0)
-        Kernels<T>::prefill(q, k, v, nullptr, nullptr, s->table, s->table_stride,
-                            s->pf_req_row, s->pf_req_len, s->pf_q_start, s->pf_n_new,
-                            s->pf_reqs, out, H, KVH, D, sm, nt);
+    attend_pool<T, T>(m, s, q, out, L.k_pool, L.v_pool, nullptr, nullptr, Kernels<T>::attention,
+                      Kernels<T>::prefill);
 }
 
 // Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
