@@ -22,7 +22,9 @@ void int8g_panel(const float* x, int64_t K, int64_t group, const int8_t* w, cons
             for (int i = 0; i < TB; ++i) q[u][i] = _mm512_setzero_ps();
         const int8_t* wg = w + g * group * PANEL;
         const int64_t k0 = g * group;
+        fetch_scales_ahead(scale + (p * groups + g) * PANEL, group * PANEL, PANEL * sizeof(float));
         for (int64_t j = 0; j < group; j += U) {
+            fetch_codes_ahead(wg, j * PANEL);
             for (int u = 0; u < U; ++u) {
                 const __m512 wv = load_i8x16(wg + (j + u) * PANEL);
                 for (int i = 0; i < TB; ++i)
@@ -54,7 +56,9 @@ void int8g_panel(const float* x, int64_t K, int64_t group, const int8_t* w, cons
             for (int i = 0; i < TB; ++i) q[u][i][0] = q[u][i][1] = _mm256_setzero_ps();
         const int8_t* wg = w + g * group * PANEL;
         const int64_t k0 = g * group;
+        fetch_scales_ahead(scale + (p * groups + g) * PANEL, group * PANEL, PANEL * sizeof(float));
         for (int64_t j = 0; j < group; j += U) {
+            fetch_codes_ahead(wg, j * PANEL);
             for (int u = 0; u < U; ++u) {
                 const int8_t* wk = wg + (j + u) * PANEL;
                 const __m256 w0 = load_i8x8(wk), w1 = load_i8x8(wk + 8);

@@ -17,6 +17,30 @@ namespace {
 constexpr int PANEL = 16;  // output rows side by side per input (banyan/layers/quant.py packs)
 constexpr int MAX_TB = 8;  // tokens sharing one pass over a panel
 
+// A decode step streams every weight from memory once, panel after panel on each thread. On its
+// own the hardware prefetcher left the int4 loop stalled on its loads (perf: a third of its
+// samples at the first load of each cache line); asking for the line kAheadBytes ahead, and for
+// the group scales as many groups ahead, ran a SmolLM2 step's int4 projections (84 MB, cold)
+// ~20% faster on Zen 5 (2.3-2.7 -> 1.9-2.1 ms; 2-8 KB ahead alike, 512 B slower). Past a
+// panel's end it fetches the start of the next panel, which the same thread reads next.
+constexpr int64_t kAheadBytes = 4096;
+
+inline void fetch_ahead(const void* p, int64_t bytes = kAheadBytes) {
+    __builtin_prefetch(static_cast<const char*>(p) + bytes, 0, 3);
+}
+
+// Once per 64-byte line of a panel's codes: `offset` bytes into the stream.
+inline void fetch_codes_ahead(const void* base, int64_t offset) {
+    if (offset % 64 == 0) fetch_ahead(static_cast<const char*>(base) + offset);
+}
+
+// A group's scales as many groups ahead as the codes are fetched.
+inline void fetch_scales_ahead(const void* group_scales, int64_t code_bytes_per_group,
+                               int64_t scale_bytes_per_group) {
+    const int64_t groups_ahead = std::max<int64_t>(1, kAheadBytes / code_bytes_per_group);
+    fetch_ahead(group_scales, groups_ahead * scale_bytes_per_group);
+}
+
 inline int threads_for(int64_t panels, int64_t n_threads) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(panels, n_threads)));
 }

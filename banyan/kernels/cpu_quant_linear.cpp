@@ -29,6 +29,7 @@ void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, 
         for (int i = 0; i < TB; ++i) acc[u][i] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + U <= K; k += U) {
+        fetch_codes_ahead(w, k * PANEL);
         for (int u = 0; u < U; ++u) {
             const __m512 wv = load_i8x16(w + (k + u) * PANEL);
             for (int i = 0; i < TB; ++i)
@@ -67,7 +68,10 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
             for (int i = 0; i < TB; ++i) q[u][0][i] = q[u][1][i] = _mm512_setzero_ps();
         const uint8_t* wg = w + g * (group / 2) * PANEL;
         const int64_t k0 = g * group;
+        fetch_scales_ahead(scale + (p * groups + g) * PANEL, group / 2 * PANEL, PANEL * sizeof(S));
+        fetch_scales_ahead(mins + (p * groups + g) * PANEL, group / 2 * PANEL, PANEL * sizeof(S));
         for (int64_t j = 0; j < group / 2; j += U) {
+            fetch_codes_ahead(wg, j * PANEL);
             for (int u = 0; u < U; ++u) {
                 const __m512i bytes = _mm512_cvtepu8_epi32(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (j + u) * PANEL)));
@@ -103,6 +107,7 @@ void int8_panel(const float* x, int64_t K, const int8_t* w, const float* scale, 
         for (int i = 0; i < TB; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + U <= K; k += U) {
+        fetch_codes_ahead(w, k * PANEL);
         for (int u = 0; u < U; ++u) {
             const __m256 w0 = load_i8x8(w + (k + u) * PANEL), w1 = load_i8x8(w + (k + u) * PANEL + 8);
             for (int i = 0; i < TB; ++i) {
@@ -149,7 +154,10 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
             for (int i = 0; i < TB; ++i) q[u][i][0] = q[u][i][1] = _mm256_setzero_ps();
         const uint8_t* wg = w + g * (group / 2) * PANEL;
         const int64_t k0 = g * group;
+        fetch_scales_ahead(scale + (p * groups + g) * PANEL, group / 2 * PANEL, PANEL * sizeof(S));
+        fetch_scales_ahead(mins + (p * groups + g) * PANEL, group / 2 * PANEL, PANEL * sizeof(S));
         for (int64_t j = 0; j < group / 2; j += U) {
+            fetch_codes_ahead(wg, j * PANEL);
             for (int u = 0; u < U; ++u) {
                 const int64_t k = k0 + 2 * (j + u);
                 for (int h = 0; h < 2; ++h) {
