@@ -26,7 +26,13 @@ constexpr int VLEN = 8;  // AVX2 (and the SSE / portable builds: GCC splits the 
 constexpr int NV = 2 * VLEN;  // the vector width of a tile: rows of S^T, columns of O
 constexpr int BK = 64;        // keys per block
 
-inline float fmadd(float a, float b, float c) {
+// Both always inlined: the softmax's `omp simd` loops call them per lane, and an out-of-line
+// call leaves those loops scalar. (GCC stopped inlining exp_nonpos_fma into attend_pairs when
+// the tile dispatch became in_tiles' lambdas: the shared-prefix 8 x 8 decode step of
+// benchmarks/decode_attention.py went 25 -> 55-80 ms on Zen 5, a third of it in the call.)
+#define BANYAN_ALWAYS_INLINE inline __attribute__((always_inline))
+
+BANYAN_ALWAYS_INLINE float fmadd(float a, float b, float c) {
 #if defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
     return __builtin_fmaf(a, b, c);
 #else
@@ -88,7 +94,7 @@ struct Buffers {
 
 // exp(x) for x <= 0 (clamped at -87): exp_clamped's polynomial with fused multiply-adds,
 // as the AVX2 row kernel's exp256_nonpos computes it.
-inline float exp_nonpos_fma(float x) {
+BANYAN_ALWAYS_INLINE float exp_nonpos_fma(float x) {
     x = x > -87.0f ? x : -87.0f;
     const float fx = std::floor(fmadd(x, 1.44269504088896341f, 0.5f));
     float r = fmadd(fx, -0.693359375f, x);
