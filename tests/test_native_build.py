@@ -62,3 +62,21 @@ def test_kernels_load_on_this_machine() -> None:
         pytest.skip(f"{native.ENV_SWITCH}=0 turns the kernels off")
     assert native.load() is not None, "the native kernels did not build here (see the log)"
     assert native.vector_bits() in (256, 512) or "avx2" not in native.cpu_flags()
+
+
+# Helpers called per lane inside `omp simd` loops: an out-of-line copy means those loops make a
+# scalar call per element (exp_nonpos_fma fell out of line in attend_pairs once, and a decode
+# group's shared prefix ran 2-3x slower with every output still right).
+PER_LANE_HELPERS = ("exp_nonpos_fma", "fmadd(")
+
+
+@on_x86_with_compiler
+def test_per_lane_helpers_are_inlined() -> None:
+    nm = shutil.which("nm")
+    lib = native.load()
+    if nm is None or lib is None:
+        pytest.skip("needs nm and the built kernels")
+    symbols = subprocess.run([nm, "-C", lib._name], capture_output=True, text=True,
+                             timeout=60).stdout
+    left = [line for line in symbols.splitlines() if any(h in line for h in PER_LANE_HELPERS)]
+    assert not left, "\n".join(left)
