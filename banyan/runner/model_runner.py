@@ -32,6 +32,7 @@ from banyan.models.native_stack import NativeLayerStack
 from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.cpu_dtype import compute_dtype
 from banyan.runner.device import available_memory, resolve_device
+from banyan.runner.host_memory import keep_freed_memory
 from banyan.runner.linear_setup import convert_model_linears
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
@@ -106,6 +107,8 @@ class ModelRunner:
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
+        if self.device.type == "cpu":  # activations on the heap, not fresh pages per step
+            keep_freed_memory()
         code_dtype = kv_code_dtype(kv_cache_dtype)
         self.model_config = ModelConfig.from_pretrained(model_path)
         cfg = self.model_config
