@@ -10,7 +10,8 @@
 //   /tmp/qss [passes] [threads]
 //
 // Builds against two checkouts' kernels (-I pointing at each), run one after the other,
-// compare kernel versions. Prints one JSON object: milliseconds per step (best, median) and GB/s at the median.
+// compare kernel versions. Prints one JSON object: milliseconds per step (best, median) and
+// GB/s at the median.
 #include "cpu_quant_linear.cpp"  // from -I: the kernels under test
 #include "cpu_int8g_linear.cpp"
 

@@ -29,7 +29,7 @@ constexpr int BK = 64;        // keys per block
 // Both always inlined: the softmax's `omp simd` loops call them per lane, and an out-of-line
 // call leaves those loops scalar. (GCC stopped inlining exp_nonpos_fma into attend_pairs when
 // the tile dispatch became in_tiles' lambdas: the shared-prefix 8 x 8 decode step of
-// benchmarks/decode_attention.py went 25 -> 55-80 ms on Zen 5, a third of it in the call.)
+// benchmarks/decode_attention.py went from 21-26 to 49-66 ms on Zen 5.)
 #define BANYAN_ALWAYS_INLINE inline __attribute__((always_inline))
 
 BANYAN_ALWAYS_INLINE float fmadd(float a, float b, float c) {
