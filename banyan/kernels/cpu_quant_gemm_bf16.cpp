@@ -9,7 +9,9 @@
 // NP panels (16 output rows each; the codes' own layout) straight into pairs of inputs, the
 // layout vdpbf16ps reads, once per step, and multiplies every token by them while the group
 // sits in L2: TB tokens x NP panels of float32 sums in registers, each pair of an activation row
-// broadcast once per pass. Without AVX512-BF16 a scalar loop gives the same values (the tests'
+// broadcast once per pass. A dense bf16 layer's weight is stored in those pairs at load
+// (kBf16Pairs, layers/linear.py), read in place with no tile to fill: the one kernel of its
+// steps of 1 to 256 tokens. Without AVX512-BF16 a scalar loop gives the same values (the tests'
 // path on other CPUs; the engine takes this kernel only where the CPU has the instruction).
 
 #include <omp.h>
@@ -25,7 +27,10 @@ namespace {
 
 // NativeLinear kinds (banyan/layers/linear.py) this kernel reads; kBf16: a plain [N, K] bf16
 // weight (a dense bf16 layer), its values taken as they are.
-enum Kind : int64_t { kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3, kBf16 = 4 };
+enum Kind : int64_t {
+    kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3, kBf16 = 4,
+    kBf16Pairs = 5  // bf16 already in pairs: [panel][K / 2][16 rows] (pack_bf16_pairs)
+};
 
 struct QuantWeight {
     int64_t kind, K, group;
@@ -111,18 +116,37 @@ void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
     }
 }
 
+// A span of memory the next fill_tile reads, to be fetched into L2 while this group computes.
+struct Ahead {
+    const char* codes;
+    int64_t bytes;
+};
+
+// Where a pass reads panel q's pair j: base[q] + j * stride (a filled tile, or the weight itself
+// when it is stored in pairs).
+struct Panels {
+    const __m512i* base[NP];
+    int64_t stride;
+};
+
 // tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P).
 template <int N_P, int T_B>
-void tile_gemm(const __m512i* tile, const uint16_t* x, int64_t K, int64_t t0, int64_t p0,
-               const float* bias, uint16_t* out, int64_t N) {
+void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int64_t p0,
+               const float* bias, uint16_t* out, int64_t N, Ahead fetch) {
     __m512 acc[T_B][N_P];
     for (int t = 0; t < T_B; ++t)
         for (int q = 0; q < N_P; ++q) acc[t][q] = _mm512_setzero_ps();
     const int32_t* rows[T_B];  // activation rows as pairs of inputs
     for (int t = 0; t < T_B; ++t) rows[t] = reinterpret_cast<const int32_t*>(x + (t0 + t) * K);
-    for (int64_t j = 0; j < K / 2; ++j) {
+    // fetch's lines spread over the pass, a few every pair, not in one burst ahead of it
+    const int64_t lines = fetch.bytes / 64, pairs = K / 2;
+    int64_t owed = 0;
+    for (int64_t j = 0; j < pairs; ++j) {
+        for (owed += lines; owed >= pairs; owed -= pairs, fetch.codes += 64)
+            _mm_prefetch(fetch.codes, _MM_HINT_T1);
         __m512bh wv[N_P];
-        for (int q = 0; q < N_P; ++q) wv[q] = (__m512bh)_mm512_load_si512(tile + j * N_P + q);
+        for (int q = 0; q < N_P; ++q)
+            wv[q] = (__m512bh)_mm512_load_si512(tile.base[q] + j * tile.stride);
         for (int t = 0; t < T_B; ++t) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(rows[t][j]);
             for (int q = 0; q < N_P; ++q) acc[t][q] = _mm512_dpbf16_ps(acc[t][q], wv[q], xv);
@@ -142,21 +166,16 @@ void tile_gemm(const __m512i* tile, const uint16_t* x, int64_t K, int64_t t0, in
 
 // The largest token count <= T_B that is tb, at compile time.
 template <int N_P, int T_B>
-void token_block(int tb, const __m512i* tile, const uint16_t* x, int64_t K, int64_t t0,
-                 int64_t p0, const float* bias, uint16_t* out, int64_t N) {
-    if (tb == T_B) return tile_gemm<N_P, T_B>(tile, x, K, t0, p0, bias, out, N);
-    if constexpr (T_B > 1) token_block<N_P, T_B - 1>(tb, tile, x, K, t0, p0, bias, out, N);
+void token_block(int tb, const Panels& tile, const uint16_t* x, int64_t K, int64_t t0,
+                 int64_t p0, const float* bias, uint16_t* out, int64_t N, Ahead fetch) {
+    if (tb == T_B) return tile_gemm<N_P, T_B>(tile, x, K, t0, p0, bias, out, N, fetch);
+    if constexpr (T_B > 1)
+        token_block<N_P, T_B - 1>(tb, tile, x, K, t0, p0, bias, out, N, fetch);
 }
-
-// A span of memory the next fill_tile reads, to be fetched into L2 while this group computes.
-struct Ahead {
-    const char* codes;
-    int64_t bytes;
-};
 
 // The codes (the bulk of the bytes) of panels [p, p + np): contiguous in every kind's layout.
 Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
-    const int64_t per_panel = (w.kind == kBf16 ? 2 * w.K
+    const int64_t per_panel = (w.kind == kBf16 || w.kind == kBf16Pairs ? 2 * w.K
                                : w.kind == kInt8Rows || w.kind == kInt8Groups ? w.K  // a byte
                                : w.K / 2) * PANEL;  // 4 bits a code
     return {static_cast<const char*>(w.codes) + p * per_panel, np * per_panel};
@@ -167,14 +186,14 @@ Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
 // between compute-bound passes (its share of a 64-token step's GEMM time was twice what it is
 // with the codes in cache).
 template <int N_P>
-void panel_group(const __m512i* tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
+void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
                  const float* bias, uint16_t* out, int64_t N, Ahead next) {
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
         const int64_t from = next.bytes * t0 / T & ~int64_t{63};
         const int64_t to = std::min(next.bytes, next.bytes * (t0 + TB) / T);
-        for (int64_t off = from; off < to; off += 64) _mm_prefetch(next.codes + off, _MM_HINT_T1);
         const int tb = static_cast<int>(std::min<int64_t>(TB, T - t0));
-        token_block<N_P, TB>(tb, tile, x, K, t0, p0, bias, out, N);
+        token_block<N_P, TB>(tb, tile, x, K, t0, p0, bias, out, N,
+                             Ahead{next.codes + from, std::max<int64_t>(to - from, 0)});
     }
 }
 
@@ -189,11 +208,20 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         __m512i* tile = static_cast<__m512i*>(std::aligned_alloc(64, w.K / 2 * NP * 64));
         for (int64_t p0 = a; p0 < b; p0 += NP) {
             const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
-            fill_tile(w, p0, np, tile);
+            Panels panels_at{};
+            if (w.kind == kBf16Pairs) {
+                const auto* pairs = static_cast<const __m512i*>(w.codes);
+                for (int q = 0; q < np; ++q) panels_at.base[q] = pairs + (p0 + q) * (w.K / 2);
+                panels_at.stride = 1;
+            } else {
+                fill_tile(w, p0, np, tile);
+                for (int q = 0; q < np; ++q) panels_at.base[q] = tile + q;
+                panels_at.stride = np;
+            }
             const Ahead next = codes_of(w, p0 + np, std::clamp<int64_t>(b - p0 - np, 0, NP));
-            if (np == 3) panel_group<3>(tile, x, T, w.K, p0, bias, out, N, next);
-            else if (np == 2) panel_group<2>(tile, x, T, w.K, p0, bias, out, N, next);
-            else panel_group<1>(tile, x, T, w.K, p0, bias, out, N, next);
+            if (np == 3) panel_group<3>(panels_at, x, T, w.K, p0, bias, out, N, next);
+            else if (np == 2) panel_group<2>(panels_at, x, T, w.K, p0, bias, out, N, next);
+            else panel_group<1>(panels_at, x, T, w.K, p0, bias, out, N, next);
         }
         std::free(tile);
     }
@@ -224,6 +252,12 @@ void panel_values(const QuantWeight& w, int64_t p, float* rows) {
                 for (int64_t k = 0; k < w.K; ++k)
                     rows[i * w.K + k] = p * PANEL + i < w.N ? bf16_to_f32(
                         static_cast<const uint16_t*>(w.codes)[(p * PANEL + i) * w.K + k]) : 0.0f;
+            break;
+        case kBf16Pairs:  // lane i of pair j: row i's inputs 2j (low half) and 2j + 1
+            for (int64_t i = 0; i < PANEL; ++i)
+                for (int64_t k = 0; k < w.K; ++k)
+                    rows[i * w.K + k] = bf16_to_f32(static_cast<const uint16_t*>(
+                        w.codes)[((p * (w.K / 2) + k / 2) * PANEL + i) * 2 + k % 2]);
             break;
         case kInt8Rows:
             banyan_int8_dequant_f32(c8, static_cast<const float*>(w.scale), w.K, p, p + 1, rows, 1);
@@ -269,8 +303,9 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
 extern "C" {
 
 // x [T, K] bf16 through a quantized weight of N rows in the panel layout (`kind` as Kind above;
-// group: inputs per scale, 0 for kInt8Rows), or a plain bf16 one (kBf16: codes [N, K], scale
-// and mins null) -> out [T, N] bf16. bias: float32 [N] or null.
+// group: inputs per scale, 0 for kInt8Rows), or a plain bf16 one (kBf16: codes [N, K];
+// kBf16Pairs: codes [ceil(N / 16)][K / 2][16] 32-bit pairs, 64-byte aligned; scale and mins
+// null) -> out [T, N] bf16. bias: float32 [N] or null.
 // K even (the vector loop reads inputs in pairs; quant.py sends odd widths elsewhere).
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
