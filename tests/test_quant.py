@@ -155,10 +155,11 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
 @pytest.mark.parametrize("out_f,in_f,tokens", [(70, 128, 9), (49, 96, 21), (100, 608, 64),
                                                (16, 34, 12)])
 def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) -> None:
-    """A dense bf16 layer's steps of 9..GEMM_ROWS tokens: the same kernel on the plain weight
-    (its pairs transposed per call: inputs not a multiple of 32 take the tail loop, rows not a
-    multiple of 16 repeat the last row), float32 sums and one rounding of each output."""
-    from banyan.kernels.native import bf16_gemm
+    """The bf16 GEMM on a plain weight (its pairs transposed per call: inputs not a multiple of
+    32 take the tail loop, rows not a multiple of 16 repeat the last row) and on the weight
+    stored in its pairs (what a dense bf16 layer without a bias runs for steps of 1..GEMM_ROWS
+    tokens): float32 sums and one rounding of each output, the same bits."""
+    from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm, pack_bf16_pairs
 
     torch.manual_seed(out_f + in_f + tokens)
     weight = torch.randn(out_f, in_f).bfloat16()
@@ -168,11 +169,15 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_f)
     tol = 2**-8 * want.abs() + 1e-4 * want.abs().max()
     assert ((got.double() - want).abs() <= tol).all()
+    pairs = pack_bf16_pairs(weight)
+    assert pairs.shape == (-(-out_f // 16), in_f // 2, 16) and pairs.data_ptr() % 64 == 0
+    assert torch.equal(bf16_pairs_gemm(x, pairs, out_f), got)  # the stored pairs: same bits
     layer = Linear.from_weight(weight.clone())
     if SkinnyBf16Method.available(torch.device("cpu"), torch.bfloat16) and \
-            SkinnyBf16Method.takes_gemm(layer, tokens):
+            SkinnyBf16Method.takes_gemm(layer):
         layer.convert(SkinnyBf16Method())
         assert torch.equal(layer(x), got)  # what a dense bf16 layer runs for these steps
+        assert torch.equal(layer(x[:1]), got[:1])  # and for one token
 
 
 @needs_kernels

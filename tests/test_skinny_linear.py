@@ -88,6 +88,28 @@ def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens() -> None:
     assert native_linear is not None and native_linear.kind == "skinny_bf16"
 
 
+@pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
+def test_a_bf16_layer_without_bias_keeps_its_pairs_for_up_to_gemm_rows_tokens() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 24, generator=gen).bfloat16()
+    layer, packed = Linear.from_weight(weight), Linear.from_weight(weight)
+    layer.convert(SkinnyBf16Method())
+    packed.convert(PackedBf16Method())
+    if not SkinnyBf16Method.takes_gemm(layer):  # no vdpbf16ps here, or AMX: the plain weight
+        assert torch.equal(layer.weight, weight) and not hasattr(layer, "pairs")
+        return
+    assert not hasattr(layer, "weight")  # the pairs replace the plain copy
+    assert torch.equal(layer.pairs, native.pack_bf16_pairs(weight))
+    spec = layer.method.native(layer)
+    assert spec is not None and spec.kind == "pairs_bf16" and spec.weight is layer.pairs
+    rows = SkinnyBf16Method.GEMM_ROWS
+    x = torch.randn(rows + 3, 24, generator=gen).bfloat16()
+    for tokens in (1, 3, 8, 9, rows):  # the one kernel: each token's bits whatever the batch
+        assert torch.equal(layer(x[:tokens]), native.bf16_gemm(x[:tokens].contiguous(), weight))
+        assert torch.equal(layer(x[:tokens]), layer(x[:rows])[:tokens])
+    assert torch.equal(layer(x), packed(x))  # past GEMM_ROWS: oneDNN's GEMM on the packed copy
+
+
 def test_the_bf16_plain_copy_needs_memory_to_spare() -> None:
     import os
 

@@ -97,7 +97,8 @@ enum LinearKind : int64_t {
     kQ8Int4Wide = 6,
     kQ8Int8 = 7,  // int8 per group or per row (group = K)
     kQ8Int5 = 8,  // GGUF Q5_0 as 5-bit codes
-    kSkinnyBf16 = 9  // plain [N, K] bf16 weight: the one kind of the bf16 stack
+    kSkinnyBf16 = 9,  // plain [N, K] bf16 weight (bf16 stacks only)
+    kPairsBf16 = 10   // bf16 weight in the GEMM's pairs: every step through the GEMM (gemm_from 1)
 };
 
 struct StackLinear {

@@ -218,48 +218,57 @@ class SkinnyF32Method(DenseMethod):
 
 
 class SkinnyBf16Method(PackedBf16Method):
-    """bf16 on CPU, the way SkinnyF32Method is float32: steps of up to SKINNY_ROWS tokens go
-    through the native skinny bf16 kernel on the plain weight (float32 sums, one rounding per
-    output, like oneDNN's), which is also what lets the layer stack run a bf16 model's decode
-    steps in one native call; wider steps take oneDNN's GEMM on the packed copy. So the weight
-    is held twice (plain and packed): the runner picks this method only where the second copy
-    is affordable (`affordable`) and the CPU has the instruction the kernel is built on
-    (`suits_here`)."""
+    """bf16 on CPU, the way SkinnyF32Method is float32: short steps go through a native kernel
+    on a second copy of the weight beside oneDNN's packed one, which is also what lets the layer
+    stack run a bf16 model's decode steps in one native call. Where the bf16 GEMM kernel applies
+    (`takes_gemm`), that copy is in the GEMM's pairs (native.pack_bf16_pairs) and every step of
+    up to GEMM_ROWS tokens runs it; elsewhere (a bias, an odd width, AMX) it is the plain weight,
+    and steps of up to SKINNY_ROWS tokens run the skinny bf16 kernel. Both sum in float32 and
+    round each output once, like oneDNN; wider steps take oneDNN's GEMM on the packed copy. The
+    runner picks this method only where the second copy is affordable (`affordable`) and the
+    CPU has the instruction the kernels are built on (`suits_here`)."""
 
-    # Up to 8 tokens (one pass over the weights). At 16 (two passes) 16 requests decoded ~5%
-    # slower than with oneDNN's packed GEMM alone on Zen 5 (median of 5 alternating runs,
-    # 466 vs 491 tok/s); at 8 the two were even; at 1 the layer stack is 2x.
+    # Up to 8 tokens (one pass over the weights) on a plain weight. At 16 (two passes) 16
+    # requests decoded ~5% slower than with oneDNN's packed GEMM alone on Zen 5 (median of 5
+    # alternating runs, 466 vs 491 tok/s); at 8 the two were even; at 1 the layer stack is 2x.
     SKINNY_ROWS = 8
-    # Up to 256 tokens (batched decodes, short chunks) the bf16 GEMM kernel on the plain weight
-    # (cpu_quant_gemm_bf16.cpp, its pairs transposed per call; even with oneDNN's packed GEMM
-    # at 64 tokens), which the layer stack can call too; longer steps take oneDNN's.
+    # Up to 256 tokens (batched decodes, short chunks) the bf16 GEMM kernel on the pairs, which
+    # the layer stack calls too; longer steps take oneDNN's. Over SmolLM2's 120 projections on
+    # Zen 5 (2 threads) it matched the skinny kernel at 1 token and beat it from 2 (8 tokens:
+    # 6.1-6.7 vs 10.7-12.5 ms), and beat the same kernel transposing the plain weight per call
+    # by ~7% at 64 tokens.
     GEMM_ROWS = 256
-    MEMORY_SHARE = 8  # the plain copies may take up to 1/8 of the machine's memory
+    MEMORY_SHARE = 8  # the second copies may take up to 1/8 of the machine's memory
 
     def adopt(self, layer: Linear) -> None:
         plain = layer.weight.detach().contiguous()
         super().adopt(layer)  # packs a copy and drops the parameter
-        layer.weight = nn.Parameter(plain, requires_grad=False)
+        if self.takes_gemm(layer):
+            layer.pairs = native.pack_bf16_pairs(plain)
+        else:
+            layer.weight = nn.Parameter(plain, requires_grad=False)
 
     def native(self, layer: Linear) -> NativeLinear | None:
+        if hasattr(layer, "pairs"):
+            return NativeLinear("pairs_bf16", layer.pairs)
         return NativeLinear("skinny_bf16", layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:
+        if x.dim() == 2 and hasattr(layer, "pairs") and x.shape[0] <= self.GEMM_ROWS:
+            return native.bf16_pairs_gemm(x.contiguous(), layer.pairs, layer.out_features)
+        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS and not hasattr(layer, "pairs"):
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
-        if x.dim() == 2 and self.takes_gemm(layer, x.shape[0]):
-            return native.bf16_gemm(x.contiguous(), layer.weight)
         return super().apply(layer, x)
 
     @classmethod
-    def takes_gemm(cls, layer: Linear, tokens: int | None = None) -> bool:
-        """Whether steps of `tokens` (None: some step) past SKINNY_ROWS and up to GEMM_ROWS go
-        through the bf16 GEMM kernel on the plain weight (the one rule for `apply` and the
-        native layer stack): where it runs on vdpbf16ps, the layer has no bias, and the CPU has
-        no AMX (oneDNN's GEMM on AMX tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13:
-        ~3x what vdpbf16ps gives; unmeasured against this kernel there, so oneDNN keeps it)."""
-        return ((tokens is None or tokens <= cls.GEMM_ROWS) and layer.bias is None
-                and native.bf16_gemm_applies(layer.in_features) and not native.amx_here())
+    def takes_gemm(cls, layer: Linear) -> bool:
+        """Whether the layer's steps of up to GEMM_ROWS tokens go through the bf16 GEMM kernel
+        on its pairs (the one rule for `adopt`, and so for `apply` and the native layer stack):
+        where it runs on vdpbf16ps, the layer has no bias, and the CPU has no AMX (oneDNN's GEMM
+        on AMX tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13: ~3x what vdpbf16ps
+        gives; unmeasured against this kernel there, so oneDNN keeps it)."""
+        return (layer.bias is None and native.bf16_gemm_applies(layer.in_features)
+                and not native.amx_here())
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -9,7 +9,8 @@ bit for bit (tested); it runs when every piece has a native kernel:
 - float32 activations on CPU, the K/V pool in float32 or int8 (stored as kv_pool.quantize_rows
   does; fp8 codes are left to torch's conversion); or bf16 activations over a bf16 pool,
 - every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
-  int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method, or the quantized ones
+  int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method (on its pairs or its
+  plain weight), or the quantized ones
   between a widened input and a rounded output, as their `apply` does; a library GEMM has
   none),
 - the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS, and
@@ -49,14 +50,14 @@ GEMM_MAX_TOKENS = SkinnyBf16Method.GEMM_ROWS
 LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4,
                 # with 8-bit activations (layers/int8_activations.py)
                 "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8,
-                "skinny_bf16": 9}  # the one kind of a bf16 stack
+                "skinny_bf16": 9, "pairs_bf16": 10}  # the dense kinds of a bf16 stack
 # The stack's element types and the pools each runs over (code dtypes: None = as computed).
 STACK_POOLS = {torch.float32: (None, torch.int8), torch.bfloat16: (None,)}
 # The projection kernels each element type's stack runs: the dense kernel of its own type, and
 # every quantized one (float32 inside).
-_QUANTIZED = frozenset(LINEAR_KINDS) - {"skinny_f32", "skinny_bf16"}
+_QUANTIZED = frozenset(LINEAR_KINDS) - {"skinny_f32", "skinny_bf16", "pairs_bf16"}
 STACK_KINDS = {torch.float32: _QUANTIZED | {"skinny_f32"},
-               torch.bfloat16: _QUANTIZED | {"skinny_bf16"}}
+               torch.bfloat16: _QUANTIZED | {"skinny_bf16", "pairs_bf16"}}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -159,8 +160,8 @@ class NativeLayerStack:
             if dtype == torch.bfloat16 and spec.kind in BF16_GEMM_KINDS and \
                     native.bf16_gemm_applies(layer.in_features):
                 gemm, gemm_from = BF16_GEMM_KINDS[spec.kind], BF16_GEMM_MIN_TOKENS
-            elif spec.kind == "skinny_bf16" and SkinnyBf16Method.takes_gemm(layer):
-                gemm, gemm_from = native.PLAIN_BF16_KIND, SkinnyBf16Method.SKINNY_ROWS + 1
+            elif spec.kind == "pairs_bf16":  # every step, as SkinnyBf16Method.apply does
+                gemm, gemm_from = native.PAIRS_BF16_KIND, 1
             return StackLinear(LINEAR_KINDS[spec.kind], _ptr(spec.weight), _ptr(spec.scale),
                                _ptr(spec.mins), _ptr(layer.bias), layer.in_features,
                                layer.out_features, spec.group, gemm, gemm_from)
