@@ -1,10 +1,11 @@
 """Quantized linears of a whole SmolLM2-135M (30 layers x qkv, o, gate/up, down) in a bf16
 model, one pass over all 120 of them per step, T tokens each: the weights (84 MB of int4 codes,
-135 MB of int8) stream from DRAM as in a real batched step, which the one-layer kernel timings
-(quant_kernels.py) keep in cache. Run it from two checkouts, alternating, to compare kernels:
+135 MB of int8, 212 MB of bf16) stream from DRAM as in a real batched step, which the one-layer
+kernel timings (quant_kernels.py) keep in cache. `bf16`: the dense layers as a bf16 engine
+converts them (SkinnyBf16Method where the CPU has vdpbf16ps, else oneDNN's packed GEMM). Run it from two checkouts, alternating, to compare kernels:
 
     PYTHONPATH=<checkout> python benchmarks/quant_gemm_streaming.py [--tokens 16,64]
-        [--methods int4,int8] [--rounds 15] [--out FILE]
+        [--methods int4,int8,bf16] [--rounds 15] [--out FILE]
 
 Per method and token count: the fastest of --rounds passes, in ms.
 """
@@ -19,13 +20,21 @@ from pathlib import Path
 import torch
 
 from banyan.bench.offline import machine_info
-from banyan.layers.linear import Linear
+from banyan.layers.linear import Linear, LinearMethod, PackedBf16Method, SkinnyBf16Method
 from banyan.layers.quant import Int4Method, Int8Method
 from f32_gemm import best_ms  # (this script's folder)
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate/up, down
-METHODS = {"int4": lambda: Int4Method(32), "int8": Int8Method}
+
+
+def dense_bf16() -> LinearMethod:
+    cpu = torch.device("cpu")
+    return (SkinnyBf16Method() if SkinnyBf16Method.available(cpu, torch.bfloat16) and
+            SkinnyBf16Method.suits_here() else PackedBf16Method())
+
+
+METHODS = {"int4": lambda: Int4Method(32), "int8": Int8Method, "bf16": dense_bf16}
 
 
 def model_linears(method: str) -> list[Linear]:
@@ -33,7 +42,8 @@ def model_linears(method: str) -> list[Linear]:
     out = []
     for _ in range(LAYERS):
         for n, k in SHAPES:
-            layer = Linear.from_weight(torch.randn(n, k, generator=gen) * 0.05)
+            weight = torch.randn(n, k, generator=gen) * 0.05
+            layer = Linear.from_weight(weight.bfloat16() if method == "bf16" else weight)
             layer.convert(METHODS[method]())
             out.append(layer)
     return out

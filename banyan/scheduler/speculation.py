@@ -46,9 +46,10 @@ class Proposer(Protocol):
 
 @dataclass(slots=True)
 class SpeculationConfig:
-    # most tokens proposed per request per step: 8, since checking them costs ~1.4-1.6x a decode
-    # at batch 1 and a grounded answer's runs accept ~5 (spec_side_by_side.py: grounded 2.14x
-    # with 8, 1.84x with 4, dense bf16 on Zen 5); a request's own acceptance rate scales it down
+    # most tokens proposed per request per step: 8, since checking them costs ~1.05-1.2x a
+    # decode at batch 1 in bf16 (spec_step_cost.py on Zen 5, the GEMM on stored pairs; ~1.4-1.6x
+    # before) and a grounded answer's runs accept ~5 (spec_side_by_side.py: grounded 2.14x with
+    # 8, 1.84x with 4, dense bf16 on Zen 5); a request's own acceptance rate scales it down
     num_tokens: int = 8
     max_step_tokens: int = 16  # decode work of a step (decodes + guesses) speculation may fill
     min_rate: float = 0.15  # acceptance rate below which a request pauses speculation
