@@ -17,7 +17,7 @@ from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.batch import RowPrefix
 from banyan.kernels import native
 from banyan.kernels.native import bf16_gemm_here
-from banyan.layers.linear import Linear, SkinnyBf16Method
+from banyan.layers.linear import SkinnyBf16Method
 from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
@@ -60,13 +60,13 @@ def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]]
 def _check_steps(runner: ModelRunner) -> None:
     """Prefills, then decodes, a grouped decode over a shared prefix, and decodes mixed with
     short extends: the stack's output equals the model's. A bf16 stack whose projections all
-    have the bf16 GEMM (quantized, or plain without a bias) takes long steps too
-    (GEMM_MAX_TOKENS): there the prefills go through it, elsewhere they are too long for it."""
+    have the bf16 GEMM (quantized, or plain on a CPU without AMX, biased or not: Qwen2's q/k/v)
+    takes long steps too (GEMM_MAX_TOKENS): there the prefills go through it, elsewhere they are
+    too long for it."""
     largest = _every_extend_native(runner).max_tokens
     bf16 = runner.dtype == torch.bfloat16
-    biased = any(m.bias is not None for m in runner.model.modules() if isinstance(m, Linear))
     gemm = bf16 and bf16_gemm_here() and (runner.quantization != "none" or
-                                          not (biased or native.amx_here()))
+                                          not native.amx_here())
     assert largest == (GEMM_MAX_TOKENS if gemm else 8 if bf16 else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
     shared = random_ids(40, 1)

@@ -72,15 +72,15 @@ _PACKS = PackedBf16Method.available(torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
-def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens() -> None:
+def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens_at_an_odd_width() -> None:
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(40, 24, generator=gen).bfloat16()
+    weight = torch.randn(40, 23, generator=gen).bfloat16()  # the GEMM reads inputs in pairs
     bias = torch.randn(40, generator=gen).bfloat16()
     packed, skinny = Linear.from_weight(weight, bias), Linear.from_weight(weight, bias)
     packed.convert(PackedBf16Method())
     skinny.convert(SkinnyBf16Method())
-    assert torch.equal(skinny.weight, weight) and skinny.weight_bytes() == 40 * 24 * 2
-    x = torch.randn(20, 24, generator=gen).bfloat16()
+    assert torch.equal(skinny.weight, weight) and skinny.weight_bytes() == 40 * 23 * 2
+    x = torch.randn(20, 23, generator=gen).bfloat16()
     few = SkinnyBf16Method.SKINNY_ROWS
     assert torch.equal(skinny(x[:few]), native.skinny_linear(x[:few].contiguous(), weight, bias))
     assert torch.equal(skinny(x), packed(x))  # wider: oneDNN's GEMM on the packed copy
@@ -89,10 +89,12 @@ def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens() -> None:
 
 
 @pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
-def test_a_bf16_layer_without_bias_keeps_its_pairs_for_up_to_gemm_rows_tokens() -> None:
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_bf16_layer_keeps_its_pairs_for_up_to_gemm_rows_tokens(with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(40, 24, generator=gen).bfloat16()
-    layer, packed = Linear.from_weight(weight), Linear.from_weight(weight)
+    bias = torch.randn(40, generator=gen).bfloat16() if with_bias else None
+    layer, packed = Linear.from_weight(weight, bias), Linear.from_weight(weight, bias)
     layer.convert(SkinnyBf16Method())
     packed.convert(PackedBf16Method())
     if not SkinnyBf16Method.takes_gemm(layer):  # no vdpbf16ps here, or AMX: the plain weight
@@ -105,8 +107,14 @@ def test_a_bf16_layer_without_bias_keeps_its_pairs_for_up_to_gemm_rows_tokens() 
     rows = SkinnyBf16Method.GEMM_ROWS
     x = torch.randn(rows + 3, 24, generator=gen).bfloat16()
     for tokens in (1, 3, 8, 9, rows):  # the one kernel: each token's bits whatever the batch
-        assert torch.equal(layer(x[:tokens]), native.bf16_gemm(x[:tokens].contiguous(), weight))
-        assert torch.equal(layer(x[:tokens]), layer(x[:rows])[:tokens])
+        got = layer(x[:tokens])
+        if bias is None:
+            assert torch.equal(got, native.bf16_gemm(x[:tokens].contiguous(), weight))
+        else:  # added in float32 before the one rounding, as the skinny kernel adds it
+            want = native.skinny_linear(x[:tokens].contiguous(), weight, bias)
+            assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+            assert layer.pairs_bias.dtype == torch.float32
+        assert torch.equal(got, layer(x[:rows])[:tokens])
     assert torch.equal(layer(x), packed(x))  # past GEMM_ROWS: oneDNN's GEMM on the packed copy
 
 

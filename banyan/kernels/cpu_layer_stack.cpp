@@ -223,7 +223,7 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
 // per-op path's x.float() and .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
-    if (l.gemm >= 0 && T >= l.gemm_from) {  // (a plain bf16 weight's: no bias, no scales)
+    if (l.gemm >= 0 && T >= l.gemm_from) {  // (its bias, if any, float32)
         banyan_quant_gemm_bf16(x, T, l.in, l.gemm, l.weight, l.scale, l.mins, l.group,
                                static_cast<const float*>(l.bias), out, l.out, n_threads);
         return;

@@ -262,16 +262,19 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     return pairs.transpose(1, 2).contiguous()  # torch's CPU allocator aligns to 64 bytes
 
 
-def bf16_pairs_gemm(x: torch.Tensor, pairs: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [T, K] bf16 @ W^T for W [rows, K] stored by pack_bf16_pairs: float32 sums, one
-    rounding per output (the same bits as bf16_gemm on the plain weight)."""
+def bf16_pairs_gemm(x: torch.Tensor, pairs: torch.Tensor, rows: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] bf16 @ W^T (+ bias, float32 [rows]) for W [rows, K] stored by pack_bf16_pairs:
+    float32 sums, the bias added, one rounding per output (the same bits as bf16_gemm on the
+    plain weight, and as the skinny bf16 kernel's definition)."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
     out = x.new_empty((x.shape[0], rows))
     with kernel_range("banyan::bf16_gemm"):
         lib.banyan_quant_gemm_bf16(x.data_ptr(), x.shape[0], x.shape[1], PAIRS_BF16_KIND,
-                                   pairs.data_ptr(), None, None, 0, None, out.data_ptr(), rows,
-                                   torch.get_num_threads())
+                                   pairs.data_ptr(), None, None, 0,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   rows, torch.get_num_threads())
     return out
 
 

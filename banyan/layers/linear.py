@@ -38,6 +38,7 @@ class NativeLinear:
     scale: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     group: int = 0
+    bias: torch.Tensor | None = None  # as the kernel reads it, where not the layer's own
 
 
 def dense_weight_loader(param: nn.Parameter, loaded: torch.Tensor, start: int = 0,
@@ -222,8 +223,8 @@ class SkinnyBf16Method(PackedBf16Method):
     on a second copy of the weight beside oneDNN's packed one, which is also what lets the layer
     stack run a bf16 model's decode steps in one native call. Where the bf16 GEMM kernel applies
     (`takes_gemm`), that copy is in the GEMM's pairs (native.pack_bf16_pairs) and every step of
-    up to GEMM_ROWS tokens runs it; elsewhere (a bias, an odd width, AMX) it is the plain weight,
-    and steps of up to SKINNY_ROWS tokens run the skinny bf16 kernel. Both sum in float32 and
+    up to GEMM_ROWS tokens runs it; elsewhere (an odd width, AMX) it is the plain weight, and
+    steps of up to SKINNY_ROWS tokens run the skinny bf16 kernel. Both sum in float32 and
     round each output once, like oneDNN; wider steps take oneDNN's GEMM on the packed copy. The
     runner picks this method only where the second copy is affordable (`affordable`) and the
     CPU has the instruction the kernels are built on (`suits_here`)."""
@@ -245,17 +246,21 @@ class SkinnyBf16Method(PackedBf16Method):
         super().adopt(layer)  # packs a copy and drops the parameter
         if self.takes_gemm(layer):
             layer.pairs = native.pack_bf16_pairs(plain)
+            # the GEMM adds a float32 bias: the bf16 one widened (exact), added where the
+            # skinny kernel and oneDNN add it, before the one rounding
+            layer.pairs_bias = None if layer.bias is None else layer.bias.float().contiguous()
         else:
             layer.weight = nn.Parameter(plain, requires_grad=False)
 
     def native(self, layer: Linear) -> NativeLinear | None:
         if hasattr(layer, "pairs"):
-            return NativeLinear("pairs_bf16", layer.pairs)
+            return NativeLinear("pairs_bf16", layer.pairs, bias=layer.pairs_bias)
         return NativeLinear("skinny_bf16", layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and hasattr(layer, "pairs") and x.shape[0] <= self.GEMM_ROWS:
-            return native.bf16_pairs_gemm(x.contiguous(), layer.pairs, layer.out_features)
+            return native.bf16_pairs_gemm(x.contiguous(), layer.pairs, layer.out_features,
+                                          layer.pairs_bias)
         if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS and not hasattr(layer, "pairs"):
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
         return super().apply(layer, x)
@@ -264,11 +269,10 @@ class SkinnyBf16Method(PackedBf16Method):
     def takes_gemm(cls, layer: Linear) -> bool:
         """Whether the layer's steps of up to GEMM_ROWS tokens go through the bf16 GEMM kernel
         on its pairs (the one rule for `adopt`, and so for `apply` and the native layer stack):
-        where it runs on vdpbf16ps, the layer has no bias, and the CPU has no AMX (oneDNN's GEMM
-        on AMX tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13: ~3x what vdpbf16ps
-        gives; unmeasured against this kernel there, so oneDNN keeps it)."""
-        return (layer.bias is None and native.bf16_gemm_applies(layer.in_features)
-                and not native.amx_here())
+        where it runs on vdpbf16ps (an even width) and the CPU has no AMX (oneDNN's GEMM on AMX
+        tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13: ~3x what vdpbf16ps gives;
+        unmeasured against this kernel there, so oneDNN keeps it)."""
+        return native.bf16_gemm_applies(layer.in_features) and not native.amx_here()
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ bit for bit (tested); it runs when every piece has a native kernel:
   none),
 - the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS, and
   below quant.BF16_GEMM_MIN_TOKENS; one whose projections all have the bf16 GEMM, quantized
-  or plain bf16 without a bias: GEMM_MAX_TOKENS, the GEMM taking the long steps' projections
+  or plain bf16 (its pairs): GEMM_MAX_TOKENS, the GEMM taking the long steps' projections
   as the per-op path's `apply` does, so batched decodes skip Python too) and the native
   attention plans (the row kernel's and the prefill kernel's) cover all of them.
 
@@ -147,11 +147,12 @@ class NativeLayerStack:
             spec: NativeLinear | None = layer.method.native(layer)
             if spec is None or spec.kind not in STACK_KINDS[dtype]:
                 return None
+            bias = spec.bias if spec.bias is not None else layer.bias
             bias_dtype = torch.bfloat16 if spec.kind == "skinny_bf16" else torch.float32
-            if not _vector(layer.bias, layer.out_features, bias_dtype):
+            if not _vector(bias, layer.out_features, bias_dtype):
                 return None
             methods.append((layer, layer.method))
-            parts = [t for t in (spec.weight, spec.scale, spec.mins, layer.bias) if t is not None]
+            parts = [t for t in (spec.weight, spec.scale, spec.mins, bias) if t is not None]
             if not all(t.is_contiguous() for t in parts):
                 return None
             keep.extend(parts)
@@ -163,7 +164,7 @@ class NativeLayerStack:
             elif spec.kind == "pairs_bf16":  # every step, as SkinnyBf16Method.apply does
                 gemm, gemm_from = native.PAIRS_BF16_KIND, 1
             return StackLinear(LINEAR_KINDS[spec.kind], _ptr(spec.weight), _ptr(spec.scale),
-                               _ptr(spec.mins), _ptr(layer.bias), layer.in_features,
+                               _ptr(spec.mins), _ptr(bias), layer.in_features,
                                layer.out_features, spec.group, gemm, gemm_from)
 
         layers = []
