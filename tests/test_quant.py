@@ -159,7 +159,8 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
     32 take the tail loop, rows not a multiple of 16 repeat the last row) and on the weight
     stored in its pairs (what a dense bf16 layer without a bias runs for steps of 1..GEMM_ROWS
     tokens): float32 sums and one rounding of each output, the same bits."""
-    from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm, pack_bf16_pairs
+    from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm
+    from banyan.layers.linear import pack_bf16_pairs
 
     torch.manual_seed(out_f + in_f + tokens)
     weight = torch.randn(out_f, in_f).bfloat16()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from banyan.kernels import native
-from banyan.layers.linear import Linear, PackedBf16Method, SkinnyBf16Method, SkinnyF32Method
+from banyan.layers.linear import (Linear, PackedBf16Method, SkinnyBf16Method, SkinnyF32Method,
+                                  pack_bf16_pairs)
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels do not build here")
 
@@ -101,7 +102,7 @@ def test_a_bf16_layer_keeps_its_pairs_for_up_to_gemm_rows_tokens(with_bias: bool
         assert torch.equal(layer.weight, weight) and not hasattr(layer, "pairs")
         return
     assert not hasattr(layer, "weight")  # the pairs replace the plain copy
-    assert torch.equal(layer.pairs, native.pack_bf16_pairs(weight))
+    assert torch.equal(layer.pairs, pack_bf16_pairs(weight))
     spec = layer.method.native(layer)
     assert spec is not None and spec.kind == "pairs_bf16" and spec.weight is layer.pairs
     rows = SkinnyBf16Method.GEMM_ROWS

@@ -116,7 +116,8 @@ void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
     }
 }
 
-// A span of memory the next fill_tile reads, to be fetched into L2 while this group computes.
+// A span of memory the next group reads (codes fill_tile dequantizes, or pairs read in place),
+// to be fetched into L2 while this group computes.
 struct Ahead {
     const char* codes;
     int64_t bytes;
@@ -182,9 +183,9 @@ Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
 }
 
 // Every token block of T through the tile, and meanwhile the next group's codes prefetched into
-// L2, a share a block: batched, fill_tile otherwise waited on DRAM for each group's codes
-// between compute-bound passes (its share of a 64-token step's GEMM time was twice what it is
-// with the codes in cache).
+// L2, a share a block (spread over the block's pass, tile_gemm): batched, fill_tile otherwise
+// waited on DRAM for each group's codes between compute-bound passes (its share of a 64-token
+// step's GEMM time was twice what it is with the codes in cache).
 template <int N_P>
 void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
                  const float* bias, uint16_t* out, int64_t N, Ahead next) {
@@ -204,8 +205,10 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
     {
         const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
-        // 64-byte aligned (a std::vector of __m512i drops the alignment attribute)
-        __m512i* tile = static_cast<__m512i*>(std::aligned_alloc(64, w.K / 2 * NP * 64));
+        // 64-byte aligned (a std::vector of __m512i drops the alignment attribute); none for
+        // pairs read in place
+        __m512i* tile = w.kind == kBf16Pairs ? nullptr : static_cast<__m512i*>(
+            std::aligned_alloc(64, w.K / 2 * NP * 64));
         for (int64_t p0 = a; p0 < b; p0 += NP) {
             const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
             Panels panels_at{};

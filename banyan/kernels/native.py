@@ -64,8 +64,7 @@ FLAGS = (
 )
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
 PLAIN_BF16_KIND = 4  # banyan_quant_gemm_bf16's kind for a plain [N, K] bf16 weight (kBf16)
-PAIRS_BF16_KIND = 5  # and for one stored in its pairs (kBf16Pairs: pack_bf16_pairs)
-PANEL_ROWS = 16  # output rows a panel of the GEMM's layouts holds
+PAIRS_BF16_KIND = 5  # and for one stored in its pairs (kBf16Pairs: linear.pack_bf16_pairs)
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Quantized KV codes the attention kernel reads (each row with a float32 scale).
 _KV_CODE_SUFFIX = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3",
@@ -249,24 +248,11 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [N, K] weight (K even) in the layout the bf16 GEMM's vdpbf16ps reads: panels of
-    16 rows, each [K / 2] 32-bit words of 16 lanes, lane i of word j = row i's inputs 2j, 2j + 1
-    (the last panel's missing rows repeat the last row) -> int32 [ceil(N / 16), K / 2, 16]."""
-    rows, cols = weight.shape
-    panels = -(-rows // PANEL_ROWS)
-    padded = weight.detach().contiguous()
-    if panels * PANEL_ROWS > rows:
-        padded = torch.cat([padded, padded[-1:].expand(panels * PANEL_ROWS - rows, cols)])
-    pairs = padded.view(torch.int32).view(panels, PANEL_ROWS, cols // 2)
-    return pairs.transpose(1, 2).contiguous()  # torch's CPU allocator aligns to 64 bytes
-
-
 def bf16_pairs_gemm(x: torch.Tensor, pairs: torch.Tensor, rows: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] bf16 @ W^T (+ bias, float32 [rows]) for W [rows, K] stored by pack_bf16_pairs:
-    float32 sums, the bias added, one rounding per output (the same bits as bf16_gemm on the
-    plain weight, and as the skinny bf16 kernel's definition)."""
+    """x [T, K] bf16 @ W^T (+ bias, float32 [rows]) for W [rows, K] stored by
+    layers.linear.pack_bf16_pairs: float32 sums, the bias added, one rounding per output (the
+    same bits as bf16_gemm on the plain weight, and as the skinny bf16 kernel's definition)."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
     out = x.new_empty((x.shape[0], rows))

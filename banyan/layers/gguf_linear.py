@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from banyan.layers.linear import Linear, NativeLinear
-from banyan.layers.quant import Int4Method, _from_panels, _pad_rows, _QuantMethod, _to_panels
+from banyan.layers.panels import from_panels, pad_rows, to_panels
+from banyan.layers.quant import Int4Method, _QuantMethod
 
 if TYPE_CHECKING:
     from banyan.models.gguf_loader import GGUFTensor
@@ -139,8 +140,8 @@ class GroupInt8Method(_QuantMethod):
         if codes.shape != (layer.out_features, layer.in_features):
             raise ValueError(f"codes of shape {tuple(codes.shape)} for a layer of "
                              f"{layer.out_features} x {layer.in_features}")
-        layer.codes = _to_panels(_pad_rows(codes))
-        layer.scale = _to_panels(_pad_rows(scale.float()))
+        layer.codes = to_panels(pad_rows(codes))
+        layer.scale = to_panels(pad_rows(scale.float()))
 
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         self._lib().banyan_int8g_linear_f32(
@@ -160,8 +161,8 @@ class GroupInt8Method(_QuantMethod):
         return layer.out_features * (layer.in_features + 4 * (layer.in_features // self.group))
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        codes = _from_panels(layer.codes, layer.out_features).float()
-        scale = _from_panels(layer.scale, layer.out_features)
+        codes = from_panels(layer.codes, layer.out_features).float()
+        scale = from_panels(layer.scale, layer.out_features)
         return codes * scale.repeat_interleave(self.group, dim=1)
 
 

@@ -26,7 +26,8 @@ from torch import nn
 from banyan.kernels import native
 from banyan.layers.gguf_linear import GroupInt8Method
 from banyan.layers.linear import Linear, NativeLinear
-from banyan.layers.quant import PANEL, Int4Method, Int8Method, _from_panels, _QuantMethod
+from banyan.layers.panels import PANEL, from_panels
+from banyan.layers.quant import Int4Method, Int8Method, _QuantMethod
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def pack_int5(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(layer: Linear) -> torch.Tensor:
     """The float kernels' int4 panels -> codes uint8 [padded rows, K]."""
-    pairs = _from_panels(layer.codes, layer.codes.shape[0] * PANEL)
+    pairs = from_panels(layer.codes, layer.codes.shape[0] * PANEL)
     return torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)
 
 
@@ -119,7 +120,7 @@ class Int8ActivationMethod(_QuantMethod):
             # Q5_0 (codes -16..15, float16 d): 5-bit codes q + 16 with min -16 d (exact), 0.75
             # bytes a weight instead of 1.25 as int8 (a Q4_K_M file's most common type)
             self.kind, self.group = "int5", BLOCK
-            codes = _from_panels(layer.codes, layer.codes.shape[0] * PANEL)
+            codes = from_panels(layer.codes, layer.codes.shape[0] * PANEL)
             packed = pack_int5((codes.to(torch.int16) + 16).to(torch.uint8))
             self.mins = None  # -16 d, taken by the kernels from d
             layer.scale = layer.scale.half()
@@ -130,7 +131,7 @@ class Int8ActivationMethod(_QuantMethod):
             if self.group % BLOCK and BLOCK % self.group:
                 raise ValueError(f"--activation-quant int8: int8 groups of {self.group} "
                                  f"inputs neither divide nor are a multiple of {BLOCK}")
-            packed = pack_int8(_from_panels(layer.codes, layer.codes.shape[0] * PANEL))
+            packed = pack_int8(from_panels(layer.codes, layer.codes.shape[0] * PANEL))
             self.mins = None
         else:
             raise ValueError(f"--activation-quant int8 has no kernel for {type(inner).__name__}")
@@ -195,13 +196,13 @@ class Int8ActivationMethod(_QuantMethod):
         codes = unpack_q8_layout(layer.q8_codes, self.kind, self.padded_rows,
                                  layer.in_features)[:n].float()
         panels = self.scale.numel() // (PANEL * (layer.in_features // self.group))
-        scale = _from_panels(self.scale.reshape(panels, -1, PANEL), n).float()
+        scale = from_panels(self.scale.reshape(panels, -1, PANEL), n).float()
         if self.kind == "int5":
             codes -= 16  # q d + (-16 d) = (q - 16) d, as the wrapped method computes it
         value = codes * scale.repeat_interleave(self.group, dim=1)
         if self.kind == "int5" or self.kind == "int8":
             return value
-        low = (_from_panels(self.mins, n).float() if self.mins is not None
+        low = (from_panels(self.mins, n).float() if self.mins is not None
                else scale * -8)  # Q4_0's implied minimum
         return value + low.repeat_interleave(self.group, dim=1)
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from banyan.kernels import native
+from banyan.layers.panels import pad_rows, to_panels
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class SkinnyBf16Method(PackedBf16Method):
     """bf16 on CPU, the way SkinnyF32Method is float32: short steps go through a native kernel
     on a second copy of the weight beside oneDNN's packed one, which is also what lets the layer
     stack run a bf16 model's decode steps in one native call. Where the bf16 GEMM kernel applies
-    (`takes_gemm`), that copy is in the GEMM's pairs (native.pack_bf16_pairs) and every step of
+    (`takes_gemm`), that copy is in the GEMM's pairs (pack_bf16_pairs) and every step of
     up to GEMM_ROWS tokens runs it; elsewhere (an odd width, AMX) it is the plain weight, and
     steps of up to SKINNY_ROWS tokens run the skinny bf16 kernel. Both sum in float32 and
     round each output once, like oneDNN; wider steps take oneDNN's GEMM on the packed copy. The
@@ -245,7 +246,7 @@ class SkinnyBf16Method(PackedBf16Method):
         plain = layer.weight.detach().contiguous()
         super().adopt(layer)  # packs a copy and drops the parameter
         if self.takes_gemm(layer):
-            layer.pairs = native.pack_bf16_pairs(plain)
+            layer.pairs = pack_bf16_pairs(plain)
             # the GEMM adds a float32 bias: the bf16 one widened (exact), added where the
             # skinny kernel and oneDNN add it, before the one rounding
             layer.pairs_bias = None if layer.bias is None else layer.bias.float().contiguous()
@@ -261,7 +262,7 @@ class SkinnyBf16Method(PackedBf16Method):
         if x.dim() == 2 and hasattr(layer, "pairs") and x.shape[0] <= self.GEMM_ROWS:
             return native.bf16_pairs_gemm(x.contiguous(), layer.pairs, layer.out_features,
                                           layer.pairs_bias)
-        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS and not hasattr(layer, "pairs"):
+        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:  # (a layer with pairs took them)
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
         return super().apply(layer, x)
 
@@ -322,6 +323,13 @@ def _beats_linear(name: str, fn: object, weight: torch.Tensor, rows: int, reps: 
     logger.info("%s %s: %.2f ms vs F.linear %.2f ms at %d rows", name, tuple(weight.shape),
                 other * 1e3, library * 1e3, rows)
     return other < library
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight (K even) in the panels the bf16 GEMM's vdpbf16ps reads (kBf16Pairs):
+    lane i of word j = row i's inputs 2j, 2j + 1 -> int32 [ceil(N / 16), K / 2, 16], a fresh
+    tensor (torch's CPU allocator aligns it to 64 bytes, as the kernel's aligned loads need)."""
+    return to_panels(pad_rows(weight.detach().contiguous().view(torch.int32)))
 
 
 class Linear(nn.Module):

@@ -22,8 +22,8 @@ from torch import nn
 from banyan.kernels import native
 from banyan.kernels.native import bf16_gemm_applies
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear
+from banyan.layers.panels import PANEL, from_panels, pad_rows, to_panels
 
-PANEL = 16
 # Steps of at least this many tokens go through torch's GEMM on dequantized slabs of at most
 # SLAB_BYTES (measured on Zen 3: the native kernels win below ~128 tokens, GEMM above).
 DEQUANT_MIN_TOKENS = 128
@@ -37,25 +37,6 @@ BF16_GEMM_MIN_TOKENS = 9
 BF16_GEMM_KINDS = {"int8_rows": 0, "int8_groups": 1, "int4": 2, "int4_wide": 3}  # its Kind
 INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gguf: layers/gguf_linear.py
-
-
-def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
-    rows = weight.shape[0]
-    padded = -(-rows // PANEL) * PANEL
-    if padded == rows:
-        return weight
-    return torch.cat([weight, weight.new_zeros(padded - rows, weight.shape[1])])
-
-
-def _to_panels(per_row: torch.Tensor) -> torch.Tensor:
-    """[rows (padded), ...cols] -> [panels, ...cols, 16]: a panel's rows side by side."""
-    panels = per_row.shape[0] // PANEL
-    shaped = per_row.reshape(panels, PANEL, *per_row.shape[1:])
-    return shaped.movedim(1, -1).contiguous()
-
-
-def _from_panels(packed: torch.Tensor, rows: int) -> torch.Tensor:
-    return packed.movedim(-1, 1).reshape(-1, *packed.shape[1:-1])[:rows]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +195,8 @@ class Int8Method(_QuantMethod):
 
     def adopt(self, layer: Linear) -> None:
         codes, scale = quantize_int8(self._take_dense(layer))
-        layer.codes = _to_panels(_pad_rows(codes))
-        layer.scale = _pad_rows(scale[:, None])[:, 0].contiguous()
+        layer.codes = to_panels(pad_rows(codes))
+        layer.scale = pad_rows(scale[:, None])[:, 0].contiguous()
 
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         self._lib().banyan_int8_linear_f32(
@@ -235,7 +216,7 @@ class Int8Method(_QuantMethod):
         return layer.out_features * (layer.in_features + 4)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        codes = _from_panels(layer.codes, layer.out_features).float()
+        codes = from_panels(layer.codes, layer.out_features).float()
         return codes * layer.scale[: layer.out_features, None]
 
 
@@ -265,11 +246,11 @@ class Int4Method(_QuantMethod):
             if codes.shape != dense.shape:
                 raise ValueError(f"codes of shape {tuple(codes.shape)} for a layer of "
                                  f"{tuple(dense.shape)}")
-        codes = _pad_rows(codes)
+        codes = pad_rows(codes)
         pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # input k even in the low nibble
-        layer.codes = _to_panels(pairs)
-        layer.scale = _to_panels(_pad_rows(scale))
-        layer.mins = _to_panels(_pad_rows(low))
+        layer.codes = to_panels(pairs)
+        layer.scale = to_panels(pad_rows(scale))
+        layer.mins = to_panels(pad_rows(low))
 
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
@@ -303,10 +284,10 @@ class Int4Method(_QuantMethod):
         return layer.out_features * (layer.in_features // 2 + per_group * groups)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        pairs = _from_panels(layer.codes, layer.out_features)
+        pairs = from_panels(layer.codes, layer.out_features)
         codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(layer.out_features, -1)
-        scale = _from_panels(layer.scale, layer.out_features)
-        low = _from_panels(layer.mins, layer.out_features)
+        scale = from_panels(layer.scale, layer.out_features)
+        low = from_panels(layer.mins, layer.out_features)
         scale_per_input = scale.float().repeat_interleave(self.group, dim=1)
         low_per_input = low.float().repeat_interleave(self.group, dim=1)
         return codes.float() * scale_per_input + low_per_input
