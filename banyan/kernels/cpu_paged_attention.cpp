@@ -93,7 +93,8 @@ void dequantize(const int32_t* slots, int64_t n, const typename K::T* pool, cons
 // head's rows with a stride (a slot's heads side by side), a pattern the hardware prefetchers
 // of Zen 4 hardly follow and software prefetches (two blocks ahead, or a whole request ahead)
 // did not help: 64 decodes x 192 keys of SmolLM2 (decode_attention.py) ran at ~22 ms a step
-// cold against ~8 ms with the same K/V in cache; with this sequential read first, ~13 ms.
+// cold against ~8 ms with the same K/V in cache; with this sequential read first, 16-17 ms
+// (13 ms without those software prefetches, kept because they measured 1.1x on Zen 5).
 // Every line, not every other one: the adjacent lines are not fetched with them (27 ms).
 inline void stream_in(const void* kpool, const void* vpool, const int32_t* slots, int64_t n,
                       int64_t row_bytes) {
