@@ -300,6 +300,8 @@ void split_decode(const typename C::T* q, const typename K::T* kpool, const type
         at.fit(static_cast<int>(g_heads));
         for (int64_t p = parts * c / team; p < parts * (c + 1) / team; ++p) {
             const int64_t k0 = n * p / parts, k1 = n * (p + 1) / parts;
+            stream_in(kpool, vpool, slots + k0, k1 - k0,
+                      kvh * d * static_cast<int64_t>(sizeof(typename K::T)));
             for (int64_t h = 0; h < kvh; ++h) {
                 for (int64_t gh = 0; gh < g_heads; ++gh)
                     at.start_row(gh, q + (h * g_heads + gh) * d, n);
