@@ -88,28 +88,6 @@ void dequantize(const int32_t* slots, int64_t n, const typename K::T* pool, cons
     }
 }
 
-// Read every cache line of the K and V rows of slots[0, n) (all KV heads: row_bytes a slot) in
-// slot order, so that the head-by-head passes that follow find them in L2. Those passes read a
-// head's rows with a stride (a slot's heads side by side), a pattern the hardware prefetchers
-// of Zen 4 hardly follow and software prefetches (two blocks ahead, or a whole request ahead)
-// did not help: 64 decodes x 192 keys of SmolLM2 (decode_attention.py) ran at ~22 ms a step
-// cold against ~8 ms with the same K/V in cache; with this sequential read first, 16-17 ms
-// (13 ms without those software prefetches, kept because they measured 1.1x on Zen 5).
-// Every line, not every other one: the adjacent lines are not fetched with them (27 ms).
-inline void stream_in(const void* kpool, const void* vpool, const int32_t* slots, int64_t n,
-                      int64_t row_bytes) {
-    const char* k = static_cast<const char*>(kpool);
-    const char* v = static_cast<const char*>(vpool);
-    int sink = 0;
-    for (int64_t j = 0; j < n; ++j) {
-        const int64_t at = slots[j] * row_bytes;
-        for (int64_t o = 0; o < row_bytes; o += 64)
-            sink ^= *reinterpret_cast<const volatile int*>(k + at + o) ^
-                    *reinterpret_cast<const volatile int*>(v + at + o);
-    }
-    static_cast<void>(sink);
-}
-
 // One thread's attention state and the dispatch to the block loops of cpu_attend.h: rows of
 // queries (scaled, with their online-softmax state in `sc`) attended to segments of keys.
 // C: the queries' and outputs' type; K: the pool's (C's own, or a quantized one with scales).
@@ -391,7 +369,8 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
             offset.assign(1, 0);
             for (int64_t i = 0; i < members; ++i)
                 offset.push_back(offset.back() + n_new[order[first + i]] * g_heads);
-            const int64_t rows = offset.back();  // state rows of a KV head (head hh: from hh x rows)
+            // state rows of a KV head (head hh: from hh x rows)
+            const int64_t rows = offset.back();
             at.fit(static_cast<int>(rows * nh));
             for (int64_t hh = 0; hh < nh; ++hh)
                 for (int64_t i = 0; i < members; ++i) {
