@@ -32,13 +32,18 @@ class TokenizeTimeout(ValueError):
     """Rendering or tokenizing a prompt took longer than the limit: the request is refused."""
 
 
-def _with_deadline(deadline: float, fn: Callable[..., T], *args: Any) -> T:
-    """Run fn in this (pool) thread; a chat template still rendering at `deadline` raises
-    TokenizeTimeout from inside its own code."""
+def _timeout_message(limit: float) -> str:
+    # one message whichever side notices first: the template's own frames or the wait for them
+    return f"preparing the prompt took longer than {limit:g} s (the server's --tokenize-timeout)"
+
+
+def _with_deadline(deadline: float, limit: float, fn: Callable[..., T], *args: Any) -> T:
+    """Run fn in this (pool) thread; a chat template still rendering at `deadline` (`limit`
+    seconds after the request came) raises TokenizeTimeout from inside its own code."""
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if time.monotonic() > deadline:
-            raise TokenizeTimeout("the chat template took too long to render")
+            raise TokenizeTimeout(_timeout_message(limit))
         return local
 
     def tracer(frame: FrameType, event: str, arg: Any) -> Any:
@@ -76,12 +81,11 @@ class TokenizerSide:
         """fn(*args) in the pool; TokenizeTimeout past the time limit (time queued included)."""
         deadline = time.monotonic() + self.timeout
         future = asyncio.get_running_loop().run_in_executor(
-            self._pool, _with_deadline, deadline, fn, *args)
+            self._pool, _with_deadline, deadline, self.timeout, fn, *args)
         try:
             return await asyncio.wait_for(future, self.timeout)
         except TimeoutError:
-            raise TokenizeTimeout(f"preparing the prompt took longer than {self.timeout:g} s "
-                                  "(the server's --tokenize-timeout)") from None
+            raise TokenizeTimeout(_timeout_message(self.timeout)) from None
 
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.off_loop(self.encode, text, add_special_tokens)
