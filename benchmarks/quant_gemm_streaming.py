@@ -2,7 +2,8 @@
 model, one pass over all 120 of them per step, T tokens each: the weights (84 MB of int4 codes,
 135 MB of int8, 212 MB of bf16) stream from DRAM as in a real batched step, which the one-layer
 kernel timings (quant_kernels.py) keep in cache. `bf16`: the dense layers as a bf16 engine
-converts them (SkinnyBf16Method where the CPU has vdpbf16ps, else oneDNN's packed GEMM). Run it from two checkouts, alternating, to compare kernels:
+converts them (SkinnyBf16Method where the CPU has vdpbf16ps, else oneDNN's packed GEMM). Run
+it from two checkouts, alternating, to compare kernels:
 
     PYTHONPATH=<checkout> python benchmarks/quant_gemm_streaming.py [--tokens 16,64]
         [--methods int4,int8,bf16] [--rounds 15] [--out FILE]

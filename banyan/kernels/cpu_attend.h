@@ -23,18 +23,21 @@ namespace {
 constexpr int BLK = 32;  // keys per block
 constexpr int CHUNK = 128;  // keys the AVX-512 loop scores at once (cpu_attend512.h)
 
-// Read every cache line of the K and V rows of slots[0, n) (all KV heads: row_bytes a slot) in
-// slot order, so that the head-by-head passes that follow find them in L2. Those passes read a
-// head's rows with a stride (a slot's heads side by side), a pattern the hardware prefetchers
-// of Zen 4 hardly follow and software prefetches (two blocks ahead, or a whole request ahead)
-// did not help: 64 decodes x 192 keys of SmolLM2 (decode_attention.py) ran at ~22 ms a step
-// cold against ~8 ms with the same K/V in cache; with this sequential read first, 16-17 ms
-// (13 ms without those software prefetches, kept because they measured 1.1x on Zen 5).
-// Every line, not every other one: the adjacent lines are not fetched with them (27 ms).
-inline void stream_in(const void* kpool, const void* vpool, const int32_t* slots, int64_t n,
-                      int64_t row_bytes) {
-    const char* k = static_cast<const char*>(kpool);
-    const char* v = static_cast<const char*>(vpool);
+// Read every cache line of the K and V rows of slots[0, n) (all KV heads: row_elems values a
+// slot) in slot order, so that the head-by-head passes that follow find them in L2. Those passes
+// read a head's rows with a stride (a slot's heads side by side), a pattern the hardware
+// prefetchers of Zen 4 hardly follow and software prefetches (two blocks ahead, or a whole
+// request ahead) did not help: 64 decodes x 192 keys of SmolLM2 (decode_attention.py) ran at
+// ~22 ms a step cold against ~8 ms with the same K/V in cache; with this sequential read
+// first, 16-17 ms (13 ms without those software prefetches, kept because they measured 1.1x
+// on Zen 5). Every line, not every other one: the adjacent lines are not fetched with them
+// (27 ms).
+template <typename T>
+inline void stream_in(const T* kpool, const T* vpool, const int32_t* slots, int64_t n,
+                      int64_t row_elems) {
+    const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(T));
+    const char* k = reinterpret_cast<const char*>(kpool);
+    const char* v = reinterpret_cast<const char*>(vpool);
     int sink = 0;
     for (int64_t j = 0; j < n; ++j) {
         const int64_t at = slots[j] * row_bytes;

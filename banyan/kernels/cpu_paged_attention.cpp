@@ -278,8 +278,7 @@ void split_decode(const typename C::T* q, const typename K::T* kpool, const type
         at.fit(static_cast<int>(g_heads));
         for (int64_t p = parts * c / team; p < parts * (c + 1) / team; ++p) {
             const int64_t k0 = n * p / parts, k1 = n * (p + 1) / parts;
-            stream_in(kpool, vpool, slots + k0, k1 - k0,
-                      kvh * d * static_cast<int64_t>(sizeof(typename K::T)));
+            stream_in(kpool, vpool, slots + k0, k1 - k0, kvh * d);
             for (int64_t h = 0; h < kvh; ++h) {
                 for (int64_t gh = 0; gh < g_heads; ++gh)
                     at.start_row(gh, q + (h * g_heads + gh) * d, n);
@@ -392,8 +391,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                 const int64_t b = order[first + i];
                 const int32_t* slots = table + req_row[b] * table_stride;
                 if (nh == kvh)  // (a work item of one head leaves the others' lines alone)
-                    stream_in(kpool, vpool, slots + prefix, req_len[b] - prefix,
-                              kvh * d * static_cast<int64_t>(sizeof(typename K::T)));
+                    stream_in(kpool, vpool, slots + prefix, req_len[b] - prefix, kvh * d);
                 for (int64_t hh = 0; hh < nh; ++hh) {
                     const int64_t r0 = hh * rows + offset[i];
                     at.segment(static_cast<int>(r0), static_cast<int>(offset[i + 1] - offset[i]),

@@ -28,4 +28,5 @@ def to_panels(per_row: torch.Tensor) -> torch.Tensor:
 
 
 def from_panels(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """to_panels undone -> [rows, ...cols] (the padding rows dropped)."""
     return packed.movedim(-1, 1).reshape(-1, *packed.shape[1:-1])[:rows]
