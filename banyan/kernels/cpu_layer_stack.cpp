@@ -69,6 +69,10 @@ void banyan_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group
 void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                              const int8_t* w, const float* scale, const float* bias, float* out,
                              int64_t N, int64_t n_threads);
+void banyan_int4_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
+                             const uint8_t* w, const void* scale, const void* mins, int64_t wide,
+                             const float* bias, uint16_t* out, int64_t N, float* xsum,
+                             int64_t n_threads);
 void banyan_q8_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                                const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
                                const float* bias, float* out, int64_t N, int64_t n_threads);
@@ -218,9 +222,10 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
 }
 
 // In the bf16 stack: long steps through the bf16 GEMM where the per-op path takes it; else the
-// skinny bf16 kernel on a plain bf16 weight, or a quantized weight's float32 kernel on x widened
-// to float32, its output rounded back to bf16 (bias float32, added before the rounding), as the
-// per-op path's x.float() and .to(bfloat16) around that kernel do.
+// skinny bf16 kernel on a plain bf16 weight, int4 codes' bf16 kernel (cpu_int4_bf16_linear.cpp),
+// or another quantized weight's float32 kernel on x widened to float32, its output rounded back
+// to bf16 (bias float32, added before the rounding), as the per-op path's x.float() and
+// .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
     if (l.gemm >= 0 && T >= l.gemm_from) {  // (its bias, if any, float32)
@@ -231,6 +236,12 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
     if (l.kind == kSkinnyBf16) {
         banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
                                   static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+        return;
+    }
+    if (l.kind == kInt4 || l.kind == kInt4Wide) {
+        banyan_int4_linear_bf16(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
+                                l.scale, l.mins, l.kind == kInt4Wide,
+                                static_cast<const float*>(l.bias), out, l.out, xsum, n_threads);
         return;
     }
     static thread_local std::vector<float> wide_x, wide_out;

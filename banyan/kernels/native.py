@@ -48,7 +48,7 @@ def kernel_range(name: str) -> AbstractContextManager[object]:
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
            "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
-           "cpu_quant_gemm_bf16.cpp")
+           "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -167,6 +167,11 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4s_linear_f32.restype = None
     lib.banyan_int8g_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_int8g_linear_f32.restype = None
+    lib.banyan_int4_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                            i64, ptr, i64]
+    lib.banyan_int4_linear_bf16.restype = None
+    lib.banyan_int4_linear_bf16_vector.argtypes = []
+    lib.banyan_int4_linear_bf16_vector.restype = i64
     # 8-bit activations (cpu_int8act_linear.cpp, layers/int8_activations.py)
     lib.banyan_q8_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                               i64]

@@ -119,9 +119,13 @@ class _QuantMethod(LinearMethod):
         return weight
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.numel() >= BF16_GEMM_MIN_TOKENS * layer.in_features \
-                and bf16_gemm_applies(layer.in_features):
-            return self._bf16_gemm(layer, x)
+        if x.dtype == torch.bfloat16:
+            if x.numel() >= BF16_GEMM_MIN_TOKENS * layer.in_features \
+                    and bf16_gemm_applies(layer.in_features):
+                return self._bf16_gemm(layer, x)
+            short = self._bf16_short(layer, x)
+            if short is not None:
+                return short
         # A decode calls this ~120 times a token: the common case (2-D float32, contiguous)
         # skips the conversions, whose dispatches cost as much as a small layer's kernel.
         plain = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
@@ -137,6 +141,11 @@ class _QuantMethod(LinearMethod):
     def _kernel(self, layer: Linear, flat: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, N] float32 = flat [T, K] float32 x the layer's weight (+ bias), natively."""
         raise NotImplementedError
+
+    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """A short bf16 step by a kernel of bf16 activations (the native layer stack calls the
+        same one), or None: the float32 kernel on x widened."""
+        return None
 
     def _bf16_gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N] bf16 through the weight rounded to bf16 (float32 sums)."""
@@ -261,6 +270,20 @@ class Int4Method(_QuantMethod):
             layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
             self._bias_ptr(layer), out.data_ptr(), layer.out_features, group_sums.data_ptr(),
             torch.get_num_threads())
+
+    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        flat = x.reshape(-1, layer.in_features).contiguous()
+        if flat.shape[0] >= DEQUANT_MIN_TOKENS:
+            return None
+        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
+        group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
+        with native.kernel_range("banyan::quantized_linear"):
+            self._lib().banyan_int4_linear_bf16(
+                flat.data_ptr(), flat.shape[0], layer.in_features, self.group,
+                layer.codes.data_ptr(), layer.scale.data_ptr(), layer.mins.data_ptr(),
+                self._wide(layer), self._bias_ptr(layer), out.data_ptr(), layer.out_features,
+                group_sums.data_ptr(), torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], layer.out_features)
 
     def native(self, layer: Linear) -> NativeLinear:
         kind = "int4_wide" if self._wide(layer) else "int4"
