@@ -138,6 +138,10 @@ class EngineArgs:
         "draft: weight format of the draft's linears (as --quantization). The target's own "
         "checkpoint quantized to int4 is a draft that shares its tokenizer by construction.",
         choices=["none", "int8", "int4"]))
+    spec_draft_min_confidence: float = field(default=0.2, metadata=_doc(
+        "draft: a request's guesses stop after one the draft gives a probability below this "
+        "(0: always --speculative-num-tokens); a guess it doubts is seldom accepted, and the "
+        "draft's forwards are most of a guessing step's cost."))
     quantization: str = field(default="auto", metadata=_doc(
         "Weight format of the linear layers: none (the dtype's), int8 (weight-only, one scale "
         "per output channel), int4 (weight-only, 4-bit with a float16 scale and minimum per 32 "
@@ -254,6 +258,9 @@ class EngineArgs:
         if (self.speculative_algorithm == "draft") != (self.spec_draft_model is not None):
             raise ValueError("spec_draft_model is needed with, and only with, "
                              "speculative_algorithm=draft")
+        if not 0.0 <= self.spec_draft_min_confidence <= 1.0:
+            raise ValueError("spec_draft_min_confidence must be in [0, 1], got "
+                             f"{self.spec_draft_min_confidence}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got "
                              f"{self.grammar_compile_timeout}")

@@ -29,6 +29,8 @@ def spec_engine(model: Path, algo: str, draft: Path | None = None, **kwargs: obj
     # 4 guesses: the short pool of the "retraction" setting is sized for it (guesses never
     # evict or retract, so with more of them that setting stops retracting)
     kwargs.setdefault("speculative_num_tokens", 4)
+    # every guess, however unsure: a random tiny model is unsure of all of them
+    kwargs.setdefault("spec_draft_min_confidence", 0.0)
     engine = Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
                     speculative_algorithm=algo, speculative_max_step_tokens=64,
                     spec_ngram_min=1, **extra, **kwargs)
@@ -103,6 +105,38 @@ def test_int4_copy_of_the_target_as_its_draft(model_dirs: dict[str, Path]) -> No
         assert run_greedy(engine, prompts, max_new) == expected
         assert engine.core.scheduler.speculation.stats.num_accepted_tokens > 0
         check_pool_empty(engine)
+
+
+def test_draft_stops_guessing_after_a_guess_it_doubts(model_dirs: dict[str, Path]) -> None:
+    """spec_draft_min_confidence: a request's guesses end with the first one the draft gives
+    less probability than that (1.0: every first guess), and the output stays the target's."""
+    target = model_dirs["llama"]
+    prompts = prompts_1_to_300(3, seed=5)
+    max_new = [12, 7, 15]
+    expected = [hf_greedy(target, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    guesses_per_draft = {}
+    for confidence in (0.0, 1.0):
+        with spec_engine(target, "draft", target, spec_draft_min_confidence=confidence) as engine:
+            assert run_greedy(engine, prompts, max_new) == expected
+            stats = engine.core.scheduler.speculation.stats
+            guesses_per_draft[confidence] = stats.num_draft_tokens / stats.num_drafts
+            check_pool_empty(engine)
+    assert guesses_per_draft[1.0] == 1.0
+    assert guesses_per_draft[0.0] > 2.0  # the target as its own draft: every guess accepted
+
+
+def test_top_token_and_probability() -> None:
+    from banyan.sampling.greedy import top_token_and_probability
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 4
+    logits[:, 250:] = -math.inf  # a vocabulary padded past the real one
+    logits[2, 7] = 50.0  # a sure guess
+    tokens, probability = top_token_and_probability(logits)
+    want = torch.softmax(logits.double(), dim=-1).max(dim=-1)
+    assert tokens == want.indices.tolist()
+    assert probability == pytest.approx(want.values.tolist(), rel=1e-5)
+    assert probability[2] == pytest.approx(1.0)
 
 
 def test_stops_logprobs_n_and_abort_inside_accepted_runs(llama_dir: Path) -> None:

@@ -64,7 +64,7 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)
-        return DraftProposer(draft, target.vocab_size)
+        return DraftProposer(draft, target.vocab_size, args.spec_draft_min_confidence)
     return None
 
 

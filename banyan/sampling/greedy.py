@@ -20,3 +20,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             and not logits.requires_grad:
         return torch.from_numpy(np.argmax(logits.numpy(), axis=1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
+
+
+def top_token_and_probability(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's argmax and its softmax probability (a draft's confidence in its guess)."""
+    rows = logits.float().cpu().numpy()
+    top = np.argmax(rows, axis=1)
+    best = rows[np.arange(len(rows)), top]
+    mass = np.exp(rows - best[:, None]).sum(axis=1)  # the top logit's term is 1
+    return top.tolist(), (1.0 / mass).tolist()
