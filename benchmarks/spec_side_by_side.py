@@ -5,8 +5,8 @@ compares runs a few seconds apart (this machine's speed drifts by 20-40% over mi
 processes minutes apart measured the drift, not speculation).
 
     python benchmarks/spec_side_by_side.py [--model DIR|FILE] [--dtype bfloat16] [--rounds 5] \
-        [--configs none,ngram,ngram-k4,ngram-k6] [--draft DIR --draft-quantization int4] [--load] \
-        [--out FILE]
+        [--configs none,ngram,ngram-k4,draft,draft-c0] [--draft DIR --draft-quantization int4] \
+        [--load] [--out FILE]
 
 Per configuration and workload: output tokens/s of each round (prefill included, the prefix
 cache flushed before each run), the median of the per-round ratios to "none", and the
@@ -31,14 +31,30 @@ from banyan.bench.workloads import random_workload
 
 
 def config(name: str) -> dict[str, Any]:
-    """Engine arguments of a configuration: none, ngram or draft (the engine's default number
-    of guesses), or ngram-kN / draft-kN (at most N guesses a step)."""
-    algorithm, _, k = name.partition("-k")
-    if algorithm not in ("none", "ngram", "draft") or (k and (algorithm == "none"
-                                                               or not k.isdigit())):
-        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], draft[-kN]")
-    return {"speculative_algorithm": algorithm} | (
-        {"speculative_num_tokens": int(k)} if k else {})
+    """Engine arguments of a configuration: none, ngram or draft (the engine's defaults), with
+    -kN: at most N guesses a step, and for draft -cF: --spec-draft-min-confidence F
+    (draft-k8-c0: 8 guesses, however unsure)."""
+    algorithm, *options = name.split("-")
+    extra: dict[str, Any] = {"speculative_algorithm": algorithm}
+    for option in options:
+        value = option[1:]
+        if algorithm != "none" and option.startswith("k") and value.isdigit():
+            extra["speculative_num_tokens"] = int(value)
+        elif algorithm == "draft" and option.startswith("c") and _is_float(value):
+            extra["spec_draft_min_confidence"] = float(value)
+        else:
+            algorithm = "?"
+    if algorithm not in ("none", "ngram", "draft"):
+        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], draft[-kN][-cF]")
+    return extra
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def main() -> None:
