@@ -29,6 +29,9 @@ class OracleProposer:
     def forget(self, req: Request) -> None:
         pass
 
+    def seconds_per_position(self, requests: int) -> float:
+        return 0.0
+
     def _guess(self, req: Request, max_tokens: int) -> list[int]:
         want = self.expected[tuple(req.prompt_ids)][len(req.output_ids):][:max_tokens]
         guess = []

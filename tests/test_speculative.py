@@ -254,10 +254,10 @@ def test_verified_sampling_follows_the_target_distribution(llama_dir: Path, temp
 
 
 class EchoProposer:
-    """Guesses `token` k times; counts calls."""
+    """Guesses `token` k times; counts calls; each guessed position costs `seconds`."""
 
-    def __init__(self, token: int = 5) -> None:
-        self.token, self.calls, self.forgotten = token, 0, []
+    def __init__(self, token: int = 5, seconds: float = 0.0) -> None:
+        self.token, self.calls, self.forgotten, self.seconds = token, 0, [], seconds
 
     def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
         self.calls += 1
@@ -265,6 +265,9 @@ class EchoProposer:
 
     def forget(self, req: Request) -> None:
         self.forgotten.append(req.rid)
+
+    def seconds_per_position(self, requests: int) -> float:
+        return self.seconds
 
 
 def _req(rid: str) -> Request:
@@ -291,6 +294,33 @@ def test_controller_fills_small_steps_only_and_backs_off() -> None:
     assert spec.stats.mean_acceptance_length == pytest.approx(1 + 4 / 4)
     spec.forget(a)
     assert "a" not in spec._state and spec.proposer.forgotten == ["a"]
+
+
+def test_a_costly_proposer_guesses_only_where_its_forwards_pay() -> None:
+    """A draft model's forward per guessed position counts in the price: alone, every guess
+    pays; four requests at once (their decodes as cheap as one, every guessed token dear) get
+    none and the draft does not run; a request cut for the cost keeps its rate, so that alone
+    again its probe is priced at that rate, and taken; alone, one priced out guesses again a
+    few steps later."""
+    echo = EchoProposer(seconds=0.003)
+    spec = Speculation(echo, SpeculationConfig(num_tokens=4, max_step_tokens=64, cooldown=2))
+    for tokens in range(1, 21):
+        spec.observe_step(tokens, 0.011 + 0.003 * max(0, tokens - 5))
+    assert [len(g) for g in spec.plan([_req("fresh")], 100)] == [4]  # 5 tokens in 23 ms
+    batch = [_req(str(i)) for i in range(4)]
+    for r in batch:
+        spec.record(r, 4, 2)  # rate 0.75: 3 guesses wanted each
+    calls = echo.calls
+    assert spec.plan(batch, 100) == [[]] * 4 and echo.calls == calls  # 4 in 11 ms beats all
+    # paused, then a probe priced at the rate kept (0.75): alone, it pays
+    assert [len(spec.plan([batch[0]], 100)[0]) for _ in range(2)] == [0, 1]
+    # alone, a request priced out (its rate halved by a bad check) is not paused: its rate
+    # creeps back up until guessing pays again
+    b = batch[1]
+    spec.record(b, 4, 0)
+    spec.record(b, 4, 0)  # 0.1875
+    sizes = [len(spec.plan([b], 100)[0]) for _ in range(12)]
+    assert sizes[0] == 0 and sizes[-1] > 0 and echo.calls > calls
 
 
 @pytest.mark.parametrize("tokens,k,want", [

@@ -149,6 +149,9 @@ class ReferenceProposer:
     def forget(self, req: Request) -> None:
         pass
 
+    def seconds_per_position(self, requests: int) -> float:
+        return 0.0
+
 
 @pytest.mark.parametrize("wrong", [0, 3, 1])
 def test_proposals_keep_outputs_and_hand_back_slots(wrong: int) -> None:

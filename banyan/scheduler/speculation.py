@@ -12,10 +12,12 @@ compute-bound and every rejected guess is paid in full. So:
   plus guesses); a batch with more decodes than that gets none (the measured knee, see
   docs/performance.md "Speculative decoding");
 - per step: the engine's own decode steps are timed by size (`StepCost`), and the step takes
-  the number of guesses, likeliest first, that gives it the most expected tokens per second.
+  the number of guesses, likeliest first, that gives it the most expected tokens per second,
+  the proposer's own measured time counted in (a draft model's forward per guessed position).
   Where the kernels are compute-bound even at one token (4-bit weights on an AVX2 CPU: a
   5-token check cost ~4x a decode) this turns guessing down or off; where checking is nearly
-  free it changes nothing;
+  free it changes nothing; where the draft costs more than a batch's decodes gain from it
+  (4 chat requests at once on Zen 4: 0.5x with every guess a draft makes), it turns it off;
 - per request: an exponential average of the fraction of its guesses accepted sets how many it
   gets (`k * rate`, at least 1); below `min_rate` it gets none for `cooldown` steps, then one
   probe, so a request whose text stopped repeating stops paying for guesses.
@@ -41,6 +43,11 @@ class Proposer(Protocol):
 
     def forget(self, req: Request) -> None:
         """req has ended: drop what is kept for it (a draft model's KV)."""
+        ...
+
+    def seconds_per_position(self, requests: int) -> float:
+        """The measured cost of guessing one more token for each of `requests` requests (a draft
+        model's forward); 0.0 for a proposer whose guesses are nearly free (a lookup)."""
         ...
 
 
@@ -135,6 +142,7 @@ class StepCost:
 
 MARGIN = 1.1  # guesses must raise tokens per second by this much: proposing costs too
 EXPLORE = 32  # every this many steps the guesses are not cut (sizes measured again)
+RECOVER = 0.05  # a costly proposer's request priced out: its rate's rise per step
 
 
 @dataclass(slots=True)
@@ -192,28 +200,47 @@ class Speculation:
         if base is None or self._steps % EXPLORE == 0:
             return wanted
         rates = [self._state[r.rid].rate if r.rid in self._state else 1.0 for r in decoding]
-        guesses = sorted(((rates[i], i) for i, k in enumerate(wanted) for _ in range(k)),
+        # by rate, and among equal rates every request's first guess before any second one (a
+        # draft model pays per guessed position, whatever the number of requests)
+        guesses = sorted(((rates[i], -n, i) for i, k in enumerate(wanted) for n in range(k)),
                          reverse=True)
+        propose = self.proposer.seconds_per_position
         d = len(decoding)
         tokens, best, best_rate = float(d), 0, MARGIN * d / base
-        for g, (p, _) in enumerate(guesses, start=1):
+        counts = [0] * len(wanted)
+        positions = guessing = 0
+        for g, (p, _, i) in enumerate(guesses, start=1):
             tokens += p
+            counts[i] += 1
+            positions, guessing = max(positions, counts[i]), guessing + (counts[i] == 1)
             seconds = self.cost.at(d + g)
-            rate = tokens / (seconds if seconds is not None else base)
+            seconds = (seconds if seconds is not None else base) + positions * propose(guessing)
+            rate = tokens / seconds
             if rate > best_rate:
                 best, best_rate = g, rate
         kept = [0] * len(wanted)
-        for _, i in guesses[:best]:
+        for _, _, i in guesses[:best]:
             kept[i] += 1
         # A request's rate is measured only by guessing: one whose guesses are all cut pauses
-        # as a failing one does and then probes with one guess, which is never cut.
+        # as a failing one does and then probes with one guess, which is never cut. Not so
+        # where guessing itself costs (a draft model): its first guess after a pause runs a
+        # draft forward over every token since the last (the catch-up), which no price here
+        # counts. There a request priced out keeps its rate; alone, the rate creeps back up a
+        # little each step it is cut (one bad check halves it), so that guessing resumes after
+        # a few tokens; in a batch it pauses, and its probe is priced like any guess.
         cfg = self.config
+        costly = propose(1) > 0.0
         for i, req in enumerate(decoding):
             state = self._state.setdefault(req.rid, _RequestState())
-            if state.rate <= cfg.min_rate:  # the probe after a pause
+            if state.rate <= cfg.min_rate and not costly:  # the probe after a pause
                 kept[i] = wanted[i]
             elif wanted[i] and not kept[i]:
-                state.paused_for, state.rate = cfg.cooldown, cfg.min_rate
+                if not costly:
+                    state.paused_for, state.rate = cfg.cooldown, cfg.min_rate
+                elif d == 1:
+                    state.rate = min(1.0, state.rate + RECOVER)
+                else:
+                    state.paused_for = cfg.cooldown
         return kept
 
     def _tokens_for(self, req: Request) -> int:

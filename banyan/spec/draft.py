@@ -22,6 +22,7 @@ small fraction of a target prefill, and only the first decode step of a request 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from banyan.sampling.greedy import top_token_and_probability
 from banyan.mem.allocator import SlotAllocator
 from banyan.runner.model_runner import ModelRunner
 from banyan.scheduler.request import Request
+from banyan.scheduler.speculation import StepCost
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class DraftProposer:
         self.allocator = SlotAllocator(runner.num_slots)
         self._free_rows = list(range(runner.max_rows - 1, -1, -1))
         self._seqs: dict[str, _DraftSeq] = {}
+        self.cost = StepCost()  # seconds of a forward of one token per sequence, by sequences
 
     def propose(self, reqs: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in reqs]
@@ -87,6 +90,10 @@ class DraftProposer:
                     if p < self.min_confidence:  # guessed, but the draft guesses no further
                         limit[i] = pos + 1
         return guesses
+
+    def seconds_per_position(self, requests: int) -> float:
+        """A guessing forward for `requests` sequences at its measured cost (0.0 before any)."""
+        return self.cost.at(requests) or 0.0
 
     def forget(self, req: Request) -> None:
         seq = self._seqs.pop(req.rid, None)
@@ -138,7 +145,11 @@ class DraftProposer:
             batch.sample_indices.append(len(batch.rows) - 1)
             seq.tokens.extend(new)
             seq.slots.extend(taken)
-        return top_token_and_probability(self.runner.forward(batch))
+        start = time.perf_counter()
+        found = top_token_and_probability(self.runner.forward(batch))
+        if need == len(seqs):  # a guessing position (a prompt's catch-up is priced by no one)
+            self.cost.observe(need, time.perf_counter() - start)
+        return found
 
     def _drop_all(self) -> None:
         """Out of draft KV (more live requests than its pool holds): start over; every

@@ -33,6 +33,9 @@ class NgramProposer:
     def forget(self, req: Request) -> None:
         pass  # nothing is kept per request
 
+    def seconds_per_position(self, requests: int) -> float:
+        return 0.0  # a lookup in the request's own text: next to nothing beside a forward
+
     def lookup(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         """Up to k tokens following the most recent earlier occurrence of the longest suffix."""
         tokens = array("I", prompt)
