@@ -6,14 +6,16 @@ processes minutes apart measured the drift, not speculation).
 
     python benchmarks/spec_side_by_side.py [--model DIR|FILE] [--dtype bfloat16] [--rounds 5] \
         [--configs none,ngram,ngram-k4,draft,draft-c0] [--draft DIR --draft-quantization int4] \
-        [--load] [--out FILE]
+        [--load] [--concurrent 2,4,8] [--out FILE]
 
 Per configuration and workload: output tokens/s of each round (prefill included, the prefix
 cache flushed before each run), the median of the per-round ratios to "none", and the
 acceptance statistics (vLLM's names). The grounded workload's answers end at EOS (what a user
 is sent; every configuration produces the same greedy tokens); chat runs to --output-len.
 With --load, a second engine per configuration (no batch limit) runs random 64 x 128/128 too:
-speculation under load, where the adaptive rule should turn it off.
+speculation under load, where the adaptive rule should turn it off; with --concurrent 2,4,
+chat with 2 and with 4 requests at once (engines of that batch limit), where guessing pays
+less than at batch 1 and a draft model's forwards may cost more than they bring.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--load", action="store_true", help="also random 64 x 128/128")
+    parser.add_argument("--concurrent", default="", help="also chat with N requests at once "
+                        "(N,M,...: a workload chat-xN each, on engines of that batch limit)")
     parser.add_argument("--out", type=Path, default=None)
     ns = parser.parse_args()
     names = ns.configs.split(",")
@@ -92,10 +96,17 @@ def main() -> None:
         workloads["load"] = random_workload(64, 128, 128, engines["none"].core.vocab_size, seed=0)
         engines_for["load"] = {name: build(name, kv_cache_memory="2GiB") for name in names}
         built += engines_for["load"].values()
+    for n in (int(x) for x in ns.concurrent.split(",") if x):
+        workloads[f"chat-x{n}"] = chat_workload(tokenizer, n, ns.output_len)
+        engines_for[f"chat-x{n}"] = {name: build(name, max_running_requests=n,
+                                                 kv_cache_memory="1GiB") for name in names}
+        built += engines_for[f"chat-x{n}"].values()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in names}
                                                         for w in workloads}
-    for wname in ("chat", "load"):  # warm: first allocations, first touches of the pool
-        for engine in engines_for.get(wname, {}).values():
+    for wname in engines_for:  # warm: first allocations, first touches of the pool
+        if wname == "grounded":
+            continue
+        for engine in engines_for[wname].values():
             run_workload(engine, workloads[wname], use_tqdm=False)
     for r in range(ns.rounds):
         for wname, workload in workloads.items():

@@ -321,6 +321,11 @@ def test_a_costly_proposer_guesses_only_where_its_forwards_pay() -> None:
     spec.record(b, 4, 0)  # 0.1875
     sizes = [len(spec.plan([b], 100)[0]) for _ in range(12)]
     assert sizes[0] == 0 and sizes[-1] > 0 and echo.calls > calls
+    # no plain step of 8 timed yet (only checks of 16): none guessed until one is
+    fresh = Speculation(EchoProposer(seconds=0.003), SpeculationConfig(num_tokens=4))
+    fresh.observe_step(16, 0.02)
+    eight = [_req(f"e{i}") for i in range(8)]
+    assert fresh.plan(eight, 100) == [[]] * 8
 
 
 @pytest.mark.parametrize("tokens,k,want", [

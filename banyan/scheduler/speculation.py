@@ -191,20 +191,26 @@ class Speculation:
 
     def _worth_it(self, decoding: Sequence[Request], wanted: list[int]) -> list[int]:
         """`wanted` cut to the number of guesses that gives the step the most expected tokens
-        per second, by the measured cost of each step size: each guess of a request counts
-        its rate (the fraction of its guesses accepted, measured at the length it is given), the
-        likeliest requests' guesses go first. Every EXPLORE-th step keeps `wanted` as it is, so
-        sizes priced once and never chosen again get measured again."""
+        per second, by the measured cost of each step size and of proposing: each guess of a
+        request counts its rate (the fraction of its guesses accepted, measured at the length
+        it is given), the likeliest requests' guesses go first. With a nearly free proposer,
+        every EXPLORE-th step keeps `wanted` as it is, so sizes priced once and never chosen
+        again get measured again."""
         self._steps += 1
+        propose = self.proposer.seconds_per_position
+        costly = propose(1) > 0.0
         base = self.cost.at(len(decoding))
-        if base is None or self._steps % EXPLORE == 0:
-            return wanted
+        if base is None:
+            # Nothing priced yet. A costly proposer's guesses wait for one plain step of this
+            # size: a batch that always guesses never times one (each step is bigger).
+            return [0] * len(wanted) if costly else wanted
+        if self._steps % EXPLORE == 0 and not costly:  # (an explore of draft guesses at
+            return wanted  # batch 8 cost 13%; sizes never seen are priced as tried anyway)
         rates = [self._state[r.rid].rate if r.rid in self._state else 1.0 for r in decoding]
         # by rate, and among equal rates every request's first guess before any second one (a
         # draft model pays per guessed position, whatever the number of requests)
         guesses = sorted(((rates[i], -n, i) for i, k in enumerate(wanted) for n in range(k)),
                          reverse=True)
-        propose = self.proposer.seconds_per_position
         d = len(decoding)
         tokens, best, best_rate = float(d), 0, MARGIN * d / base
         counts = [0] * len(wanted)
@@ -229,7 +235,6 @@ class Speculation:
         # little each step it is cut (one bad check halves it), so that guessing resumes after
         # a few tokens; in a batch it pauses, and its probe is priced like any guess.
         cfg = self.config
-        costly = propose(1) > 0.0
         for i, req in enumerate(decoding):
             state = self._state.setdefault(req.rid, _RequestState())
             if state.rate <= cfg.min_rate and not costly:  # the probe after a pause
