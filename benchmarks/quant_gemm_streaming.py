@@ -6,7 +6,7 @@ converts them (SkinnyBf16Method where the CPU has vdpbf16ps, else oneDNN's packe
 it from two checkouts, alternating, to compare kernels:
 
     PYTHONPATH=<checkout> python benchmarks/quant_gemm_streaming.py [--tokens 16,64]
-        [--methods int4,int8,bf16] [--rounds 15] [--out FILE]
+        [--methods int4,int4-widened,int8,bf16] [--rounds 15] [--out FILE]
 
 Per method and token count: the fastest of --rounds passes, in ms.
 """
@@ -35,7 +35,16 @@ def dense_bf16() -> LinearMethod:
             SkinnyBf16Method.suits_here() else PackedBf16Method())
 
 
-METHODS = {"int4": lambda: Int4Method(32), "int8": Int8Method, "bf16": dense_bf16}
+class Int4WidenedMethod(Int4Method):
+    """int4 as before cpu_int4_bf16_linear.cpp: a short bf16 step through the float32 kernel on
+    x widened (the same values but for roundings), to compare the two in one run."""
+
+    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+METHODS = {"int4": lambda: Int4Method(32), "int4-widened": lambda: Int4WidenedMethod(32),
+           "int8": Int8Method, "bf16": dense_bf16}
 
 
 def model_linears(method: str) -> list[Linear]:
@@ -72,7 +81,7 @@ def main() -> int:
         layers = model_linears(method)
         for tokens in map(int, args.tokens.split(",")):
             results[f"{method} {tokens} tokens"] = ms = best_pass_ms(layers, tokens, args.rounds)
-            print(f"{method:5s} {tokens:4d} tokens  {ms:7.2f} ms a pass of {len(layers)} linears")
+            print(f"{method:12s} {tokens:4d} tokens  {ms:7.2f} ms a pass of {len(layers)} linears")
     if args.out:
         args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
                                         "machine": machine_info(), "ms": results}, indent=2))
