@@ -25,18 +25,9 @@
 #include <vector>
 
 #include "cpu_dtypes.h"
+#include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
 
-extern "C" {
-void banyan_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                            const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
-                            const float* bias, float* out, int64_t N, float* xsum,
-                            int64_t n_threads);
-void banyan_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                             const uint8_t* w, const float* scale, const float* mins,
-                             const float* bias, float* out, int64_t N, float* xsum,
-                             int64_t n_threads);
-}
 
 namespace {
 
@@ -136,12 +127,8 @@ void linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group, const u
                  float* xsum, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t groups = K / group;
-    for (int64_t t = 0; t < T; ++t)  // the bf16 values the dot products see, summed in float32
-        for (int64_t g = 0; g < groups; ++g) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < group; ++k) s += bf16_to_f32(x[t * K + g * group + k]);
-            xsum[t * groups + g] = s;
-        }
+    // the bf16 values the dot products see, summed in float32
+    group_sums(x, T, K, group, xsum, [](uint16_t v) { return bf16_to_f32(v); });
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const uint8_t* wp = w + p * (K / 2) * PANEL;

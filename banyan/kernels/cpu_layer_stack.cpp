@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_dtypes.h"
+#include "cpu_int4_api.h"
 #include "cpu_paged_attention.h"
 
 extern "C" {
@@ -58,21 +59,9 @@ void banyan_skinny_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const ui
 void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
                             const float* scale, const float* bias, float* out, int64_t N,
                             int64_t n_threads);
-void banyan_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                            const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
-                            const float* bias, float* out, int64_t N, float* xsum,
-                            int64_t n_threads);
-void banyan_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                             const uint8_t* w, const float* scale, const float* mins,
-                             const float* bias, float* out, int64_t N, float* xsum,
-                             int64_t n_threads);
 void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                              const int8_t* w, const float* scale, const float* bias, float* out,
                              int64_t N, int64_t n_threads);
-void banyan_int4_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
-                             const uint8_t* w, const void* scale, const void* mins, int64_t wide,
-                             const float* bias, uint16_t* out, int64_t N, float* xsum,
-                             int64_t n_threads);
 void banyan_q8_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                                const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
                                const float* bias, float* out, int64_t N, int64_t n_threads);

@@ -59,6 +59,19 @@ void for_token_blocks(int64_t T, Body body) {
     for (int64_t t0 = 0; t0 < T; t0 += MAX_TB) body(t0, std::min<int64_t>(MAX_TB, T - t0));
 }
 
+// Each token's sums of x over each group of `group` inputs (the int4 kernels' minimum term),
+// in float32 over the values as `load` reads them: xsum [T, K / group].
+template <typename X, typename Load>
+inline void group_sums(const X* x, int64_t T, int64_t K, int64_t group, float* xsum, Load load) {
+    const int64_t groups = K / group;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < group; ++k) s += load(x[t * K + g * group + k]);
+            xsum[t * groups + g] = s;
+        }
+}
+
 inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, subnormals included
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
     const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;

@@ -13,6 +13,7 @@
 // AVX-512F/BW (no VNNI, BF16 or AMX needed), or AVX2 with FMA and F16C (a panel as two 8-lane
 // halves: AMD Zen 2/3, Intel Haswell to Skylake client); a plain-loop path builds elsewhere.
 
+#include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
 
 namespace {
@@ -236,12 +237,7 @@ void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint
                  float* xsum, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t groups = K / group;
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t g = 0; g < groups; ++g) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < group; ++k) s += x[t * K + g * group + k];
-            xsum[t * groups + g] = s;
-        }
+    group_sums(x, T, K, group, xsum, [](float v) { return v; });
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const uint8_t* wp = w + p * (K / 2) * PANEL;
