@@ -201,7 +201,7 @@ def test_int4_short_bf16_steps(method: str, out_f: int, in_f: int, bias: bool) -
     assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all()
     for size in (1, 3, 5):
         assert torch.equal(torch.cat([layer(x[i : i + size]) for i in range(0, 8, size)]), got)
-    if not native.load().banyan_int4_linear_bf16_vector():
+    if not native.int4_bf16_here():
         flat = torch.empty(8, out_f)
         layer.method._kernel(layer, x.float(), flat)
         assert torch.equal(flat.bfloat16(), got)

@@ -17,22 +17,19 @@
 // 8h + 2m + i); scales, minimums and the results are permuted once per group / panel.
 //
 // Token blocks of at most 4, with 4 partial sums per token per group whatever the block: a
-// token's sums are the same in a step of 1 as in a step of 8. Without AVX512-BF16 and VBMI,
-// x widened to float32 through the float32 kernel, rounded back (the per-op path's values).
+// token's sums are the same in a step of 1 as in a step of 8. Built only with AVX512-BF16 and
+// VBMI (cpu_int4_api.h's BANYAN_INT4_BF16).
 
 #include <omp.h>
-
-#include <vector>
 
 #include "cpu_dtypes.h"
 #include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
 
 
+#if defined(BANYAN_INT4_BF16)
 namespace {
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-constexpr bool kVector = true;
 constexpr int kTokens = 4;  // tokens a pass over a panel: 4 x 4 partial sums in registers
 
 // Lane L = 4m + 2h + i of the sums holds row 8h + 2m + i (see nibble_shifts), and back.
@@ -145,29 +142,6 @@ void linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group, const u
         }
     }
 }
-#else
-constexpr bool kVector = false;
-
-// The float32 kernel on x widened, its output rounded: the values without the instructions.
-void widened(const uint16_t* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
-             const void* scale, const void* mins, bool wide, const float* bias, uint16_t* out,
-             int64_t N, float* xsum, int64_t n_threads) {
-    static thread_local std::vector<float> wide_x, wide_out;
-    wide_x.resize(T * K);
-    wide_out.resize(T * N);
-    for (int64_t i = 0; i < T * K; ++i) wide_x[i] = bf16_to_f32(x[i]);
-    if (wide)
-        banyan_int4s_linear_f32(wide_x.data(), T, K, group, w, static_cast<const float*>(scale),
-                                static_cast<const float*>(mins), bias, wide_out.data(), N, xsum,
-                                n_threads);
-    else
-        banyan_int4_linear_f32(wide_x.data(), T, K, group, w,
-                               static_cast<const uint16_t*>(scale),
-                               static_cast<const uint16_t*>(mins), bias, wide_out.data(), N,
-                               xsum, n_threads);
-    for (int64_t i = 0; i < T * N; ++i) out[i] = f32_to_bf16(wide_out[i]);
-}
-#endif
 
 }  // namespace
 
@@ -180,19 +154,22 @@ void banyan_int4_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t gr
                              const uint8_t* w, const void* scale, const void* mins, int64_t wide,
                              const float* bias, uint16_t* out, int64_t N, float* xsum,
                              int64_t n_threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
     if (wide)
         linear_bf16(x, T, K, group, w, static_cast<const float*>(scale),
                     static_cast<const float*>(mins), bias, out, N, xsum, n_threads);
     else
         linear_bf16(x, T, K, group, w, static_cast<const uint16_t*>(scale),
                     static_cast<const uint16_t*>(mins), bias, out, N, xsum, n_threads);
-#else
-    widened(x, T, K, group, w, scale, mins, wide != 0, bias, out, N, xsum, n_threads);
-#endif
 }
 
-// Whether banyan_int4_linear_bf16 runs its own instructions here (else the widened path).
-int64_t banyan_int4_linear_bf16_vector() { return kVector ? 1 : 0; }
-
 }  // extern "C"
+#endif  // BANYAN_INT4_BF16
+
+// Whether banyan_int4_linear_bf16 is built here.
+extern "C" int64_t banyan_int4_linear_bf16_vector() {
+#if defined(BANYAN_INT4_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -211,8 +211,8 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
 }
 
 // In the bf16 stack: long steps through the bf16 GEMM where the per-op path takes it; else the
-// skinny bf16 kernel on a plain bf16 weight, int4 codes' bf16 kernel (cpu_int4_bf16_linear.cpp),
-// or another quantized weight's float32 kernel on x widened to float32, its output rounded back
+// skinny bf16 kernel on a plain bf16 weight, int4 codes' bf16 kernel (cpu_int4_bf16_linear.cpp,
+// where built), or another quantized weight's float32 kernel on x widened to float32, its output rounded back
 // to bf16 (bias float32, added before the rounding), as the per-op path's x.float() and
 // .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
@@ -227,12 +227,14 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
                                   static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
         return;
     }
+#if defined(BANYAN_INT4_BF16)
     if (l.kind == kInt4 || l.kind == kInt4Wide) {
         banyan_int4_linear_bf16(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
                                 l.scale, l.mins, l.kind == kInt4Wide,
                                 static_cast<const float*>(l.bias), out, l.out, xsum, n_threads);
         return;
     }
+#endif
     static thread_local std::vector<float> wide_x, wide_out;
     wide_x.resize(T * l.in);
     wide_out.resize(T * l.out);

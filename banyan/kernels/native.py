@@ -167,11 +167,12 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4s_linear_f32.restype = None
     lib.banyan_int8g_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_int8g_linear_f32.restype = None
-    lib.banyan_int4_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
-                                            i64, ptr, i64]
-    lib.banyan_int4_linear_bf16.restype = None
     lib.banyan_int4_linear_bf16_vector.argtypes = []
     lib.banyan_int4_linear_bf16_vector.restype = i64
+    if lib.banyan_int4_linear_bf16_vector():  # (built with AVX512-BF16 and VBMI only)
+        lib.banyan_int4_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr,
+                                                ptr, i64, ptr, i64]
+        lib.banyan_int4_linear_bf16.restype = None
     # 8-bit activations (cpu_int8act_linear.cpp, layers/int8_activations.py)
     lib.banyan_q8_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                               i64]
@@ -275,6 +276,14 @@ def bf16_gemm_here() -> bool:
     scalar twin is for tests)."""
     lib = load()
     return lib is not None and bool(lib.banyan_quant_gemm_bf16_vector())
+
+
+@cache
+def int4_bf16_here() -> bool:
+    """Whether int4 codes times bf16 activations run natively here (cpu_int4_bf16_linear.cpp;
+    elsewhere a bf16 step's int4 layers widen x to float32)."""
+    lib = load()
+    return lib is not None and bool(lib.banyan_int4_linear_bf16_vector())
 
 
 @cache

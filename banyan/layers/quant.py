@@ -272,9 +272,9 @@ class Int4Method(_QuantMethod):
             torch.get_num_threads())
 
     def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        flat = x.reshape(-1, layer.in_features).contiguous()
-        if flat.shape[0] >= DEQUANT_MIN_TOKENS:
+        if not native.int4_bf16_here() or x.numel() >= DEQUANT_MIN_TOKENS * layer.in_features:
             return None
+        flat = x.reshape(-1, layer.in_features).contiguous()
         out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
         group_sums = torch.empty(flat.shape[0], layer.in_features // self.group)
         with native.kernel_range("banyan::quantized_linear"):
