@@ -4,7 +4,8 @@
 2. decode attention alone: the native kernel over 64 requests x CONTEXT tokens, all 30 layers
    (a pool of SmolLM2-135M's shape filled with random K/V), every variant once per round,
    interleaved, ROUNDS rounds; fastest and median round kept;
-3. perplexity of the fixed text (`banyan bench quality`'s) with each storage, float32 model.
+3. perplexity of the fixed text (`banyan bench quality`'s) with each storage, float32 model
+   (fp8 also with one max-scaled scale a row, the rule before kv_pool's scale search).
 
     python benchmarks/kv_quant.py [--rounds 9] [--context 256] [--out FILE]
 
@@ -24,6 +25,7 @@ import torch
 
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
+from banyan.mem import kv_pool
 from banyan.mem.kv_pool import kv_bytes_per_slot, kv_code_dtype
 from decode_attention import HEAD_DIM, KV_HEADS, LAYERS, decode_step  # (this script's folder)
 
@@ -77,11 +79,16 @@ def perplexities() -> list[dict[str, object]]:
     folder = resolve_model_dir(None)
     ids = list(load_tokenizer(folder).encode(REFERENCE_TEXT))
     rows = []
-    for kv in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
+    searched = kv_pool._fp8_shifts
+    # fp8 also as it was before the scale search: each row's one max-scaled scale
+    for kv, one_scale in (("auto", False), ("int8", False), ("fp8_e4m3", False),
+                          ("fp8_e5m2", False), ("fp8_e4m3", True), ("fp8_e5m2", True)):
+        kv_pool._fp8_shifts = (lambda device: torch.ones(1)) if one_scale else searched
         runner = ModelRunner(folder, dtype="float32", num_slots=len(ids) + 1, max_rows=1,
                              max_context=len(ids), kv_cache_dtype=kv, show_progress=False)
-        rows.append({"kv_cache_dtype": kv, "tokens": len(ids),
-                     "ppl": banyan_perplexity(runner, ids, 128).ppl})
+        rows.append({"kv_cache_dtype": kv + (" (one scale a row)" if one_scale else ""),
+                     "tokens": len(ids), "ppl": banyan_perplexity(runner, ids, 128).ppl})
+    kv_pool._fp8_shifts = searched
     for row in rows:
         row["vs_auto"] = row["ppl"] / rows[0]["ppl"] - 1
     return rows

@@ -28,8 +28,8 @@ def _engine(model: Path, **kw: object) -> Engine:
 
 @pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_rows_round_trip_within_the_format_step(code_dtype: torch.dtype) -> None:
-    """Each row keeps its largest magnitude (up to the scale's rounding) and every value within
-    half a code step (int8) or the format's relative precision (fp8) of that magnitude."""
+    """Each int8 row keeps its largest magnitude (up to the scale's rounding), and every value is
+    within half a code step (int8) or the format's relative precision (fp8) of that magnitude."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-4, 3, 50)[:, None, None]
     codes, scale = quantize_rows(x, code_dtype)
@@ -38,7 +38,47 @@ def test_rows_round_trip_within_the_format_step(code_dtype: torch.dtype) -> None
     amax = x.abs().amax(-1, keepdim=True)
     step = {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
     assert ((back - x).abs() <= amax * step[code_dtype] * 1.001).all()
-    torch.testing.assert_close(back.abs().amax(-1), amax.squeeze(-1), rtol=1e-6, atol=0)
+    if code_dtype == torch.int8:
+        torch.testing.assert_close(back.abs().amax(-1), amax.squeeze(-1), rtol=1e-6, atol=0)
+
+
+def _max_scaled(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """x quantized with its rows' largest magnitude on the format's largest, then dequantized."""
+    scale = x.abs().amax(-1, keepdim=True) / torch.finfo(code_dtype).max
+    return (x / scale).to(code_dtype).float() * scale
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_rows_take_the_scale_closest_to_them(code_dtype: torch.dtype) -> None:
+    """Each fp8 row is no farther from x than the max-scaled codes (one of the scales tried),
+    and over Gaussian rows the squared error drops by more than a tenth (measured: ~16%)."""
+    x = torch.randn(2000, 3, 64, generator=torch.Generator().manual_seed(1))
+    codes, scale = quantize_rows(x, code_dtype)
+    err = (dequantize_rows(codes, scale, torch.float32) - x).square().sum(-1)
+    plain = (_max_scaled(x, code_dtype) - x).square().sum(-1)
+    assert (err <= plain * (1 + 1e-6)).all()
+    assert err.sum() < 0.9 * plain.sum()
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 72])
+def test_fp8_native_rows_equal_the_torch_rule(code_dtype: torch.dtype, head_dim: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_kv_quant.cpp's rows bit for bit those of quantize_rows' torch composition (16-wide
+    blocks and tails; zero rows, float32 denormals, magnitudes from 1e-30 to 1e30)."""
+    from banyan.kernels import fused_ops, native
+
+    if native.load() is None:
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(300, 2, head_dim, generator=g) * torch.logspace(-30, 30, 300)[:, None, None]
+    x[0] = 0.0
+    x[1, 0, :5] = 1e-39
+    fast_codes, fast_scale = quantize_rows(x, code_dtype)
+    monkeypatch.setattr(fused_ops, "fp8_quantize_rows", lambda *args: None)
+    codes, scale = quantize_rows(x, code_dtype)
+    assert torch.equal(fast_codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(fast_scale, scale)
 
 
 def test_the_same_memory_holds_more_tokens(llama_dir: Path) -> None:

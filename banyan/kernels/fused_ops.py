@@ -106,3 +106,35 @@ def rope_qk(
         fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qn, kn, eps,
            q.data_ptr(), k.data_ptr(), rows, heads, kv_heads, head_dim, torch.get_num_threads())
     return q, k
+
+
+@functools.cache
+def _fp8_quantizer(code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+    lib = native.load()
+    name = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(code_dtype)
+    if lib is None or name is None:
+        return None
+    fn = getattr(lib, f"banyan_fp8_quantize_rows_{name}")
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
+    fn.restype = None
+    return fn
+
+
+def fp8_quantize_rows(x: torch.Tensor, code_dtype: torch.dtype, shifts: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """mem/kv_pool.quantize_rows's fp8 rule in one native call (cpu_kv_quant.cpp): x [..., D]
+    -> (codes [..., D] code_dtype, scales [...] float32), bit for bit the torch composition's;
+    shifts: the scale shifts tried, float32. None where the kernel cannot run."""
+    fn = _fp8_quantizer(code_dtype)
+    if fn is None or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0:
+        return None
+    xf = x.float().contiguous()
+    d = x.shape[-1]
+    rows = xf.numel() // d
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32)
+    with native.kernel_range("banyan::fp8_quantize_rows"):
+        fn(xf.data_ptr(), rows, d, shifts.data_ptr(), shifts.numel(), codes.data_ptr(),
+           scales.data_ptr(), torch.get_num_threads())
+    return codes.view(code_dtype), scales

@@ -7,7 +7,8 @@ gather read it, so it must only ever hold finite values (the pool starts zeroed)
 
 A quantized pool (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`) keeps codes of one byte per value
 and a float32 scale per (slot, head) row: value = code x scale, the scale being the row's
-largest magnitude over the code's largest (127, or the fp8 format's largest finite). Rows are
+largest magnitude over the code's largest (127, or the fp8 format's largest finite; fp8 rows
+then try three larger scales within an octave, FP8_SCALE_SHIFTS, and keep the closest). Rows are
 quantized on store; the native attention kernel reads the codes in place, the SDPA paths
 dequantize what they gather. Every reader sees the same dequantized values, fresh tokens
 included (`store` hands them back), so chunking and caching do not change what is attended.
@@ -15,6 +16,7 @@ included (`store` hands them back), so chunking and caching do not change what i
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import warnings
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.args import check_kv_cache_dtype
+from banyan.kernels import fused_ops
 from banyan.mem.allocator import PAD_SLOT
 
 # --kv-cache-dtype names (args.KV_CACHE_DTYPES) -> the code dtype (None: unquantized)
@@ -70,14 +73,38 @@ def num_slots_for_bytes(
     return slots
 
 
+# fp8 scales tried per row: the row's largest magnitude over the format's largest, times these.
+# fp8's grid is the same in every binade, so a shift within one octave moves every value
+# against it; the row keeps the shift with the smallest squared error, which the few largest
+# values dominate, as they dominate the row's dot products. Perplexity of the fixed text with
+# fp8_e4m3 K/V (float32 model, Zen 4): +0.95% -> -0.16% of the unquantized pool's; on a
+# 1,510-token text +0.53% -> +0.31% (fp8_e5m2: +1.53% -> +0.89%, +2.28% -> +2.02%).
+FP8_SCALE_SHIFTS = (1.0, 2 ** 0.25, 2 ** 0.5, 2 ** 0.75)
+
+
+@functools.cache
+def _fp8_shifts(device: torch.device) -> torch.Tensor:
+    return torch.tensor(FP8_SCALE_SHIFTS, dtype=torch.float32, device=device)
+
+
 def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] float -> (codes [..., D] code_dtype, scale [...] float32), row-wise."""
+    if code_dtype != torch.int8:
+        native = fused_ops.fp8_quantize_rows(x, code_dtype, _fp8_shifts(x.device))
+        if native is not None:
+            return native
     xf = x.float()
     scale = xf.abs().amax(-1).clamp_(min=1e-30).div_(_code_max(code_dtype))
-    scaled = xf / scale.unsqueeze(-1)
     if code_dtype == torch.int8:
+        scaled = xf / scale.unsqueeze(-1)
         return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
-    return scaled.to(code_dtype), scale
+    tried = scale.unsqueeze(-1) * _fp8_shifts(x.device)  # [..., S]
+    codes = (xf.unsqueeze(-2) / tried.unsqueeze(-1)).to(code_dtype)  # [..., S, D]
+    err = (codes.double() * tried.double().unsqueeze(-1) - xf.double().unsqueeze(-2))
+    best = err.square_().sum(-1).argmin(-1, keepdim=True)  # [..., 1]: the first of equals
+    picked = codes.view(torch.uint8).gather(-2, best.unsqueeze(-1).expand(*xf.shape[:-1], 1,
+                                                                         xf.shape[-1]))
+    return picked.squeeze(-2).view(code_dtype), tried.gather(-1, best).squeeze(-1)
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
