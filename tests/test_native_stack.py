@@ -65,8 +65,9 @@ def _check_steps(runner: ModelRunner) -> None:
     too long for it."""
     largest = _every_extend_native(runner).max_tokens
     bf16 = runner.dtype == torch.bfloat16
-    gemm = bf16 and bf16_gemm_here() and (runner.quantization != "none" or
-                                          not native.amx_here())
+    any_step = runner.activation_quant == "int8"  # its kernels take steps of any size
+    gemm = bf16 and (any_step or bf16_gemm_here() and (runner.quantization != "none" or
+                                                       not native.amx_here()))
     assert largest == (GEMM_MAX_TOKENS if gemm else 8 if bf16 else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
     shared = random_ids(40, 1)
@@ -86,7 +87,7 @@ def _check_steps(runner: ModelRunner) -> None:
                  [(seqs[2], top)]):
         want, got = _step(runner, alloc, work)
         assert got is not None and torch.equal(got, want), work
-    if gemm:  # decodes and extends, 11 tokens: past 8, so through the bf16 GEMM
+    if gemm:  # decodes and extends, 11 tokens: past 8, so through the bf16 GEMM (or q8 kernels)
         want, got = _step(runner, alloc, [(seqs[0], 6), (seqs[1], 3), (fourth, 2)])
         assert got is not None and torch.equal(got, want)
     else:
@@ -113,16 +114,19 @@ def test_stack_equals_the_model(model_dirs: dict[str, Path], arch: str,
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "int4-q8"])
 def test_bf16_stack_equals_the_bf16_model(model_dirs: dict[str, Path], arch: str,
                                           quantization: str) -> None:
     """In bf16 every op of both paths rounds where torch rounds: the same bf16 hidden states
     (quantized projections: their float32 kernels between a widened input and a rounded
-    output, in both)."""
+    output, in both; with 8-bit activations, int4-q8, those kernels at every step size, so
+    batched decodes and long extends go through the stack too)."""
     if quantization == "none" and not SkinnyBf16Method.available(torch.device("cpu"),
                                                                  torch.bfloat16):
         pytest.skip("no oneDNN bf16 packing in this torch")
+    quantization, _, q8 = quantization.partition("-")
     runner = make_runner(model_dirs[arch], dtype="bfloat16", quantization=quantization,
+                         activation_quant="int8" if q8 else "none",
                          linear_kernel="native" if quantization == "none" else "auto")
     assert runner.pool.dtype == torch.bfloat16
     _check_steps(runner)

@@ -52,6 +52,12 @@ LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int
                 "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8,
                 "skinny_bf16": 9, "pairs_bf16": 10}  # the dense kinds of a bf16 stack
 # The stack's element types and the pools each runs over (code dtypes: None = as computed).
+# Kinds whose own kernel takes a step of any size, in the per-op path as here (8-bit
+# activations: `Int8ActivationMethod.apply` widens x and runs it at every size), so a bf16 stack
+# of them takes batched decodes as one of bf16 GEMMs does (before, a 64-decode step of an int4
+# model with --activation-quant int8 ran the per-op path: ~73 ms a step against bf16's ~67).
+ANY_STEP_KINDS = frozenset(LINEAR_KINDS[k] for k in ("q8_int4", "q8_int4_wide", "q8_int8",
+                                                     "q8_int5"))
 STACK_POOLS = {torch.float32: (None, torch.int8), torch.bfloat16: (None,)}
 # The projection kernels each element type's stack runs: the dense kernel of its own type, and
 # every quantized one (float32 inside).
@@ -121,8 +127,8 @@ class NativeLayerStack:
         bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
         self._call = getattr(lib, "banyan_layer_stack_" + ("bf16" if bf16 else "f32"))
         # the most tokens a step may have: the projections' kernels' own bound, or where every
-        # projection has the bf16 GEMM for long steps, GEMM_MAX_TOKENS
-        gemm = all(p.gemm >= 0 for layer in layers
+        # projection has the bf16 GEMM for long steps (or a kernel of any size), GEMM_MAX_TOKENS
+        gemm = all(p.gemm >= 0 or p.kind in ANY_STEP_KINDS for layer in layers
                    for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.max_tokens = (GEMM_MAX_TOKENS if bf16 and gemm else
                            min(SkinnyBf16Method.SKINNY_ROWS, BF16_GEMM_MIN_TOKENS - 1) if bf16
