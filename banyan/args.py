@@ -17,6 +17,7 @@ _SPECULATION = SpeculationConfig()  # the defaults of its flags
 
 LINEAR_KERNELS = ("auto", "torch", "native")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # mem/kv_pool.py maps them to dtypes
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's and SGLang's name for e4m3
 
 
 def kv_addr_host(addr: str) -> str:
@@ -30,10 +31,14 @@ def check_linear_kernel(value: str) -> None:
                          f"got {value!r}")
 
 
-def check_kv_cache_dtype(value: str) -> None:
-    if value not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {value!r}")
+def kv_cache_dtype_name(value: str) -> str:
+    """The --kv-cache-dtype name `value` stands for (an alias resolved); ValueError naming the
+    field for anything else."""
+    name = KV_CACHE_DTYPE_ALIASES.get(value, value)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of "
+                         f"{', '.join((*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))}, got {value!r}")
+    return name
 
 
 def _doc(text: str, **extra: object) -> dict[str, object]:
@@ -60,10 +65,10 @@ class EngineArgs:
     kv_cache_memory: str | None = field(default=None, metadata=_doc(
         "KV cache size: bytes, or with a unit (512MiB, 4GiB). Default: --mem-fraction of free memory."))
     kv_cache_dtype: str = field(default="auto", metadata=_doc(
-        "Storage of the KV cache: auto (the model's dtype), int8 or fp8_e4m3 / fp8_e5m2 (one "
-        "byte per value and a float32 scale per token and head: about twice the tokens in the "
-        "same --kv-cache-memory; attention reads the codes in place).",
-        choices=list(KV_CACHE_DTYPES)))
+        "Storage of the KV cache: auto (the model's dtype), int8 or fp8_e4m3 (alias fp8) / "
+        "fp8_e5m2 (one byte per value and a float32 scale per token and head: about twice the "
+        "tokens in the same --kv-cache-memory; attention reads the codes in place).",
+        choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES]))
     mem_fraction: float = field(default=0.25, metadata=_doc(
         "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is unset."))
     max_model_len: int | None = field(default=None, metadata=_doc(
@@ -231,7 +236,7 @@ class EngineArgs:
             raise ValueError(f"activation_quant {self.activation_quant} runs the quantized "
                              "linear kernels: it needs quantization int8, int4 or gguf")
         check_linear_kernel(self.linear_kernel)
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("disaggregation_mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")

@@ -145,3 +145,12 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
         EngineArgs(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         KVPool(1, 4, 1, 8, torch.float32, "cpu", torch.float16)
+
+
+def test_fp8_is_fp8_e4m3() -> None:
+    """vLLM's and SGLang's --kv-cache-dtype fp8 is e4m3: the same storage under its full name
+    everywhere after parsing (server_info, the KV tier's and P/D's layout checks)."""
+    from banyan.mem.kv_pool import kv_code_dtype
+
+    assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert kv_code_dtype("fp8") == torch.float8_e4m3fn

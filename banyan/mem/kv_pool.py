@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.args import check_kv_cache_dtype
+from banyan.args import kv_cache_dtype_name
 from banyan.kernels import fused_ops
 from banyan.mem.allocator import PAD_SLOT
 
@@ -41,8 +41,7 @@ SCALE_BYTES = 4  # one float32 scale per (slot, head) row of K and of V
 
 def kv_code_dtype(name: str) -> torch.dtype | None:
     """The code dtype of a --kv-cache-dtype name (None for auto); ValueError naming the field."""
-    check_kv_cache_dtype(name)
-    return CODE_DTYPES[name]
+    return CODE_DTYPES[kv_cache_dtype_name(name)]
 
 
 def _code_max(code_dtype: torch.dtype) -> float:
