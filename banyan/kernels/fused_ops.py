@@ -1,5 +1,6 @@
 """Python side of the fused element-wise CPU kernels (cpu_fused_ops.cpp): RMSNorm with the
-residual add, SiLU-and-mul, RoPE on the fused qkv projection.
+residual add, SiLU-and-mul, RoPE on the fused qkv projection; and fp8 K/V rows quantized as
+mem/kv_pool.py's rule says (cpu_kv_quant.cpp).
 
 Each function returns None when the kernel cannot take its input (not a CPU float32/bfloat16
 tensor, or the kernels are unavailable); the layers then run their PyTorch composition, which
