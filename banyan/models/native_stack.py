@@ -15,8 +15,9 @@ bit for bit (tested); it runs when every piece has a native kernel:
   none),
 - the step has at most MAX_TOKENS tokens (a bf16 stack: SkinnyBf16Method.SKINNY_ROWS, and
   below quant.BF16_GEMM_MIN_TOKENS; one whose projections all have the bf16 GEMM, quantized
-  or plain bf16 (its pairs): GEMM_MAX_TOKENS, the GEMM taking the long steps' projections
-  as the per-op path's `apply` does, so batched decodes skip Python too) and the native
+  or plain bf16 (its pairs), or a kernel of any step size (ANY_STEP_KINDS): GEMM_MAX_TOKENS,
+  those kernels taking the long steps' projections as the per-op path's `apply` does, so
+  batched decodes skip Python too) and the native
   attention plans (the row kernel's and the prefill kernel's) cover all of them.
 
 Anything else returns None and the model's own forward runs. The structures hold raw pointers
