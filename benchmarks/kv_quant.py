@@ -37,7 +37,9 @@ VARIANTS = [
     ("int8 (float32 q)", torch.float32, "int8"),
     ("int8 (bf16 q)", torch.bfloat16, "int8"),
     ("fp8_e4m3 (float32 q)", torch.float32, "fp8_e4m3"),
+    ("fp8_e4m3 (bf16 q)", torch.bfloat16, "fp8_e4m3"),
     ("fp8_e5m2 (float32 q)", torch.float32, "fp8_e5m2"),
+    ("fp8_e5m2 (bf16 q)", torch.bfloat16, "fp8_e5m2"),
 ]
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from banyan.kernels import native
-from banyan.layers.linear import (Linear, PackedBf16Method, SkinnyBf16Method, SkinnyF32Method,
-                                  pack_bf16_pairs)
+from banyan.layers.linear import (CHOICE_RULE, Linear, PackedBf16Method, SkinnyBf16Method,
+                                  SkinnyF32Method, pack_bf16_pairs)
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels do not build here")
 
@@ -171,7 +171,8 @@ def test_the_onednn_choice_is_measured_once_per_shape_and_bucket(monkeypatch: ob
     monkeypatch.setattr(native, "remembered", remembered)  # type: ignore[attr-defined]
     method = SkinnyF32Method()
     Linear.from_weight(torch.randn(12, 32)).convert(method)
-    assert asked == ["onednn-f32 12x32 at 64 rows", "onednn-f32 12x32 at 512 rows"]
+    assert asked == [f"onednn-f32 12x32 at 64 rows{CHOICE_RULE}",
+                     f"onednn-f32 12x32 at 512 rows{CHOICE_RULE}"]
     assert method._onednn == (True, False)
 
 
