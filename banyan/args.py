@@ -16,6 +16,8 @@ _SPECULATION = SpeculationConfig()  # the defaults of its flags
 
 
 LINEAR_KERNELS = ("auto", "torch", "native")
+# weight formats (--quantization, --spec-draft-quantization): layers/quant.py's and auto
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # mem/kv_pool.py maps them to dtypes
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's and SGLang's name for e4m3
 
@@ -139,10 +141,12 @@ class EngineArgs:
         "ngram: longest suffix looked up (the longest match wins)."))
     spec_draft_model: str | None = field(default=None, metadata=_doc(
         "draft: the draft model (HF folder or GGUF file) sharing the target's tokenizer."))
-    spec_draft_quantization: str = field(default="none", metadata=_doc(
-        "draft: weight format of the draft's linears (as --quantization). The target's own "
-        "checkpoint quantized to int4 is a draft that shares its tokenizer by construction.",
-        choices=["none", "int8", "int4"]))
+    spec_draft_quantization: str = field(default="auto", metadata=_doc(
+        "draft: weight format of the draft's linears (as --quantization; auto: gguf for a "
+        "GGUF draft on CPU). A quantized copy of the target's own checkpoint is a draft "
+        "that shares its tokenizer by construction; a GGUF file's own blocks are the closest "
+        "one when the target was made from that file.",
+        choices=list(QUANTIZATION_CHOICES)))
     spec_draft_min_confidence: float = field(default=0.2, metadata=_doc(
         "draft: a request's guesses stop after one the draft gives a probability below this "
         "(0: always --speculative-num-tokens); a guess it doubts is seldom accepted, and the "
@@ -154,7 +158,7 @@ class EngineArgs:
         "Q4_K / Q6_K blocks as the file has them, other types dense); auto (gguf for a GGUF "
         "model on CPU, none otherwise). CPU only; activations stay in --dtype (float32 is the "
         "fast one on CPUs without AVX512_BF16).",
-        choices=["auto", "none", "int8", "int4", "gguf"]))
+        choices=list(QUANTIZATION_CHOICES)))
     activation_quant: str = field(default="none", metadata=_doc(
         "Activations of the quantized linears (--quantization int8, int4 or gguf): none (float32, "
         "exact against the float32 product of the dequantized weights), int8 (each step's rows "
@@ -226,8 +230,8 @@ class EngineArgs:
             if self.hicache_block_tokens < 1 or self.hicache_block_tokens % self.page_size:
                 raise ValueError(f"hicache_block_tokens ({self.hicache_block_tokens}) must be a "
                                  f"positive multiple of page_size ({self.page_size})")
-        for name, allowed in (("quantization", ("auto", "none", "int8", "int4", "gguf")),
-                              ("spec_draft_quantization", ("none", "int8", "int4")),
+        for name, allowed in (("quantization", QUANTIZATION_CHOICES),
+                              ("spec_draft_quantization", QUANTIZATION_CHOICES),
                               ("activation_quant", ("none", "int8"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, "

@@ -5,7 +5,8 @@ compares runs a few seconds apart (this machine's speed drifts by 20-40% over mi
 processes minutes apart measured the drift, not speculation).
 
     python benchmarks/spec_side_by_side.py [--model DIR|FILE] [--dtype bfloat16] [--rounds 5] \
-        [--configs none,ngram,ngram-k4,draft,draft-c0] [--draft DIR --draft-quantization int4] \
+        [--configs none,ngram,ngram-k4,draft,draft-c0,draft-qint4] [--draft DIR|FILE] \
+        [--draft-quantization auto] \
         [--load] [--concurrent 2,4,8] [--out FILE]
 
 Per configuration and workload: output tokens/s of each round (prefill included, the prefix
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from banyan import Engine
+from banyan.args import QUANTIZATION_CHOICES
 from banyan.bench.grounded import chat_workload, grounded_workload
 from banyan.bench.offline import machine_info, run_workload
 from banyan.bench.workloads import random_workload
@@ -34,8 +36,9 @@ from banyan.bench.workloads import random_workload
 
 def config(name: str) -> dict[str, Any]:
     """Engine arguments of a configuration: none, ngram or draft (the engine's defaults), with
-    -kN: at most N guesses a step, and for draft -cF: --spec-draft-min-confidence F
-    (draft-k8-c0: 8 guesses, however unsure)."""
+    -kN: at most N guesses a step, and for draft -cF: --spec-draft-min-confidence F, -qQ: the
+    draft's weights in Q instead of --draft-quantization (draft-k8-c0: 8 guesses, however
+    unsure; draft-qint4: the draft model quantized to int4 at load)."""
     algorithm, *options = name.split("-")
     extra: dict[str, Any] = {"speculative_algorithm": algorithm}
     for option in options:
@@ -44,10 +47,13 @@ def config(name: str) -> dict[str, Any]:
             extra["speculative_num_tokens"] = int(value)
         elif algorithm == "draft" and option.startswith("c") and _is_float(value):
             extra["spec_draft_min_confidence"] = float(value)
+        elif algorithm == "draft" and option.startswith("q") and value in QUANTIZATION_CHOICES:
+            extra["spec_draft_quantization"] = value
         else:
             algorithm = "?"
     if algorithm not in ("none", "ngram", "draft"):
-        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], draft[-kN][-cF]")
+        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], "
+                         "draft[-kN][-cF][-qQ]")
     return extra
 
 
@@ -65,7 +71,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--configs", default="none,ngram,ngram-k4")
     parser.add_argument("--draft", default=None, help="draft model (the 'draft' config)")
-    parser.add_argument("--draft-quantization", default="int4")
+    parser.add_argument("--draft-quantization", default="auto")
     parser.add_argument("--num-requests", type=int, default=5)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -81,8 +87,8 @@ def main() -> None:
     def build(name: str, **limits: Any) -> Engine:
         extra = config(name)
         if extra["speculative_algorithm"] == "draft":
-            extra.update(spec_draft_model=ns.draft or ns.model,
-                         spec_draft_quantization=ns.draft_quantization)
+            extra.setdefault("spec_draft_quantization", ns.draft_quantization)
+            extra["spec_draft_model"] = ns.draft or ns.model
         return Engine(model=ns.model, dtype=ns.dtype, disable_tqdm=True, **limits, **extra)
 
     engines = {name: build(name, max_running_requests=1, kv_cache_memory="512MiB")
@@ -136,7 +142,7 @@ def main() -> None:
                   f"x{row['ratio_to_none_median']:.2f} of none "
                   f"(acceptance length {row['mean_acceptance_length']})")
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-             for k, v in vars(ns).items() if v not in (None, False) and k != "out"]
+             for k, v in vars(ns).items() if v not in (None, False, "") and k != "out"]
     out = {"command": "python benchmarks/spec_side_by_side.py " + " ".join(flags).replace(
                str(Path.home()), "~"),
            "machine": machine_info(), "summary": summary, "runs": runs}

@@ -14,11 +14,13 @@ import torch
 
 from banyan import Engine, SamplingParams
 from banyan.batch import ForwardBatch, RowPrefix, SamplingRow
+from banyan.model_files import resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
 from banyan.runner.step import ModelStepRunner
 from banyan.sampling.sampler import Sampler
 from banyan.scheduler import Request
-from banyan.scheduler.speculation import Speculation, SpeculationConfig
+from banyan.scheduler.speculation import (EXPLORE, PROBE_EVERY, Speculation, SpeculationConfig,
+                                         StepCost)
 from banyan.spec.ngram import NgramProposer
 from tests.hf_reference import hf_greedy
 from tests.test_engine import SETTINGS, check_pool_empty, prompts_1_to_300
@@ -105,6 +107,28 @@ def test_int4_copy_of_the_target_as_its_draft(model_dirs: dict[str, Path]) -> No
         assert run_greedy(engine, prompts, max_new) == expected
         assert engine.core.scheduler.speculation.stats.num_accepted_tokens > 0
         check_pool_empty(engine)
+
+
+def test_a_gguf_draft_computes_from_its_own_blocks(tmp_path: Path, tokenizer_dir: Path,
+                                                   llama_dir: Path) -> None:
+    """A GGUF draft runs the file's blocks (spec_draft_quantization auto): beside the float32
+    model dequantized from the same file, nearly every guess holds; gguf asked of a folder
+    without one is refused by name."""
+    from tests.gguf_helpers import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, wtype="Q4_1", tied=True, seed=3)
+    target = resolve_model_dir(str(path), show_progress=False)
+    prompts = prompts_1_to_300(3, seed=9)
+    max_new = [14, 8, 19]
+    expected = [hf_greedy(target, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    with spec_engine(target, "draft", path) as engine:
+        spec = engine.core.scheduler.speculation
+        assert spec.proposer.runner.quantization == "gguf"
+        assert run_greedy(engine, prompts, max_new) == expected
+        assert spec.stats.acceptance_rate > 0.9
+        check_pool_empty(engine)
+    with pytest.raises(ValueError, match="spec_draft_model must be a .gguf"):
+        spec_engine(llama_dir, "draft", llama_dir, spec_draft_quantization="gguf")
 
 
 def test_draft_stops_guessing_after_a_guess_it_doubts(model_dirs: dict[str, Path]) -> None:
@@ -411,3 +435,30 @@ def test_guesses_follow_the_measured_step_cost() -> None:
     spec.record(a, 4, 0)
     # cut (0), paused (0), probe (1); unrecorded, it stays a probe (1)
     assert [len(spec.plan([a], 100)[0]) for _ in range(4)] == [0, 0, 1, 1]
+
+
+def test_a_slow_moment_does_not_price_a_size_out_for_good() -> None:
+    """A size is priced at the median of its last steps, never above a larger size seen (a
+    bigger step does more work); with a costly proposer every EXPLORE-th guessing step takes
+    one guess more than priced, and a request alone and priced out guesses 2 every
+    PROBE_EVERY steps, so that a price set in a slow moment is measured again."""
+    cost = StepCost()
+    for tokens, ms in ((1, 10), (1, 90), (1, 11), (5, 11), (7, 30), (9, 13)):
+        cost.observe(tokens, ms / 1000)
+    assert cost.at(1) == pytest.approx(0.011)  # one stalled step of 90 ms: not the price
+    assert cost.at(7) == cost.at(8) == pytest.approx(0.013)  # 7's 30 ms was noise
+    assert cost.at(6) == pytest.approx(0.011)  # not seen: the size below, to be tried
+    for _ in range(StepCost.WINDOW // 2 + 1):
+        cost.observe(9, 0.02)
+    assert cost.at(9) == pytest.approx(0.02)  # a lasting change is followed
+    spec = Speculation(EchoProposer(seconds=0.003), SpeculationConfig(num_tokens=8))
+    for tokens in range(1, 9):
+        spec.observe_step(tokens, 0.010 + 0.0002 * tokens)
+    spec.observe_step(9, 0.050)  # 8 guesses checked once, while the machine was busy
+    sizes = [len(spec.plan([_req("a")], 100)[0]) for _ in range(EXPLORE)]
+    assert set(sizes[:-1]) == {7} and sizes[-1] == 8
+    dear = Speculation(EchoProposer(seconds=0.05), SpeculationConfig(num_tokens=8))
+    for tokens in range(1, 10):
+        dear.observe_step(tokens, 0.010)
+    sizes = [len(dear.plan([_req("b")], 100)[0]) for _ in range(PROBE_EVERY)]
+    assert sizes[-1] == 2 and not any(sizes[:-1])

@@ -18,7 +18,8 @@ from banyan.cache.tier.mooncake_store import MooncakeStore
 from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
-from banyan.model_files import generation_config, load_engine_tokenizer, resolve_model_dir
+from banyan.model_files import (generation_config, gguf_source, load_engine_tokenizer,
+                                resolve_model_dir)
 from banyan.runner.model_runner import ModelRunner
 from banyan.runner.step import ModelStepRunner
 from banyan.runner.threads import ThreadGovernor
@@ -53,14 +54,20 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
         return NgramProposer(args.spec_ngram_min, args.spec_ngram_max)
     if args.speculative_algorithm == "draft":
         assert args.spec_draft_model is not None
+        quantization = args.spec_draft_quantization
+        gguf_file = gguf_source(args.spec_draft_model)
+        if quantization == "gguf" and gguf_file is None:
+            raise ValueError("spec_draft_quantization gguf computes with a GGUF file's blocks: "
+                             "spec_draft_model must be a .gguf file (or a folder holding one)")
         draft_dir = resolve_model_dir(args.spec_draft_model)
         draft = ModelRunner(draft_dir, dtype=args.dtype, device=target.device,
                             num_slots=target.num_slots, max_rows=target.max_rows,
                             max_context=target.max_context, show_progress=not args.disable_tqdm,
                             attention_backend=args.attention_backend,
-                            quantization=args.spec_draft_quantization,
-                            linear_kernel="auto" if args.spec_draft_quantization != "none"
-                            else args.linear_kernel)
+                            quantization=quantization,
+                            linear_kernel="auto" if quantization in ("int8", "int4")
+                            else args.linear_kernel,
+                            gguf_file=gguf_file if quantization in ("auto", "gguf") else None)
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)

@@ -27,6 +27,8 @@ Torch-free like the rest of the scheduler; proposers that run a model are inject
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -120,29 +122,46 @@ class SpecStats:
 
 @dataclass(slots=True)
 class StepCost:
-    """Forward seconds of a decode-only step by its size in tokens (decodes plus guesses): an
-    exponential average per size over the steps the engine ran, i.e. what checking g guesses
+    """Forward seconds of a decode-only step by its size in tokens (decodes plus guesses): the
+    median of the last WINDOW steps of each size the engine ran, i.e. what checking g guesses
     costs on this machine and model, measured rather than assumed. The cost is no line: on a
     CPU a 1-token step may take a fused native path that a 5-token check cannot (Zen 3: 25 ms
-    then 35 ms, and ~1 ms per guess after that)."""
+    then 35 ms, and ~1 ms per guess after that). A median, not an average: one step stalled
+    by a neighbour or a collector pause (several times its cost) moved an average enough to
+    price guessing out, and a price nobody acts on is never measured again (an int4 draft on
+    Zen 4 guessed nothing at all in the last of five rounds of chat)."""
 
-    ema: float = 0.3
+    WINDOW = 5
     seconds: dict[int, float] = field(default_factory=dict)
+    recent: dict[int, deque[float]] = field(default_factory=dict)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        prev = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if prev is None else prev + self.ema * (seconds - prev)
+        times = self.recent.setdefault(tokens, deque(maxlen=self.WINDOW))
+        times.append(seconds)
+        self.seconds[tokens] = statistics.median(times)
 
     def at(self, tokens: int) -> float | None:
         """A step of `tokens`, priced as the largest size seen that is not larger (a size not
-        seen yet is priced optimistically, so that it gets tried); None: nothing seen."""
+        seen yet is priced optimistically, so that it gets tried), and never above a larger
+        size seen: a bigger step does more work, so a dearer price for a smaller one is the
+        machine's noise, which would otherwise price that size out until it is timed again
+        (chat on Zen 4, a GGUF draft: checks timed once in a slow second held requests to 5-6
+        guesses, of which 96-98% were accepted). None: nothing seen."""
         known = [t for t in self.seconds if t <= tokens]
-        return self.seconds[max(known)] if known else None
+        if not known:
+            return None
+        larger = [s for t, s in self.seconds.items() if t >= tokens]
+        return min([self.seconds[max(known)], *larger])
 
 
 MARGIN = 1.1  # guesses must raise tokens per second by this much: proposing costs too
-EXPLORE = 32  # every this many steps the guesses are not cut (sizes measured again)
+EXPLORE = 32  # every this many steps the guesses are not cut (sizes measured again), or with a
+# costly proposer, a step that guesses takes one guess more than priced (the next size timed)
 RECOVER = 0.05  # a costly proposer's request priced out: its rate's rise per step
+# alone and priced out, a costly proposer's request guesses 2 every this many steps, so that the
+# prices are measured again (a draft forward is timed from the second guess on): ~1% of a
+# step's time where guessing really does not pay
+PROBE_EVERY = 4 * EXPLORE
 
 
 @dataclass(slots=True)
@@ -193,9 +212,11 @@ class Speculation:
         """`wanted` cut to the number of guesses that gives the step the most expected tokens
         per second, by the measured cost of each step size and of proposing: each guess of a
         request counts its rate (the fraction of its guesses accepted, measured at the length
-        it is given), the likeliest requests' guesses go first. With a nearly free proposer,
-        every EXPLORE-th step keeps `wanted` as it is, so sizes priced once and never chosen
-        again get measured again."""
+        it is given), the likeliest requests' guesses go first. Sizes priced once and never
+        chosen again get measured again: with a nearly free proposer every EXPLORE-th step
+        keeps `wanted` as it is; with a costly one (a draft model: a full explore cost 13% at
+        batch 8) every EXPLORE-th step that guesses takes one guess more than priced, and a
+        request alone and priced out guesses 2 every PROBE_EVERY steps."""
         self._steps += 1
         propose = self.proposer.seconds_per_position
         costly = propose(1) > 0.0
@@ -204,8 +225,9 @@ class Speculation:
             # Nothing priced yet. A costly proposer's guesses wait for one plain step of this
             # size: a batch that always guesses never times one (each step is bigger).
             return [0] * len(wanted) if costly else wanted
-        if self._steps % EXPLORE == 0 and not costly:  # (an explore of draft guesses at
-            return wanted  # batch 8 cost 13%; sizes never seen are priced as tried anyway)
+        explore = self._steps % EXPLORE == 0
+        if explore and not costly:
+            return wanted
         rates = [self._state[r.rid].rate if r.rid in self._state else 1.0 for r in decoding]
         # by rate, and among equal rates every request's first guess before any second one (a
         # draft model pays per guessed position, whatever the number of requests)
@@ -224,6 +246,10 @@ class Speculation:
             rate = tokens / seconds
             if rate > best_rate:
                 best, best_rate = g, rate
+        if explore and 0 < best < len(guesses):
+            best += 1
+        elif costly and d == 1 and best == 0 and self._steps % PROBE_EVERY == 0:
+            best = min(2, len(guesses))
         kept = [0] * len(wanted)
         for _, _, i in guesses[:best]:
             kept[i] += 1
