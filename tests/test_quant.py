@@ -152,6 +152,27 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
 
 
 @needs_kernels
+@pytest.mark.parametrize("method,out_f,in_f", [
+    ("int8", 70, 100), ("int4g32", 70, 128), ("int8g32", 16, 608), ("int4-float32-scales", 33, 96)])
+def test_long_bf16_steps_multiply_the_same_bf16_weight_by_onednn(
+        method: str, out_f: int, in_f: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ONEDNN_MIN_TOKENS tokens a layer without bias dequantizes its weight into plain bf16
+    rows (the rows of a last partial panel, inputs not a multiple of 32) for torch's GEMM: the
+    very product torch computes on the dequantized weight rounded to bf16."""
+    from banyan.kernels.native import bf16_gemm_here
+    from banyan.layers import quant
+
+    if not bf16_gemm_here():
+        pytest.skip("the bf16 kernels need AVX512-BF16")
+    monkeypatch.setattr(quant, "ONEDNN_MIN_TOKENS", 40)
+    torch.manual_seed(out_f + in_f)
+    layer = _quantized_layer(method, out_f, in_f, False)
+    x = torch.randn(40, in_f).bfloat16()
+    weight = layer.method.dequantized_weight(layer).bfloat16()
+    assert torch.equal(layer(x), torch.mm(x, weight.t()))
+
+
+@needs_kernels
 @pytest.mark.parametrize("out_f,in_f,tokens", [(70, 128, 9), (49, 96, 21), (100, 608, 64),
                                                (16, 34, 12)])
 def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) -> None:

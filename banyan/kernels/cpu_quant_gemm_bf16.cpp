@@ -229,6 +229,37 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         std::free(tile);
     }
 }
+
+// The layer's bf16 weight as plain rows [N, K]: each panel's pairs (fill_tile) transposed back
+// into rows, 16 pairs (32 inputs) of 16 rows a time: for long prefill chunks, which torch's
+// oneDNN GEMM takes a few percent faster than this file's (layers/quant.py, ONEDNN_MIN_TOKENS).
+void dequant_rows(const QuantWeight& w, uint16_t* out, int64_t n_threads) {
+    const int64_t panels = (w.N + PANEL - 1) / PANEL, pairs = w.K / 2;
+#pragma omp parallel num_threads(threads_for(panels, n_threads))
+    {
+        __m512i* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * 64));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            fill_tile(w, p, 1, tile);
+            const int64_t rows = std::min<int64_t>(PANEL, w.N - p * PANEL);
+            int64_t j0 = 0;
+            for (; j0 + 16 <= pairs; j0 += 16) {
+                __m512i r[16];
+                for (int k = 0; k < 16; ++k) r[k] = tile[j0 + k];
+                transpose16(r);  // r[i]: row i's pairs j0..j0 + 15
+                for (int64_t i = 0; i < rows; ++i)
+                    _mm512_storeu_si512(out + (p * PANEL + i) * w.K + 2 * j0, r[i]);
+            }
+            for (; j0 < pairs; ++j0) {  // the last (K / 2) % 16 pairs
+                alignas(64) uint32_t lanes[PANEL];
+                _mm512_store_si512(lanes, tile[j0]);
+                for (int64_t i = 0; i < rows; ++i)
+                    std::memcpy(out + (p * PANEL + i) * w.K + 2 * j0, &lanes[i], 4);
+            }
+        }
+        std::free(tile);
+    }
+}
 #else
 }  // namespace
 
@@ -315,6 +346,16 @@ void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kin
                             const float* bias, uint16_t* out, int64_t N, int64_t n_threads) {
     quant_gemm(x, T, QuantWeight{kind, K, group, codes, scale, mins, N}, bias, out, N, n_threads);
 }
+
+#if defined(__AVX512BF16__)
+// A quantized weight (kinds and layouts as banyan_quant_gemm_bf16's; not kBf16 / kBf16Pairs)
+// -> out [N, K] bf16, the values that kernel multiplies. Built with AVX512-BF16 only.
+void banyan_quant_dequant_bf16(int64_t K, int64_t kind, const void* codes, const void* scale,
+                               const void* mins, int64_t group, uint16_t* out, int64_t N,
+                               int64_t n_threads) {
+    dequant_rows(QuantWeight{kind, K, group, codes, scale, mins, N}, out, n_threads);
+}
+#endif
 
 // Whether banyan_quant_gemm_bf16 runs on vdpbf16ps here (else the scalar loop).
 int banyan_quant_gemm_bf16_vector() {

@@ -188,6 +188,9 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_quant_gemm_bf16.restype = None
     lib.banyan_quant_gemm_bf16_vector.argtypes = []
     lib.banyan_quant_gemm_bf16_vector.restype = ctypes.c_int
+    if lib.banyan_quant_gemm_bf16_vector():  # (built with AVX512-BF16 only)
+        lib.banyan_quant_dequant_bf16.argtypes = [i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64]
+        lib.banyan_quant_dequant_bf16.restype = None
     lib.banyan_int8_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64]
     lib.banyan_int8g_dequant_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64]
     lib.banyan_int4_dequant_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64]

@@ -34,6 +34,12 @@ SLAB_BYTES = 8 << 20
 # layer, Zen 5: 8 tokens 0.16 vs 0.17 ms, 64 0.61 vs 0.63, 512 4.4 vs 4.4), while up to 8 the
 # float32 panel kernels are faster (1 token 0.05 vs 0.13 ms).
 BF16_GEMM_MIN_TOKENS = 9
+# ... and from this many tokens (a long prefill chunk), a layer without bias multiplies its
+# weight dequantized to plain bf16 rows by torch's GEMM (oneDNN), the same values: there oneDNN
+# outruns that kernel by more than the dequantizing (0.2-0.3 ms a layer) and its reorder of the
+# weight cost (Zen 4, SmolLM2's layers, best of 5: 4,096 tokens 37.8 against 39.5 ms for
+# gate/up, 17.8 against 18.7 for down; a wash at 1,024-2,048, slower at 512).
+ONEDNN_MIN_TOKENS = 2048
 BF16_GEMM_KINDS = {"int8_rows": 0, "int8_groups": 1, "int4": 2, "int4_wide": 3}  # its Kind
 INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gguf: layers/gguf_linear.py
@@ -150,8 +156,16 @@ class _QuantMethod(LinearMethod):
     def _bf16_gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N] bf16 through the weight rounded to bf16 (float32 sums)."""
         flat = x.reshape(-1, layer.in_features).contiguous()
-        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
         spec = self.native(layer)
+        if flat.shape[0] >= ONEDNN_MIN_TOKENS and layer.bias is None:
+            weight = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16)
+            with native.kernel_range("banyan::dequantize_bf16"):
+                self._lib().banyan_quant_dequant_bf16(
+                    layer.in_features, BF16_GEMM_KINDS[spec.kind], spec.weight.data_ptr(),
+                    spec.scale.data_ptr(), spec.mins.data_ptr() if spec.mins is not None else None,
+                    spec.group, weight.data_ptr(), layer.out_features, torch.get_num_threads())
+            return torch.mm(flat, weight.t()).reshape(*x.shape[:-1], layer.out_features)
+        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
         with native.kernel_range("banyan::quantized_gemm_bf16"):
             self._lib().banyan_quant_gemm_bf16(
                 flat.data_ptr(), flat.shape[0], layer.in_features, BF16_GEMM_KINDS[spec.kind],
