@@ -116,7 +116,10 @@ def main() -> None:
             run_workload(engine, workloads[wname], use_tqdm=False)
     for r in range(ns.rounds):
         for wname, workload in workloads.items():
-            for name, engine in engines_for[wname].items():
+            # every other round in reverse (A B C, C B A): a drift of the machine's speed within
+            # a round favours no configuration
+            order = list(engines_for[wname].items())
+            for name, engine in order if r % 2 == 0 else order[::-1]:
                 engine.flush_cache()
                 res = run_workload(engine, workload, use_tqdm=False)
                 runs[wname][name].append({"output_tok_s": res["output_tok_s"],
