@@ -201,19 +201,50 @@ struct Int4Panel {  // run_block's unit: panel p (both its half panels), PTB tok
     }
 };
 
-// over_halves with whole panels as the units, PTB tokens a pass.
+template <typename S>
+struct Int4PanelPair {  // run_block's unit: panels 2u and 2u + 1, TB2 tokens a pass
+    const QRows& a;
+    int64_t K, group;
+    const uint8_t* w;
+    const S *scale, *mins;
+    template <int TB>
+    void run(int64_t t0, int64_t u, float* res) const {
+        const int64_t p = 2 * u;
+        int4_panel2<TB>(a, t0, K, group, w + 2 * p * (K * HALF / 2), K * HALF,
+                        scale + p * (K / group) * PANEL,
+                        mins ? mins + p * (K / group) * PANEL : nullptr, res);
+    }
+};
+
+// Panel p's results of a token block (token i at res[i * PANEL]) into out.
+inline void store_panel(const float* res, int64_t p, int64_t tb, const float* bias, float* out,
+                        int64_t N) {
+    for (int64_t row0 = p * PANEL; row0 < std::min(N, (p + 1) * PANEL); row0 += HALF)
+        store_half(res + (row0 - p * PANEL), PANEL, tb, bias, out, N, row0);
+}
+
+// over_halves with pairs of whole panels as the units (TB2 tokens a pass), a last odd panel
+// alone (PTB tokens a pass).
 template <typename S>
 void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, float* out,
                       int64_t N, int64_t n_threads) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        alignas(64) float res[PTB * PANEL];
-        for (int64_t t0 = 0; t0 < T; t0 += PTB) {
-            const int64_t tb = std::min<int64_t>(PTB, T - t0);
-            run_block<PTB>(panel, tb, t0, p, res);
-            for (int64_t row0 = p * PANEL; row0 < std::min(N, (p + 1) * PANEL); row0 += HALF)
-                store_half(res + (row0 - p * PANEL), PANEL, tb, bias, out + t0 * N, N, row0);
+    const int64_t panels = (N + PANEL - 1) / PANEL, units = (panels + 1) / 2;
+    const Int4PanelPair<S> pair{panel.a, panel.K, panel.group, panel.w, panel.scale, panel.mins};
+#pragma omp parallel for num_threads(threads_for(units, n_threads)) schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        alignas(64) float res[std::max(PTB, 2 * TB2) * PANEL];
+        const int64_t p = 2 * u;
+        const int64_t step = p + 1 < panels ? TB2 : PTB;
+        for (int64_t t0 = 0; t0 < T; t0 += step) {
+            const int64_t tb = std::min<int64_t>(step, T - t0);
+            if (p + 1 < panels) {
+                run_block<TB2>(pair, tb, t0, u, res);
+                store_panel(res, p, tb, bias, out + t0 * N, N);
+                store_panel(res + TB2 * PANEL, p + 1, tb, bias, out + t0 * N, N);
+            } else {
+                run_block<PTB>(panel, tb, t0, p, res);
+                store_panel(res, p, tb, bias, out + t0 * N, N);
+            }
         }
     }
 }
