@@ -319,3 +319,24 @@ def test_startup_errors_name_the_flag(llama_dir: Path) -> None:
                     show_progress=False, quantization="auto", activation_quant="int8")
     with pytest.raises(ValueError, match="--activation-quant int8: this model has no"):
         enable_int8_activations(_dense(16, 64))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_panel_gives_the_same_bits_in_a_pair_as_alone(symmetric: bool) -> None:
+    """Steps of 2+ tokens on AVX512-VNNI take panels two at a time (a last odd one alone): a
+    panel's rows come out the same bits either way, whatever the token block."""
+    codes, scale, low = _int4_given(48, 256, 32, False, 11)  # 3 panels: a pair, one alone
+    if symmetric:  # Q4_0: the minimum a fixed -8 x scale, read by no kernel
+        low = scale * -8
+    x = _activations(13, 256, 5)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        layer = _dense(hi - lo, 256, bias=False)
+        layer.convert(Int4Method(32, given=(codes[lo:hi], scale[lo:hi], low[lo:hi])))
+        enable_int8_activations(layer)
+        assert (layer.method.mins is None) == symmetric
+        return layer(x)
+
+    whole = rows(0, 48)
+    for lo in (0, 16, 32):
+        assert torch.equal(whole[:, lo:lo + 16], rows(lo, lo + 16))
