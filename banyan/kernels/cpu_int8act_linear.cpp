@@ -202,17 +202,14 @@ struct Int4Panel {  // run_block's unit: panel p (both its half panels), PTB tok
 };
 
 template <typename S>
-struct Int4PanelPair {  // run_block's unit: panels 2u and 2u + 1, TB2 tokens a pass
-    const QRows& a;
-    int64_t K, group;
-    const uint8_t* w;
-    const S *scale, *mins;
+struct Int4PanelPair {  // run_block's unit: panels 2u and 2u + 1 of one's layer, TB2 a pass
+    const Int4Panel<S>& one;
     template <int TB>
     void run(int64_t t0, int64_t u, float* res) const {
-        const int64_t p = 2 * u;
-        int4_panel2<TB>(a, t0, K, group, w + 2 * p * (K * HALF / 2), K * HALF,
-                        scale + p * (K / group) * PANEL,
-                        mins ? mins + p * (K / group) * PANEL : nullptr, res);
+        const Int4Panel<S>& l = one;
+        const int64_t p = 2 * u, at = p * (l.K / l.group) * PANEL;
+        int4_panel2<TB>(l.a, t0, l.K, l.group, l.w + 2 * p * (l.K * HALF / 2), l.K * HALF,
+                        l.scale + at, l.mins ? l.mins + at : nullptr, res);
     }
 };
 
@@ -229,7 +226,7 @@ template <typename S>
 void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, float* out,
                       int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, units = (panels + 1) / 2;
-    const Int4PanelPair<S> pair{panel.a, panel.K, panel.group, panel.w, panel.scale, panel.mins};
+    const Int4PanelPair<S> pair{panel};
 #pragma omp parallel for num_threads(threads_for(units, n_threads)) schedule(static)
     for (int64_t u = 0; u < units; ++u) {
         alignas(64) float res[std::max(PTB, 2 * TB2) * PANEL];
