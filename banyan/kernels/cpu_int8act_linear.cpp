@@ -81,10 +81,10 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* dsum, i
 
 // The activations of one call, quantized once (not per output tile); kept per calling thread
 // between calls, as the layer stack keeps its scratch.
-// Denormal operands and results make float instructions take microcode assists on Zen 4: a
-// 64-decode step of real activations (SiLU outputs of strongly negative gates reach 1e-38)
-// ran the q8 stack ~35% slower than one of repeated tokens, and slower than bf16's, whose
-// vdpbf16ps flushes them itself. While a thread runs these loops its float steps flush them
+// Denormal operands and results make float instructions take microcode assists on Zen 4: 127
+// 64-decode steps on random tokens ran the q8 stack 14% slower than bf16's (whose vdpbf16ps
+// flushes them itself), on one repeated token 7% faster, and with the flush below 7-8% faster
+// (which activations hold the denormals was not traced). While a thread runs these loops its float steps flush them
 // (FTZ, DAZ), the caller's mode restored after: values under 1.2e-38 count as zero.
 #if defined(__SSE__)
 struct FlushDenormals {
