@@ -20,6 +20,7 @@ LINEAR_KERNELS = ("auto", "torch", "native")
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # mem/kv_pool.py maps them to dtypes
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's and SGLang's name for e4m3
+KV_CACHE_DTYPE_CHOICES = (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)  # what the flag accepts
 
 
 def kv_addr_host(addr: str) -> str:
@@ -38,8 +39,8 @@ def kv_cache_dtype_name(value: str) -> str:
     field for anything else."""
     name = KV_CACHE_DTYPE_ALIASES.get(value, value)
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of "
-                         f"{', '.join((*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))}, got {value!r}")
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                         f"got {value!r}")
     return name
 
 
@@ -70,7 +71,7 @@ class EngineArgs:
         "Storage of the KV cache: auto (the model's dtype), int8 or fp8_e4m3 (alias fp8) / "
         "fp8_e5m2 (one byte per value and a float32 scale per token and head: about twice the "
         "tokens in the same --kv-cache-memory; attention reads the codes in place).",
-        choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES]))
+        choices=list(KV_CACHE_DTYPE_CHOICES)))
     mem_fraction: float = field(default=0.25, metadata=_doc(
         "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is unset."))
     max_model_len: int | None = field(default=None, metadata=_doc(

@@ -157,22 +157,21 @@ class _QuantMethod(LinearMethod):
         """x [..., K] bf16 -> [..., N] bf16 through the weight rounded to bf16 (float32 sums)."""
         flat = x.reshape(-1, layer.in_features).contiguous()
         spec = self.native(layer)
+        kind = BF16_GEMM_KINDS[spec.kind]
+        mins = spec.mins.data_ptr() if spec.mins is not None else None
         if flat.shape[0] >= ONEDNN_MIN_TOKENS and layer.bias is None:
             weight = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16)
             with native.kernel_range("banyan::dequantize_bf16"):
                 self._lib().banyan_quant_dequant_bf16(
-                    layer.in_features, BF16_GEMM_KINDS[spec.kind], spec.weight.data_ptr(),
-                    spec.scale.data_ptr(), spec.mins.data_ptr() if spec.mins is not None else None,
+                    layer.in_features, kind, spec.weight.data_ptr(), spec.scale.data_ptr(), mins,
                     spec.group, weight.data_ptr(), layer.out_features, torch.get_num_threads())
             return torch.mm(flat, weight.t()).reshape(*x.shape[:-1], layer.out_features)
         out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
         with native.kernel_range("banyan::quantized_gemm_bf16"):
             self._lib().banyan_quant_gemm_bf16(
-                flat.data_ptr(), flat.shape[0], layer.in_features, BF16_GEMM_KINDS[spec.kind],
-                spec.weight.data_ptr(), spec.scale.data_ptr(),
-                spec.mins.data_ptr() if spec.mins is not None else None, spec.group,
-                self._bias_ptr(layer), out.data_ptr(), layer.out_features,
-                torch.get_num_threads())
+                flat.data_ptr(), flat.shape[0], layer.in_features, kind, spec.weight.data_ptr(),
+                spec.scale.data_ptr(), mins, spec.group, self._bias_ptr(layer), out.data_ptr(),
+                layer.out_features, torch.get_num_threads())
         return out.reshape(*x.shape[:-1], layer.out_features)
 
     def _dequantize(self, layer: Linear, p0: int, p1: int, out: torch.Tensor) -> None:
