@@ -109,7 +109,9 @@ def main() -> None:
         built += engines_for[f"chat-x{n}"].values()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in names}
                                                         for w in workloads}
-    for wname in engines_for:  # warm: first allocations, first touches of the pool
+    for engine in built:  # the pools' pages, as a server faults them in while idle
+        engine.core.populate_kv()
+    for wname in engines_for:  # warm: first allocations
         if wname == "grounded":
             continue
         for engine in engines_for[wname].values():

@@ -156,6 +156,17 @@ def test_same_seed_same_tokens_in_different_batches(engine: Engine) -> None:
     assert other_seed.output_ids != alone.output_ids
 
 
+def test_faulting_the_pool_in_keeps_cached_prefixes(engine: Engine) -> None:
+    # what an idle server does between requests: the cached prompt's K/V survive it
+    prompt = [list(range(20, 90))]
+    [before] = engine.generate(input_ids=prompt, sampling_params=greedy(12))
+    engine.core.populate_kv()
+    assert all(p.done for p in engine.core.prefaulters) and not engine.core.prefault_kv()
+    [after] = engine.generate(input_ids=prompt, sampling_params=greedy(12))
+    assert after.cached_tokens >= 64 and after.output_ids == before.output_ids
+    check_pool_empty(engine)
+
+
 def test_top_k_1_equals_greedy(engine: Engine) -> None:
     prompt = [[11, 12, 13, 14]]
     [g] = engine.generate(input_ids=prompt, sampling_params=greedy(12))

@@ -1,4 +1,5 @@
-"""KV pool sizing, the slot allocator's order, and the request-to-token table's writes."""
+"""KV pool sizing, the slot allocator's order, the request-to-token table's writes, and the
+pool's pages faulted in ahead of use."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from banyan.batch import ForwardBatch, RowPrefix
 from banyan.mem.allocator import SlotAllocator
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, lazy_zeros, num_slots_for_bytes
+from banyan.mem.prefault import PoolPrefaulter
 from banyan.mem.req_table import ReqToTokenTable
 
 
@@ -79,3 +81,28 @@ def test_lazy_zeros_reads_zero_and_keeps_writes() -> None:
     pool[1, 4999] = 2.0
     pool[2, 0, 5] = -1.0
     assert float(pool.sum()) == 127.0 and float(pool[1].sum()) == 128.0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Rss:"))
+
+
+def test_the_prefaulter_takes_the_pages_and_changes_no_value() -> None:
+    pool = KVPool(layers=2, num_slots=20_000, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                  device="cpu")  # 4 regions of 5 MiB
+    pool.k[1][7] = 3.0
+    pool.v[0][19_999] = -2.0
+    faulter = PoolPrefaulter(pool.regions(), pool.num_slots)
+    if faulter.done:
+        pytest.skip("no madvise(MADV_POPULATE_WRITE) here (Linux before 5.14)")
+    before = _rss_bytes()
+    chunks = 1
+    while faulter.step(max_bytes=4 << 20):  # 20 MiB in 4 MiB turns, lowest slots first
+        chunks += 1
+        assert 0 < faulter.populated_slots < pool.num_slots
+    assert faulter.done and faulter.populated_slots == pool.num_slots and chunks == 5
+    # resident now (the two pages written above, huge pages perhaps, were already)
+    assert _rss_bytes() - before > 0.7 * pool.total_bytes
+    assert float(pool.k[1].float().sum()) == 3.0 * 128 and float(pool.v[0].float().sum()) == -256
+    assert not pool.k[0].any() and not faulter.step()

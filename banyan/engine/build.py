@@ -18,6 +18,7 @@ from banyan.cache.tier.mooncake_store import MooncakeStore
 from banyan.engine.core import EngineCore
 from banyan.layers.linear import model_weight_bytes
 from banyan.mem.allocator import SlotAllocator
+from banyan.mem.prefault import PoolPrefaulter
 from banyan.model_files import (generation_config, gguf_source, load_engine_tokenizer,
                                 resolve_model_dir)
 from banyan.runner.model_runner import ModelRunner
@@ -164,13 +165,14 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     governor = (ThreadGovernor(torch.get_num_threads())
                 if args.num_threads is None and runner.device.type == "cpu" else None)
     speculation = SpeculationConfig(args.speculative_num_tokens, args.speculative_max_step_tokens)
+    proposer = make_proposer(args, runner)
     scheduler = Scheduler(
         ModelStepRunner(runner, sampler, overlap=overlap, governor=governor),
         SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy,
                         overlap=overlap, speculation=speculation),
         allocator,
         cache,
-        make_proposer(args, runner),
+        proposer,
         tier,
     )
     core = EngineCore(args, scheduler, tokenizer, eos, cfg.vocab, max_model_len)
@@ -181,6 +183,9 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     skip = (model.embed_tokens,) if model.tied_head is not None else ()
     core.weight_bytes = model_weight_bytes(model, skip=skip)
     core.kv_bytes_per_token = runner.pool.bytes_per_slot
+    pools = [runner.pool] + ([proposer.runner.pool] if isinstance(proposer, DraftProposer)
+                             else [])
+    core.prefaulters = [PoolPrefaulter(pool.regions(), pool.num_slots) for pool in pools]
     core.quantization = runner.quantization
     core.dtype = str(runner.dtype).removeprefix("torch.")
     # The ~400k objects torch, the tokenizer and the model left behind are permanent: out of the

@@ -27,6 +27,7 @@ from banyan.structured.waiting import GrammarWaitlist
 if TYPE_CHECKING:
     from banyan.disagg.sink import KVSink
     from banyan.disagg.source import KVSource
+    from banyan.mem.prefault import PoolPrefaulter
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineCore:
         # Prefill/decode disaggregation (banyan/disagg/): the end this worker's role needs.
         self.kv_sink: KVSink | None = None  # decode: fetches prompts' K/V
         self.kv_source: KVSource | None = None  # prefill: serves its cached K/V
+        self.prefaulters: list[PoolPrefaulter] = []  # the KV pools' pages to fault in when idle
 
     def add(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
             namespace: str | None = None, kv_source: str | None = None) -> SampleGroup:
@@ -268,6 +270,21 @@ class EngineCore:
         if end is None:
             return None
         return {k: float(v) for k, v in dataclasses.asdict(end.stats).items()}
+
+    def prefault_kv(self) -> bool:
+        """Fault in one chunk of the KV pools' pages (mem/prefault.py); call only while idle.
+        False once every pool is populated (or cannot be)."""
+        for pool in self.prefaulters:
+            if not pool.done:
+                pool.step()
+                return True
+        return False
+
+    def populate_kv(self) -> None:
+        """All of the KV pools' pages faulted in now, as vLLM's start-up does (benchmarks call
+        this before timing; a server does it while idle)."""
+        while self.prefault_kv():
+            pass
 
     @property
     def has_work(self) -> bool:

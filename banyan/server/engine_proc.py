@@ -86,7 +86,9 @@ class EngineLoop:
         while not self.stopping:
             t_iter = time.perf_counter()
             idle = not self.core.has_work
-            handled = self._drain(IDLE_POLL_MS if idle else 0)
+            # idle: fault in a chunk of the KV pool's pages, then look for work without waiting
+            handled = self._drain(0 if idle and self.core.prefault_kv() else
+                                  IDLE_POLL_MS if idle else 0)
             if self.stopping:
                 break
             if not self.core.has_work:

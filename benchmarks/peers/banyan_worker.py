@@ -68,6 +68,7 @@ def main() -> None:
                     "profiled_op_s": total / 1e6, "top_ops": top}
 
         run(warmup_prompts(vocab), [4] * 4)
+        engine.core.populate_kv()  # the pool's pages, as a server faults them in while idle
         ready = {"engine": "banyan", "args": vars(ns), "machine": machine_info(),
                  "memory_bandwidth_gbs": memory_bandwidth_gbs(),
                  "weight_bytes": engine.core.weight_bytes,
