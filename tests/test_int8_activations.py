@@ -190,6 +190,19 @@ def test_kernel_matches_float64_of_the_quantized_activations(fmt: str, out_f: in
         _check(layer, tokens, _through_method, tokens)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_bf16_in_and_out_equals_the_float32_entry_between_roundings(fmt: str) -> None:
+    """A bf16 model's steps (the layer stack's too) take the kernels' bf16 entry: the bits of
+    the float32 entry on the widened x, its output rounded to bf16."""
+    layer = FORMATS[fmt](200, 384)
+    enable_int8_activations(layer)
+    for tokens in (1, 3, 17):
+        x = (_activations(tokens, layer.in_features, tokens) * 3).bfloat16()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, layer(x.float()).bfloat16()), tokens
+
+
 @pytest.mark.parametrize("fmt", ["int4 g32", "int4 symmetric (Q4_0)", "int8 rows", "int8 g16",
                                  "int5 (Q5_0)"])
 def test_wrapping_keeps_the_values_and_long_steps_take_the_kernel(fmt: str) -> None:

@@ -119,8 +119,8 @@ def test_bf16_stack_equals_the_bf16_model(model_dirs: dict[str, Path], arch: str
                                           quantization: str) -> None:
     """In bf16 every op of both paths rounds where torch rounds: the same bf16 hidden states
     (quantized projections: their float32 kernels between a widened input and a rounded
-    output, in both; with 8-bit activations, int4-q8, those kernels at every step size, so
-    batched decodes and long extends go through the stack too)."""
+    output, in both; with 8-bit activations, int4-q8, those kernels' bf16 entry at every step
+    size, so batched decodes and long extends go through the stack too)."""
     if quantization == "none" and not SkinnyBf16Method.available(torch.device("cpu"),
                                                                  torch.bfloat16):
         pytest.skip("no oneDNN bf16 packing in this torch")

@@ -35,6 +35,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "cpu_dtypes.h"
 #include "cpu_int8act_halves.h"
 #include "cpu_int8act_panels512.h"
 
@@ -96,7 +97,16 @@ struct FlushDenormals {
 struct FlushDenormals {};  // (no assists to avoid, or no such mode)
 #endif
 
-const QRows& quantize(const float* x, int64_t T, int64_t K, int64_t n_threads) {
+// A row of x as float32: itself, or a bf16 row widened (exactly) into `wide`.
+inline const float* as_f32(const float* x, int64_t, std::vector<float>&) { return x; }
+inline const float* as_f32(const uint16_t* x, int64_t K, std::vector<float>& wide) {
+    wide.resize(K);
+    for (int64_t k = 0; k < K; ++k) wide[k] = bf16_to_f32(x[k]);
+    return wide.data();
+}
+
+template <typename X>
+const QRows& quantize(const X* x, int64_t T, int64_t K, int64_t n_threads) {
     static thread_local QRows r;
     const int64_t blocks = K / QB;
     r.q.resize(T * K);
@@ -107,20 +117,27 @@ const QRows& quantize(const float* x, int64_t T, int64_t K, int64_t n_threads) {
 #pragma omp parallel for num_threads(threads_for(T, n_threads)) schedule(static) if (T > 4)
     for (int64_t t = 0; t < T; ++t) {
         const FlushDenormals flush;
-        quantize_row(x + t * K, K, rp->q.data() + t * K, rp->d.data() + t * blocks,
-                     rp->dsum.data() + t * blocks, rp->qsum.data() + t * blocks);
+        static thread_local std::vector<float> wide;
+        quantize_row(as_f32(x + t * K, K, wide), K, rp->q.data() + t * K,
+                     rp->d.data() + t * blocks, rp->dsum.data() + t * blocks,
+                     rp->qsum.data() + t * blocks);
     }
     return r;
 }
 
 // A half panel's results for TB tokens (res [TB][stride], its 8 rows first) plus the bias,
-// stored.
-void store_half(const float* res, int64_t stride, int64_t tb, const float* bias, float* out,
+// stored: as they are, or rounded to bf16 (to nearest even, as torch's .to(bfloat16) of the
+// float32 output would).
+inline void put(float* out, float v) { *out = v; }
+inline void put(uint16_t* out, float v) { *out = f32_to_bf16(v); }
+
+template <typename O>
+void store_half(const float* res, int64_t stride, int64_t tb, const float* bias, O* out,
                 int64_t N, int64_t row0) {
     const int64_t count = std::min<int64_t>(HALF, N - row0);
     for (int64_t i = 0; i < tb; ++i)
         for (int64_t r = 0; r < count; ++r)
-            out[i * N + row0 + r] = res[i * stride + r] + (bias ? bias[row0 + r] : 0.0f);
+            put(out + i * N + row0 + r, res[i * stride + r] + (bias ? bias[row0 + r] : 0.0f));
 }
 
 // One block of tb (1..TB) tokens, through the loop instantiated for exactly tb.
@@ -134,8 +151,8 @@ void run_block(const Half& half, int64_t tb, int64_t t0, int64_t u, float* res) 
 
 // The driver: every (panel, half) a unit of work split across threads, token blocks of ATB
 // inside; half(TB, t0, p, h, res) computes one block's results.
-template <typename Half>
-void over_halves(int64_t T, int64_t N, const float* bias, float* out, int64_t n_threads,
+template <typename Half, typename O>
+void over_halves(int64_t T, int64_t N, const float* bias, O* out, int64_t n_threads,
                  Half half) {
     const int64_t units = 2 * ((N + PANEL - 1) / PANEL);
 #pragma omp parallel for num_threads(threads_for(units, n_threads)) schedule(static)
@@ -236,16 +253,17 @@ struct Int4PanelPair {  // run_block's unit: panels 2u and 2u + 1 of one's layer
 };
 
 // Panel p's results of a token block (token i at res[i * PANEL]) into out.
-inline void store_panel(const float* res, int64_t p, int64_t tb, const float* bias, float* out,
-                        int64_t N) {
+template <typename O>
+void store_panel(const float* res, int64_t p, int64_t tb, const float* bias, O* out,
+                 int64_t N) {
     for (int64_t row0 = p * PANEL; row0 < std::min(N, (p + 1) * PANEL); row0 += HALF)
         store_half(res + (row0 - p * PANEL), PANEL, tb, bias, out, N, row0);
 }
 
 // over_halves with pairs of whole panels as the units (TB2 tokens a pass), a last odd panel
 // alone (PTB tokens a pass).
-template <typename S>
-void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, float* out,
+template <typename S, typename O>
+void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, O* out,
                       int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, units = (panels + 1) / 2;
     const Int4PanelPair<S> pair{panel};
@@ -270,9 +288,9 @@ void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, f
 }
 #endif
 
-template <typename S>
-void q8_int4(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
-             const S* scale, const S* mins, const float* bias, float* out, int64_t N,
+template <typename S, typename X, typename O>
+void q8_int4(const X* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
+             const S* scale, const S* mins, const float* bias, O* out, int64_t N,
              int64_t n_threads) {
     const QRows& a = quantize(x, T, K, n_threads);
 #if defined(BANYAN_Q8_PANELS)
@@ -281,6 +299,21 @@ void q8_int4(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t*
                                 n_threads);
 #endif
     over_halves(T, N, bias, out, n_threads, Int4Half<S>{a, K, group, w, scale, mins});
+}
+
+template <typename X, typename O>
+void q8_int8(const X* x, int64_t T, int64_t K, int64_t group, const int8_t* w,
+             const float* scale, const float* bias, O* out, int64_t N, int64_t n_threads) {
+    const QRows& a = quantize(x, T, K, n_threads);
+    over_halves(T, N, bias, out, n_threads, Int8Half{a, K, group, w, scale});
+}
+
+template <typename X, typename O>
+void q8_int5(const X* x, int64_t T, int64_t K, const uint8_t* w, const uint16_t* scale,
+             const uint16_t* mins, const float* bias, O* out, int64_t N, int64_t n_threads) {
+    const uint8_t* high = w + (N + PANEL - 1) / PANEL * PANEL * K / 2;
+    const QRows& a = quantize(x, T, K, n_threads);
+    over_halves(T, N, bias, out, n_threads, Int5Half{a, K, w, high, scale, mins});
 }
 
 }  // namespace
@@ -308,8 +341,7 @@ void banyan_q8_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t gr
 void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
                                const int8_t* w, const float* scale, const float* bias,
                                float* out, int64_t N, int64_t n_threads) {
-    const QRows& a = quantize(x, T, K, n_threads);
-    over_halves(T, N, bias, out, n_threads, Int8Half{a, K, group, w, scale});
+    q8_int8(x, T, K, group, w, scale, bias, out, N, n_threads);
 }
 
 // As banyan_q8_int4_linear_f32 for 5-bit codes (group 32; mins null: -16 x scale, Q5_0): w the
@@ -318,9 +350,31 @@ void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t gro
 void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
                                const uint16_t* scale, const uint16_t* mins, const float* bias,
                                float* out, int64_t N, int64_t n_threads) {
-    const uint8_t* high = w + (N + PANEL - 1) / PANEL * PANEL * K / 2;
-    const QRows& a = quantize(x, T, K, n_threads);
-    over_halves(T, N, bias, out, n_threads, Int5Half{a, K, w, high, scale, mins});
+    q8_int5(x, T, K, w, scale, mins, bias, out, N, n_threads);
+}
+
+// Any of the above on a bf16 x [T, K] (widened exactly) with out [T, N] bf16 (each float32
+// result rounded to nearest even): the bits of the float32 entry between x.float() and
+// .to(bfloat16), without those passes. kind: 0 int4, 1 int4 with float32 scales, 2 int8, 3 int5
+// (whose group is 32); the scale, mins and weight of that kind's entry.
+void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
+                           int64_t group, const void* w, const void* scale, const void* mins,
+                           const float* bias, uint16_t* out, int64_t N, int64_t n_threads) {
+    const auto* codes = static_cast<const uint8_t*>(w);
+    const auto* half_scale = static_cast<const uint16_t*>(scale);
+    const auto* half_mins = static_cast<const uint16_t*>(mins);
+    switch (kind) {
+        case 0:
+            return q8_int4(x, T, K, group, codes, half_scale, half_mins, bias, out, N, n_threads);
+        case 1:
+            return q8_int4(x, T, K, group, codes, static_cast<const float*>(scale),
+                           static_cast<const float*>(mins), bias, out, N, n_threads);
+        case 2:
+            return q8_int8(x, T, K, group, static_cast<const int8_t*>(w),
+                           static_cast<const float*>(scale), bias, out, N, n_threads);
+        default:
+            return q8_int5(x, T, K, codes, half_scale, half_mins, bias, out, N, n_threads);
+    }
 }
 
 // The activation quantization alone (for the tests): q [T, K] int8, d [T, K / 32] float32.

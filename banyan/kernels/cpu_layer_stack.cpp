@@ -74,6 +74,9 @@ void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t gro
 void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
                                const uint16_t* scale, const uint16_t* mins, const float* bias,
                                float* out, int64_t N, int64_t n_threads);
+void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
+                           int64_t group, const void* w, const void* scale, const void* mins,
+                           const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
 }
 
 namespace {
@@ -211,10 +214,10 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
 }
 
 // In the bf16 stack: long steps through the bf16 GEMM where the per-op path takes it; else the
-// skinny bf16 kernel on a plain bf16 weight, int4 codes' bf16 kernel (cpu_int4_bf16_linear.cpp,
-// where built), or another quantized weight's float32 kernel on x widened to float32, its output rounded back
-// to bf16 (bias float32, added before the rounding), as the per-op path's x.float() and
-// .to(bfloat16) around that kernel do.
+// skinny bf16 kernel on a plain bf16 weight, the 8-bit-activation kernels' bf16 entry, int4
+// codes' bf16 kernel (cpu_int4_bf16_linear.cpp, where built), or another quantized weight's
+// float32 kernel on x widened to float32, its output rounded back to bf16 (bias float32, added
+// before the rounding), as the per-op path's x.float() and .to(bfloat16) around that kernel do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
     if (l.gemm >= 0 && T >= l.gemm_from) {  // (its bias, if any, float32)
@@ -225,6 +228,11 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
     if (l.kind == kSkinnyBf16) {
         banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
                                   static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+        return;
+    }
+    if (l.kind >= kQ8Int4 && l.kind <= kQ8Int5) {  // bf16 in and out: no widened copies
+        banyan_q8_linear_bf16(l.kind - kQ8Int4, x, T, l.in, l.group, l.weight, l.scale, l.mins,
+                              static_cast<const float*>(l.bias), out, l.out, n_threads);
         return;
     }
 #if defined(BANYAN_INT4_BF16)

@@ -180,6 +180,9 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_q8_int8_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_q8_int5_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
     lib.banyan_q8_quantize_f32.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.banyan_q8_linear_bf16.argtypes = [i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                           i64, i64]
+    lib.banyan_q8_linear_bf16.restype = None
     for name in ("int4", "int4s", "int8", "int5"):
         getattr(lib, f"banyan_q8_{name}_linear_f32").restype = None
     lib.banyan_q8_quantize_f32.restype = None

@@ -35,6 +35,8 @@ ACTIVATION_QUANTS = ("none", "int8")
 BLOCK = 32  # activation inputs per float32 scale
 HALF = PANEL // 2  # rows of the kernels' half panels
 WEIGHT_FORMATS = ("int8", "int4", "gguf")
+# banyan_q8_linear_bf16's kind numbers (cpu_int8act_linear.cpp)
+BF16_KINDS = ("int4", "int4_wide", "int8", "int5")
 
 
 def check_activation_quant(mode: str, quantization: str) -> None:
@@ -149,6 +151,17 @@ class Int8ActivationMethod(_QuantMethod):
                 and bool((layer.scale.abs() <= 2048).all()))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:  # bf16 in and out, as the layer stack runs it
+            flat = x.reshape(-1, layer.in_features).contiguous()
+            out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
+            with native.kernel_range("banyan::q8_linear"):
+                self._lib().banyan_q8_linear_bf16(
+                    BF16_KINDS.index(self.kind), flat.data_ptr(), flat.shape[0],
+                    layer.in_features, self.group, layer.q8_codes.data_ptr(),
+                    self.scale.data_ptr(), None if self.mins is None else self.mins.data_ptr(),
+                    self._bias_ptr(layer), out.data_ptr(), layer.out_features,
+                    torch.get_num_threads())
+            return out.reshape(*x.shape[:-1], layer.out_features)
         plain = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
         flat = x if plain else x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
         out = torch.empty(flat.shape[0], layer.out_features)
