@@ -55,11 +55,12 @@ class Proposer(Protocol):
 
 @dataclass(slots=True)
 class SpeculationConfig:
-    # most tokens proposed per request per step: 8, since checking them costs ~1.05-1.2x a
-    # decode at batch 1 in bf16 (spec_step_cost.py on Zen 5, the GEMM on stored pairs; ~1.4-1.6x
-    # before) and a grounded answer's runs accept ~5 (spec_side_by_side.py: grounded 2.14x with
-    # 8, 1.84x with 4, dense bf16 on Zen 5); a request's own acceptance rate scales it down
-    num_tokens: int = 8
+    # most tokens proposed per request per step: 12, since checking them costs ~1.05-1.3x a
+    # decode at batch 1 in bf16 (spec_step_cost.py; a 9-token check 14 ms beside an 11 ms decode
+    # on Zen 4) and a grounded answer copies long runs (spec_side_by_side.py, Zen 4: grounded
+    # ngram 2.61x with 12 against 1.95x with 8, acceptance length 7.1 against 4.5; chat and the
+    # draft model the same with either); a request's own acceptance rate scales it down
+    num_tokens: int = 12
     max_step_tokens: int = 16  # decode work of a step (decodes + guesses) speculation may fill
     min_rate: float = 0.15  # acceptance rate below which a request pauses speculation
     cooldown: int = 8  # steps a paused request goes without guesses before the next probe
