@@ -9,6 +9,7 @@ import torch
 from banyan.batch import ForwardBatch, RowPrefix
 from banyan.mem.allocator import SlotAllocator
 from banyan.mem.kv_pool import KVPool, kv_bytes_per_slot, lazy_zeros, num_slots_for_bytes
+from banyan.mem import prefault
 from banyan.mem.prefault import PoolPrefaulter
 from banyan.mem.req_table import ReqToTokenTable
 
@@ -106,3 +107,17 @@ def test_the_prefaulter_takes_the_pages_and_changes_no_value() -> None:
     assert _rss_bytes() - before > 0.7 * pool.total_bytes
     assert float(pool.k[1].float().sum()) == 3.0 * 128 and float(pool.v[0].float().sum()) == -256
     assert not pool.k[0].any() and not faulter.step()
+
+
+def test_the_prefaulter_stops_while_the_host_still_has_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pool sized past the RAM left keeps faulting in as it fills, never all at once
+    pool = KVPool(layers=1, num_slots=5000, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                  device="cpu")
+    faulter = PoolPrefaulter(pool.regions(), pool.num_slots)
+    free = [prefault.KEEP_AVAILABLE + (64 << 20)]
+    monkeypatch.setattr(prefault, "available_memory", lambda device: free[0])
+    assert faulter.done or faulter.step(max_bytes=1 << 20)  # (done: no madvise here)
+    free[0] = prefault.KEEP_AVAILABLE + (1 << 19)
+    assert not faulter.step(max_bytes=1 << 20) and faulter.done
+    assert faulter.populated_slots < pool.num_slots

@@ -27,11 +27,17 @@ from collections.abc import Sequence
 
 import torch
 
+from banyan.runner.device import available_memory
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
 CHUNK_BYTES = 8 << 20  # one idle turn's share: a few ms here, so a request that arrives waits
 # at most that long
+# Stop while at least this much of the host's memory is still available: a pool sized past the
+# RAM left (an explicit --kv-cache-memory; pages are only taken as used) keeps faulting in as it
+# fills instead of pushing the host out of memory while the engine idles.
+KEEP_AVAILABLE = 1 << 30
 
 
 class PoolPrefaulter:
@@ -50,6 +56,11 @@ class PoolPrefaulter:
     def step(self, max_bytes: int = CHUNK_BYTES) -> bool:
         """Populate the next slots, about max_bytes over all regions; True while more remain."""
         if self.done:
+            return False
+        if available_memory(torch.device("cpu")) < KEEP_AVAILABLE + max_bytes:
+            logger.info("KV pool: %d of %d slots populated; the rest fault in as used (the "
+                        "host's available memory is low)", self._next_slot, self._num_slots)
+            self.done = True
             return False
         t0 = time.perf_counter()
         first = self._next_slot
