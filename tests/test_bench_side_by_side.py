@@ -20,7 +20,8 @@ from workers import Worker, group_cpu_seconds
 
 def test_banyan_worker_protocol(llama_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, str(PEERS / "banyan_worker.py"), "--model", str(llama_dir),
-           "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+           "--dtype", "float32", "--kv-cache-memory", "32MiB",
+           "--engine-args", '{"linear_kernel": "native"}']  # (float32 takes the layer stack so)
     w = Worker("banyan", cmd, tmp_path / "w.log")
     w.start({"OMP_NUM_THREADS": "1"})
     try:
@@ -37,6 +38,8 @@ def test_banyan_worker_protocol(llama_dir: Path, tmp_path: Path) -> None:
         assert one["decode_tok_s"] > 0
         prof = w.run(prompts, [4, 4, 4], timeout=60, op="profile")
         assert prof["top_ops"] and all(0 <= o["share"] <= 1 for o in prof["top_ops"])
+        # the layer stack's own split of its one call: every kind of op took some time
+        assert prof["stack_ops"] and all(v > 0 for v in prof["stack_ops"].values())
         assert group_cpu_seconds(w.proc.pid) > 0
         with pytest.raises(RuntimeError):
             w.run([[10**9]], [2], timeout=60)  # a bad token id: an error reply, not a dead worker
@@ -80,7 +83,8 @@ def test_summary_and_report() -> None:
                         "vllm": {"ready": {"startup_s": 90, "version": "0.32.0"}},
                         "hf-generate": {"ready": None, "error": "no"}},
             "profiles": {"random": {"elapsed_s": 2.0, "top_ops": [
-                {"op": "aten::mm", "self_s": 1.0, "share": 0.6, "calls": 10}]}},
+                {"op": "aten::mm", "self_s": 1.0, "share": 0.6, "calls": 10}],
+                "stack_ops": {"attention": 0.5, "gate_up": 1.5}}},
             "suites": suites, "summary": summary}
     md = write_report(data)
     assert "| vLLM-CPU | 3 |" in md and "0.82×" in md  # 90 / 110
@@ -88,3 +92,5 @@ def test_summary_and_report() -> None:
     assert "**3.00×**" in md  # the prefix cache on vs off
     assert "**200 tok/s**" in md and "| Banyan | 40.0 | 50.0 | 25% |" in md
     assert "failed to start: no" in md and "`aten::mm`" in md
+    assert "Inside `banyan::layer_stack` (2.00 s, its own timers): gate_up 1.50 s (75%), " \
+        "attention 0.50 s (25%)." in md

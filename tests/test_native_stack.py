@@ -7,6 +7,7 @@ aside where a piece has no native kernel."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from banyan.layers.linear import SkinnyBf16Method
 from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
-from banyan.models.native_stack import GEMM_MAX_TOKENS, MAX_TOKENS, NativeLayerStack
+from banyan.models.native_stack import (GEMM_MAX_TOKENS, MAX_TOKENS, STACK_OPS,
+                                        NativeLayerStack)
 from banyan.runner.model_runner import ModelRunner
 from tests.model_helpers import ARCHS, Seq, build_batch, make_runner, random_ids
 
@@ -175,3 +177,25 @@ def test_stack_stands_aside_without_native_pieces(llama_dir: Path) -> None:
     dequantize_in_place(runner.model)  # projections changed under the stack: it must not run
     want, got = _step(runner, alloc, [(seq, 1)])
     assert got is None
+
+
+def test_the_stack_times_its_ops_when_asked(model_dirs: dict[str, Path]) -> None:
+    """A profile sees the stack as one call: asked, it adds up each kind of op's time itself
+    (every kind runs in a decode step, and together they fit in the step's wall time)."""
+    runner = make_runner(model_dirs["llama"], dtype="float32", linear_kernel="native")
+    stack = _every_extend_native(runner)
+    alloc = SlotAllocator(runner.num_slots)
+    seqs = [Seq(0, random_ids(12, 1) + random_ids(4, 2)), Seq(1, random_ids(9, 3))]
+    _step(runner, alloc, [(seqs[0], 6), (seqs[1], 5)])
+    assert stack.op_seconds() == {}
+    stack.time_ops()
+    assert set(stack.op_seconds()) == set(STACK_OPS) and not any(stack.op_seconds().values())
+    t0 = time.perf_counter()
+    _, got = _step(runner, alloc, [(seqs[0], 1), (seqs[1], 1)])
+    wall = time.perf_counter() - t0
+    seconds = stack.op_seconds()
+    assert got is not None and all(v > 0 for v in seconds.values()), seconds
+    assert sum(seconds.values()) < wall
+    stack.time_ops(False)
+    _step(runner, alloc, [(seqs[0], 1), (seqs[1], 1)])
+    assert stack.op_seconds() == {} and not stack._step.op_seconds

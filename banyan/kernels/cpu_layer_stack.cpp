@@ -14,6 +14,7 @@
 // The structs below are mirrored by ctypes (banyan/models/native_stack.py): 8-byte fields only.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -154,6 +155,29 @@ struct StackStep {
     const int64_t* pf_q_start;
     const int64_t* pf_n_new;
     int64_t pf_reqs;  // 0: none
+    double* op_seconds;  // null, or [kStackOps]: each kind of op's seconds added (OpClock)
+};
+
+// Where a step's time goes inside the one call, by kind of op (native_stack.py: STACK_OPS, in
+// this order), for the profile: torch.profiler sees only the call. No clock is read unless the
+// caller passes op_seconds.
+enum StackOp : int {
+    kOpNorm, kOpQkv, kOpRope, kOpKvStore, kOpAttention, kOpO, kOpGateUp, kOpSilu, kOpDown,
+    kStackOps
+};
+
+struct OpClock {
+    double* sums;
+    std::chrono::steady_clock::time_point last;
+    explicit OpClock(double* op_seconds) : sums(op_seconds) {
+        if (sums) last = std::chrono::steady_clock::now();
+    }
+    void lap(StackOp op) {  // the time since the last lap is op's
+        if (!sums) return;
+        const auto now = std::chrono::steady_clock::now();
+        sums[op] += std::chrono::duration<double>(now - last).count();
+        last = now;
+    }
 };
 
 void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* xsum,
@@ -361,32 +385,44 @@ void layer_stack(const StackModel* m, const StackStep* s) {
     T* stream = static_cast<T*>(s->hidden);
     const T* cos = static_cast<const T*>(s->cos);
     const T* sin = static_cast<const T*>(s->sin);
+    OpClock clock(s->op_seconds);
     for (int64_t i = 0; i < m->layers; ++i) {
         const StackLayer& L = m->layer[i];
         // the first layer's stream is the embeddings themselves (nothing to add yet)
         K::add_rms_norm(stream, i == 0 ? nullptr : b.mlp.data(),
                         static_cast<const T*>(L.input_norm), b.x.data(), T_, H, eps, nt);
+        clock.lap(kOpNorm);
         linear(L.qkv, b.x.data(), T_, b.qkv.data(), b.xsum.data(), nt);
+        clock.lap(kOpQkv);
         K::rope_qk(b.qkv.data(), qkv_n, cos, sin, static_cast<const T*>(L.q_norm),
                    static_cast<const T*>(L.k_norm), eps, b.q.data(), b.k.data(), T_, m->heads,
                    m->kv_heads, D, nt);
+        clock.lap(kOpRope);
         for (int64_t t = 0; t < T_; ++t) {  // rotated k and the untouched v into the pool
             store_row(b.k.data() + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool,
                       L.k_scale);
             store_row(b.qkv.data() + t * qkv_n + q_size + kv_size, s->slots[t], m->kv_heads, D,
                       L.v_pool, L.v_scale);
         }
+        clock.lap(kOpKvStore);
         attend(m, L, s, b.q.data(), b.attn.data());
+        clock.lap(kOpAttention);
         linear(L.o, b.attn.data(), T_, b.a.data(), b.xsum.data(), nt);
+        clock.lap(kOpO);
         K::add_rms_norm(stream, b.a.data(), static_cast<const T*>(L.post_norm), b.x.data(), T_,
                         H, eps, nt);
+        clock.lap(kOpNorm);
         linear(L.gate_up, b.x.data(), T_, b.gate_up.data(), b.xsum.data(), nt);
+        clock.lap(kOpGateUp);
         K::silu_and_mul(b.gate_up.data(), b.act.data(), T_, m->intermediate, nt);
+        clock.lap(kOpSilu);
         linear(L.down, b.act.data(), T_, b.mlp.data(), b.xsum.data(), nt);
+        clock.lap(kOpDown);
     }
     K::add_rms_norm(stream, m->layers ? b.mlp.data() : nullptr,
                     static_cast<const T*>(m->final_norm), static_cast<T*>(s->out), T_, H, eps,
                     nt);
+    clock.lap(kOpNorm);
 }
 
 }  // namespace

@@ -99,7 +99,13 @@ class StackStep(ctypes.Structure):
                 ("q_start", c_void_p), ("n_new", c_void_p), ("order", c_void_p),
                 ("group_start", c_void_p), ("group_prefix", c_void_p), ("n_groups", c_int64),
                 ("n_threads", c_int64), ("pf_req_row", c_void_p), ("pf_req_len", c_void_p),
-                ("pf_q_start", c_void_p), ("pf_n_new", c_void_p), ("pf_reqs", c_int64)]
+                ("pf_q_start", c_void_p), ("pf_n_new", c_void_p), ("pf_reqs", c_int64),
+                ("op_seconds", c_void_p)]
+
+
+# The kinds of op the stack times when asked (cpu_layer_stack.cpp: StackOp, in this order):
+# what a profile of a step sees inside its one native call.
+STACK_OPS = ("norms", "qkv", "rope", "kv_store", "attention", "o", "gate_up", "silu", "down")
 
 
 def _vector(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
@@ -122,6 +128,7 @@ class NativeLayerStack:
             cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate,
             cfg.rms_eps, backend.scale, self._layers, model.norm.weight.data_ptr())
         self._step = StackStep()
+        self._op_seconds: torch.Tensor | None = None  # (time_ops)
         self._args = (ctypes.byref(self._struct), ctypes.byref(self._step))  # made once
         lib = native.load()
         assert lib is not None
@@ -134,6 +141,19 @@ class NativeLayerStack:
         self.max_tokens = (GEMM_MAX_TOKENS if bf16 and gemm else
                            min(SkinnyBf16Method.SKINNY_ROWS, BF16_GEMM_MIN_TOKENS - 1) if bf16
                            else MAX_TOKENS)
+
+    def time_ops(self, on: bool = True) -> None:
+        """From the next call on, add each kind of op's seconds up (from zero), or stop."""
+        self._op_seconds = torch.zeros(len(STACK_OPS), dtype=torch.float64) if on else None
+        self._step.op_seconds = None if self._op_seconds is None else \
+            self._op_seconds.data_ptr()
+
+    def op_seconds(self) -> dict[str, float]:
+        """Seconds each kind of op (STACK_OPS) took in the calls since time_ops(); {} when
+        not timing."""
+        if self._op_seconds is None:
+            return {}
+        return dict(zip(STACK_OPS, self._op_seconds.tolist(), strict=True))
 
     @classmethod
     def build(cls, model: torch.nn.Module, pool: KVPool,
