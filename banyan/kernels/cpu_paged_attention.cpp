@@ -93,12 +93,12 @@ void dequantize(const int32_t* slots, int64_t n, const typename K::T* pool, cons
 // C: the queries' and outputs' type; K: the pool's (C's own, or a quantized one with scales).
 template <typename C, typename K>
 struct Attender {
-    const typename K::T* kpool;
-    const typename K::T* vpool;
-    const float* kscale;
-    const float* vscale;
-    int64_t kvh, d;
-    float scale;
+    const typename K::T* kpool = nullptr;
+    const typename K::T* vpool = nullptr;
+    const float* kscale = nullptr;
+    const float* vscale = nullptr;
+    int64_t kvh = 0, d = 0;
+    float scale = 0.0f;
     Scratch sc;
     std::vector<typename C::T> qraw;  // the rows unscaled, for the AVX-512 paths
     // a quantized pool's keys and values of one chunk, dequantized, and their "slots"
@@ -109,9 +109,12 @@ struct Attender {
     Buffers pairs;  // a decode group's shared keys through the prefill kernel's pair tiles
 #endif
 
-    Attender(const typename K::T* k, const typename K::T* v, const float* ks, const float* vs,
-             int64_t kv_heads, int64_t dim, float sm_scale)
-        : kpool(k), vpool(v), kscale(ks), vscale(vs), kvh(kv_heads), d(dim), scale(sm_scale) {
+    // This call's pool and shape (the scratch keeps its capacity from call to call: see
+    // thread_attender).
+    void bind(const typename K::T* k, const typename K::T* v, const float* ks, const float* vs,
+              int64_t kv_heads, int64_t dim, float sm_scale) {
+        kpool = k, vpool = v, kscale = ks, vscale = vs, kvh = kv_heads, d = dim;
+        scale = sm_scale;
         if (K::kScaled && (has_wide_paths || (has_avx2_paths && std::is_same<C, F32>::value))) {
             kq.resize(QCHUNK * d);
             vq.resize(QCHUNK * d);
@@ -244,6 +247,17 @@ struct Attender {
     }
 };
 
+// The calling thread's Attender of this instantiation, bound to this call: one per thread kept
+// across calls, so its dozen scratch vectors are not allocated and freed in every layer of
+// every step (a batch-1 decode's attention is a few microseconds a layer).
+template <typename C, typename K>
+Attender<C, K>& thread_attender(const typename K::T* k, const typename K::T* v, const float* ks,
+                                const float* vs, int64_t kv_heads, int64_t dim, float sm_scale) {
+    static thread_local Attender<C, K> at;
+    at.bind(k, v, ks, vs, kv_heads, dim, sm_scale);
+    return at;
+}
+
 // A lone decode of a long context (one request, one token; the batch-1 case): its keys are
 // cut into parts (flash-decoding) shared by the threads; each part attends every KV head over
 // one contiguous run of slots (a slot's heads side by side: the memory streams in order), and
@@ -269,12 +283,18 @@ void split_decode(const typename C::T* q, const typename K::T* kpool, const type
                   typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
                   int64_t n_threads) {
     const int64_t g_heads = heads / kvh, parts = split_parts(n);
-    std::vector<float> part_m(parts * heads), part_l(part_m.size());
-    std::vector<float> part_acc(part_m.size() * d);
+    // every part's state, written whole before the merge reads it: the calling thread's
+    // buffers, kept between calls, shared with the team through these pointers
+    static thread_local std::vector<float> states, accs;
+    states.resize(2 * parts * heads);
+    accs.resize(parts * heads * d);
+    float* part_m = states.data();
+    float* part_l = part_m + parts * heads;
+    float* part_acc = accs.data();
 #pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, parts)))
     {
         const int64_t team = omp_get_num_threads(), c = omp_get_thread_num();
-        Attender<C, K> at(kpool, vpool, kscale, vscale, kvh, d, scale);
+        Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
         at.fit(static_cast<int>(g_heads));
         for (int64_t p = parts * c / team; p < parts * (c + 1) / team; ++p) {
             const int64_t k0 = n * p / parts, k1 = n * (p + 1) / parts;
@@ -287,7 +307,7 @@ void split_decode(const typename C::T* q, const typename K::T* kpool, const type
                     const int64_t row = p * heads + h * g_heads + gh;
                     part_m[row] = at.sc.m[gh];
                     part_l[row] = at.sc.l[gh];
-                    std::copy_n(at.sc.acc.data() + gh * d, d, part_acc.data() + row * d);
+                    std::copy_n(at.sc.acc.data() + gh * d, d, part_acc + row * d);
                 }
             }
         }
@@ -296,7 +316,8 @@ void split_decode(const typename C::T* q, const typename K::T* kpool, const type
         for (int64_t hr = 0; hr < heads; ++hr) {  // merge: rescale each part to the top max
             float top = -INFINITY;
             for (int64_t t = 0; t < parts; ++t) top = std::max(top, part_m[t * heads + hr]);
-            std::vector<float> acc(d, 0.0f);
+            static thread_local std::vector<float> acc;  // (this thread's)
+            acc.assign(d, 0.0f);
             float l = 0.0f;
             for (int64_t t = 0; t < parts; ++t) {
                 const int64_t row = t * heads + hr;
@@ -351,7 +372,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
     const int64_t split = slices < n_threads ? kvh : 1;
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
-        Attender<C, K> at(kpool, vpool, kscale, vscale, kvh, d, scale);
+        Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
         std::vector<int64_t> offset;  // first state row of each member of the slice
 #pragma omp for schedule(dynamic, 1)
         // Otherwise a slice's KV heads all run on one thread, and each member's own keys are
