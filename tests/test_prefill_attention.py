@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from banyan import Engine, SamplingParams
-from banyan.attention import cpu_native
+from banyan.attention import cpu_native, prefill_choice
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
+from banyan.attention.prefill_choice import PrefillTimes
 from banyan.kernels import native
 from tests.test_cascade_attention import Req, Scene, fresh
 
@@ -121,6 +122,58 @@ def test_switched_off_the_long_chunks_take_sdpa(monkeypatch: pytest.MonkeyPatch)
     backend = CpuNativeBackend(scene.pool, scene.table, max_extend=16)
     meta = scene.check(backend)
     assert meta.prefill is None and [e.length for e in meta.extends] == [100]
+
+
+def long_chunk_path(monkeypatch: pytest.MonkeyPatch, amx: bool, times: PrefillTimes,
+                    dtype: torch.dtype = torch.bfloat16, codes: str | None = None) -> str:
+    """Where a default backend sends a fresh 100-token chunk on a CPU with or without AMX whose
+    start-up probe measured `times` ("kernel" or "sdpa"; the probe must not run without AMX).
+    A 40-token chunk over a cached prefix beside it stays on the kernel either way."""
+    monkeypatch.delenv(cpu_native.PREFILL_SWITCH, raising=False)
+    monkeypatch.setattr(prefill_choice.native, "amx_here", lambda: amx)
+    probed: list[int] = []
+
+    def measure(kv_heads: int, head_dim: int, dt: torch.dtype) -> PrefillTimes:
+        probed.append(kv_heads)
+        assert (head_dim, dt) == (64, dtype)
+        return times
+
+    monkeypatch.setattr(prefill_choice, "time_prefill_paths", measure)
+    c = [1]
+    scene = Scene([Req(fresh(c, 100), extend=100), Req(fresh(c, 30)),
+                   Req(fresh(c, 200 + 40), extend=40)], 6, 2, dim=64,
+                  dtype=dtype, kv_cache_dtype=codes or "auto")
+    meta = scene.check(CpuNativeBackend(scene.pool, scene.table, max_extend=16),
+                       atol=1e-5 if dtype == torch.float32 else 4e-2)
+    assert probed == ([2] if amx and dtype == torch.bfloat16 and codes is None else [])
+    assert meta.prefill is not None and 40 in meta.prefill.n_new.tolist()
+    if 100 in meta.prefill.n_new.tolist():
+        assert not meta.extends
+        return "kernel"
+    assert [e.length for e in meta.extends] == [100]
+    return "sdpa"
+
+
+def test_on_an_amx_cpu_the_faster_path_measured_takes_long_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA runs on AMX tiles where the CPU has them: the start-up probe decides, by a margin."""
+    faster, close = PrefillTimes(2e-3, 1e-3), PrefillTimes(2e-3, 1.9e-3)
+    assert long_chunk_path(monkeypatch, True, faster) == "sdpa"
+    assert long_chunk_path(monkeypatch, True, close) == "kernel"
+    assert long_chunk_path(monkeypatch, True, PrefillTimes(1e-3, 2e-3)) == "kernel"
+    # no probe without AMX, for a float32 model, or over a quantized pool
+    assert long_chunk_path(monkeypatch, False, faster) == "kernel"
+    assert long_chunk_path(monkeypatch, True, faster, dtype=torch.float32) == "kernel"
+    assert long_chunk_path(monkeypatch, True, faster, codes="int8") == "kernel"
+    monkeypatch.setenv(cpu_native.PREFILL_SWITCH, "1")  # the switch overrides the probe
+    c = [1]
+    scene = Scene([Req(fresh(c, 100), extend=100)], 6, 2, dim=64, dtype=torch.bfloat16)
+    assert CpuNativeBackend(scene.pool, scene.table, max_extend=16).prefill_kernel
+
+
+def test_the_probe_times_both_paths() -> None:
+    times = prefill_choice.time_prefill_paths(2, 64, torch.float32, tokens=96, rounds=1)
+    assert 0 < times.kernel_s < 1 and 0 < times.sdpa_s < 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,11 +1,13 @@
-"""The "cpu-native" attention backend: every CPU step through the C++ kernels, SDPA never.
+"""The "cpu-native" attention backend: every CPU step through the C++ kernels (SDPA: see below).
 
 Decodes and prefill chunks of up to `max_extend` tokens go to the row kernel
 (cpu_paged_attention.cpp; see native_plan.py), longer chunks to the blocked prefill kernel
-(cpu_prefill_attention.cpp). The SDPA paths this backend inherits run only when the prefill
-kernel is switched off (`prefill_kernel=False`, or BANYAN_NATIVE_PREFILL=0 for a whole process:
-the A/B switch of benchmarks/prefill_roofline.py); the registry picks the "sdpa" backend itself
-where the kernels cannot load or the dtype is unsupported.
+(cpu_prefill_attention.cpp). The SDPA paths this backend inherits take those chunks only where
+the prefill kernel is switched off: `prefill_kernel=False`, BANYAN_NATIVE_PREFILL=0 for a whole
+process (the A/B switch of benchmarks/prefill_roofline.py); and by default, on a CPU with AMX
+where SDPA (on AMX tiles) measured faster at start-up (prefill_choice.py), the fresh ones (no
+cached prefix: the case the probe times). The registry picks
+the "sdpa" backend itself where the kernels cannot load or the dtype is unsupported.
 
 On Zen 3 (SmolLM2's 9 x 3 heads of 64, 2 threads; benchmarks/prefill_attention.py) the prefill
 kernel took a fresh 2,048-token prefill in 38-48 ms against SDPA's 47-60 (float32; 100-126
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.attention.base import AttentionMetadata
+from banyan.attention.prefill_choice import kernel_takes_prefills
 from banyan.attention.prefix_groups import CascadePolicy
 from banyan.attention.native_plan import (
     NativePlan,
@@ -37,7 +40,8 @@ from banyan.kernels import native as native_kernels
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 
-PREFILL_SWITCH = "BANYAN_NATIVE_PREFILL"  # "0": chunks past max_extend on SDPA, as before
+# "0" / "1": chunks past max_extend on SDPA / on the kernel, whatever the CPU
+PREFILL_SWITCH = "BANYAN_NATIVE_PREFILL"
 
 
 @dataclass(slots=True)
@@ -56,9 +60,16 @@ class CpuNativeBackend(SdpaBackend):
         if max_extend is None:
             max_extend = default_max_extend(pool.dtype, pool.code_dtype)
         self.max_extend = max_extend
-        # Longer ones to the prefill kernel (else to the SDPA paths).
+        # Longer ones to the prefill kernel, else to the SDPA paths: all of them where it is
+        # switched off; only fresh ones (no cached prefix: what the AMX probe timed) where
+        # fresh_on_sdpa.
+        self.fresh_on_sdpa = False
         if prefill_kernel is None:
-            prefill_kernel = os.environ.get(PREFILL_SWITCH, "1") != "0"
+            switch = os.environ.get(PREFILL_SWITCH)
+            prefill_kernel = switch != "0"
+            if switch is None:
+                self.fresh_on_sdpa = not kernel_takes_prefills(
+                    pool.kv_heads, pool.head_dim, pool.dtype, pool.code_dtype)
         self.prefill_kernel = prefill_kernel
 
     @classmethod
@@ -89,6 +100,13 @@ class CpuNativeBackend(SdpaBackend):
             self._plan_paths(meta, batch, starts, set(taken))
             return meta
         long = [i for i, n in enumerate(batch.extend_lens) if n > self.max_extend]
+        if self.fresh_on_sdpa:
+            fresh = {i for i in long if batch.prefix_lens[i] == 0}
+            if fresh:
+                self._plan_paths(meta, batch, starts, set(range(batch.batch_size)) - fresh)
+                long = [i for i in long if i not in fresh]
+                if not long:
+                    return meta
         meta.prefill = plan_prefill(
             [batch.rows[i] for i in long],
             [batch.prefix_lens[i] for i in long],

@@ -299,7 +299,7 @@ class SdpaBackend(AttentionBackend):
         ki = ki.transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
         vi = vi.transpose(0, 1).unsqueeze(0)
         causal = ext.mask is None
-        o = _sdpa_gqa(qi, ki, vi, ext.mask, causal, self.scale)  # [1, H, n, D]
+        o = sdpa_gqa(qi, ki, vi, ext.mask, causal, self.scale)  # [1, H, n, D]
         return o[0].transpose(0, 1)
 
 
@@ -312,7 +312,7 @@ def token_starts(batch: ForwardBatch) -> list[int]:
     return starts
 
 
-def _sdpa_gqa(
+def sdpa_gqa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
