@@ -128,12 +128,14 @@ def _quantized_layer(method: str, out_f: int, in_f: int, bias: bool) -> Linear:
 @pytest.mark.parametrize("method", ["int8", "int4g32", "int4g128", "int8g32", "int8g16",
                                     "int4-float32-scales"])
 @pytest.mark.parametrize("out_f,in_f,tokens,bias", [(70, 128, 9, True), (16, 256, 8, False),
-                                                    (49, 128, 21, False), (100, 384, 64, True)])
+                                                    (49, 128, 21, False), (100, 384, 64, True),
+                                                    (300, 256, 23, True)])
 def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: int, in_f: int,
                                                            tokens: int, bias: bool) -> None:
     """A bf16 model's long steps: bf16 activations times the weights rounded once to bf16,
     float32 sums, one rounding of each output (plus the float32 bias first). Every panel-group
-    and token-block tail: rows not a multiple of 16 or 48, tokens not a multiple of 8. On a CPU
+    and token-block tail: rows not a multiple of 16 or 48, tokens not a multiple of 8; 300 rows:
+    several groups a thread, each filled while the one before it computes. On a CPU
     without AVX512-BF16 this checks the kernel's scalar twin."""
     from banyan.kernels.native import bf16_gemm_here
     from banyan.layers.quant import BF16_GEMM_MIN_TOKENS

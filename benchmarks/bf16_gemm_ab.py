@@ -1,0 +1,110 @@
+"""Two builds of the bf16 GEMM kernel (banyan_quant_gemm_bf16, kernels/cpu_quant_gemm_bf16.cpp)
+against each other in one process, call by call, on SmolLM2-135M's layer shapes: int4 (group
+32), int8 (a scale per row) and dense bf16 pairs, every call of one build followed by the same
+call of the other (their order swapped every round), so a drift of the machine's speed hits
+both alike. The two builds' outputs are checked to be the same bits first.
+
+Build the other checkout's kernels (any Banyan call that loads them writes the library into the
+kernel cache, ~/.cache/banyan/kernels, named by a hash of their sources), then:
+
+    python benchmarks/bf16_gemm_ab.py A.so B.so [--tokens 64] [--rounds 150] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from banyan.bench.offline import machine_info
+from banyan.layers.linear import Linear, SkinnyBf16Method
+from banyan.layers.quant import BF16_GEMM_KINDS, Int4Method, Int8Method
+
+SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
+BF16_PAIRS_KIND = 5  # kBf16Pairs
+
+
+def call_args(method: str, n: int, k: int, tokens: int,
+              keep: list[Any]) -> tuple[Any, ...]:
+    """banyan_quant_gemm_bf16's arguments for a random layer in `method` (its tensors kept
+    alive in `keep`)."""
+    w = torch.randn(n, k) * 0.05
+    layer = Linear.from_weight(w.bfloat16() if method == "bf16" else w)
+    layer.convert({"bf16": SkinnyBf16Method, "int4": lambda: Int4Method(32),
+                   "int8": Int8Method}[method]())
+    spec = layer.method.native(layer)
+    assert spec is not None
+    kind = BF16_PAIRS_KIND if method == "bf16" else BF16_GEMM_KINDS[spec.kind]
+    x = torch.randn(tokens, k).bfloat16()
+    out = torch.empty(tokens, n, dtype=torch.bfloat16)
+    keep += [layer, spec, x, out]
+    return (x.data_ptr(), tokens, k, kind, spec.weight.data_ptr(), _ptr(spec.scale),
+            _ptr(spec.mins), spec.group, None, out.data_ptr(), n, torch.get_num_threads())
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=150)
+    ap.add_argument("--out", type=Path, default=None)
+    ns = ap.parse_args()
+    libs = {"a": ctypes.CDLL(str(ns.a)), "b": ctypes.CDLL(str(ns.b))}
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for lib in libs.values():
+        lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
+    torch.manual_seed(0)
+    keep: list[Any] = []
+    cases = {(shape, method): call_args(method, n, k, ns.tokens, keep)
+             for shape, (n, k) in SHAPES.items() for method in ("int4", "int8", "bf16")}
+    for case, args in cases.items():  # the same bits from both
+        got = []
+        for lib in libs.values():
+            lib.banyan_quant_gemm_bf16(*args)
+            got.append(ctypes.string_at(args[9], ns.tokens * args[10] * 2))  # out, bf16
+        if got[0] != got[1]:
+            print(f"{case}: the two builds' outputs differ", file=sys.stderr)
+            return 1
+    seconds: dict[tuple[str, str, str], list[float]] = {
+        (*case, name): [] for case in cases for name in libs}
+    for r in range(ns.rounds):
+        for case, args in cases.items():
+            order = list(libs.items())
+            for name, lib in order if r % 2 else order[::-1]:
+                t0 = time.perf_counter()
+                lib.banyan_quant_gemm_bf16(*args)
+                seconds[(*case, name)].append(time.perf_counter() - t0)
+    rows = []
+    for shape, method in cases:
+        a, b = (seconds[(shape, method, name)] for name in libs)
+        row = {"shape": shape, "method": method,
+               "a_median_ms": statistics.median(a) * 1e3, "b_median_ms": statistics.median(b) * 1e3,
+               "a_best_ms": min(a) * 1e3, "b_best_ms": min(b) * 1e3}
+        row["b_over_a_median"] = row["b_median_ms"] / row["a_median_ms"]
+        row["b_over_a_best"] = row["b_best_ms"] / row["a_best_ms"]
+        rows.append(row)
+        print(f"{shape:8s} {method:5s} median a {row['a_median_ms']:.3f} b "
+              f"{row['b_median_ms']:.3f} ms (b/a {row['b_over_a_median']:.3f}), best b/a "
+              f"{row['b_over_a_best']:.3f}", flush=True)
+    if ns.out:
+        result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+                  "tokens": ns.tokens, "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
+                  "cases": rows}
+        ns.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
