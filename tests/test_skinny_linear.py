@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from banyan.kernels import native
-from banyan.layers.linear import (CHOICE_RULE, Linear, PackedBf16Method, SkinnyBf16Method,
-                                  SkinnyF32Method, pack_bf16_pairs)
+from banyan.layers.linear import (CHOICE_RULE, Linear, PackedBf16Method, PairsBf16Method,
+                                  SkinnyBf16Method, SkinnyF32Method, pack_bf16_pairs)
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels do not build here")
 
@@ -196,9 +196,28 @@ def test_linear_kernel_choice_is_the_users_or_the_machines(llama_dir: object) ->
         assert _methods(make_runner(llama_dir, dtype="bfloat16", linear_kernel="torch")) == \
             {"PackedBf16Method"}
         runner = make_runner(llama_dir, dtype="bfloat16", linear_kernel="native")
-        assert _methods(runner) == {"SkinnyBf16Method", "PackedBf16Method"}
         head = runner.model.tied_head or runner.model.lm_head  # outside the layer stack
-        assert type(head.method).__name__ == "PackedBf16Method"
+        # one copy of the head: in the bf16 GEMM's pairs where its layers' steps take them
+        want = "PairsBf16Method" if SkinnyBf16Method.takes_gemm(head) else "PackedBf16Method"
+        assert _methods(runner) == {"SkinnyBf16Method", want}
+        assert type(head.method).__name__ == want
+
+
+@pytest.mark.skipif(not native.bf16_gemm_here(), reason="the bf16 GEMM kernel needs AVX512-BF16")
+def test_a_pairs_head_gives_each_row_the_same_bits_whatever_the_step() -> None:
+    """The LM head in pairs alone: logits within bf16 rounding of a float64 product, and each
+    row's the very bits it gets alone, in a batch or as part of a long step (past GEMM_ROWS)."""
+    torch.manual_seed(3)
+    w, bias = torch.randn(200, 64).bfloat16(), torch.randn(200).bfloat16()
+    layer = Linear.from_weight(w.clone(), bias.clone())
+    layer.convert(PairsBf16Method())
+    assert not hasattr(layer, "weight") and layer.weight_bytes() == 200 * 64 * 2
+    x = torch.randn(300, 64).bfloat16()
+    got = layer(x)
+    want = x.double() @ w.double().T + bias.double()
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-3).all()
+    for rows in (slice(0, 1), slice(5, 9), slice(40, 104)):
+        assert torch.equal(layer(x[rows]), got[rows])
 
 
 _ASK = """
@@ -237,8 +256,10 @@ def test_bf16_auto_takes_the_kernel_with_vdpbf16ps_and_memory_to_spare(
     from tests.model_helpers import make_runner
 
     monkeypatch.setattr(SkinnyBf16Method, "suits_here", staticmethod(lambda: True))
-    assert _methods(make_runner(llama_dir, dtype="bfloat16")) == \
-        {"SkinnyBf16Method", "PackedBf16Method"}
+    runner = make_runner(llama_dir, dtype="bfloat16")
+    head = runner.model.tied_head or runner.model.lm_head
+    assert _methods(runner) == {"SkinnyBf16Method", "PairsBf16Method"
+                                if SkinnyBf16Method.takes_gemm(head) else "PackedBf16Method"}
     monkeypatch.setattr(SkinnyBf16Method, "MEMORY_SHARE", 10**12)  # no copy is affordable
     assert _methods(make_runner(llama_dir, dtype="bfloat16")) == {"PackedBf16Method"}
     monkeypatch.setattr(SkinnyBf16Method, "MEMORY_SHARE", 8)

@@ -11,8 +11,8 @@ import torch
 
 from banyan.args import check_linear_kernel
 from banyan.layers.gguf_linear import repack_gguf_linears
-from banyan.layers.linear import (Linear, LinearMethod, PackedBf16Method, SkinnyBf16Method,
-                                  SkinnyF32Method, convert_linears)
+from banyan.layers.linear import (Linear, LinearMethod, PackedBf16Method, PairsBf16Method,
+                                  SkinnyBf16Method, SkinnyF32Method, convert_linears)
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.models.llama import LlamaForCausalLM
 
@@ -48,9 +48,10 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
         return
     _split_tied_head(model)
     skip: tuple[Linear, ...] = ()
-    if method is SkinnyBf16Method:  # the layer stack stops before the LM head: no plain copy
+    if method is SkinnyBf16Method:  # the layer stack stops before the LM head: one copy
         head = model.lm_head if model.lm_head is not None else model.tied_head
-        head.convert(PackedBf16Method())
+        head.convert(PairsBf16Method() if SkinnyBf16Method.takes_gemm(head)
+                     else PackedBf16Method())
         skip = (head,)
     converted = convert_linears(model, method, skip=skip)
     logger.info("%d linear weights converted to %s", converted, method.__name__)
