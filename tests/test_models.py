@@ -16,7 +16,7 @@ import torch
 from banyan.batch import RowPrefix
 from banyan.demo import build_random_model
 from banyan.kernels import fused_ops
-from banyan.layers.linear import Linear, PackedBf16Method
+from banyan.layers.linear import Linear, PackedBf16Method, PairsBf16Method
 from banyan.mem.allocator import SlotAllocator
 from tests.model_helpers import (
     ARCHS,
@@ -200,8 +200,8 @@ def test_bf16_prepacked_weights_give_identical_logits(
         if not packing:
             monkeypatch.setattr(PackedBf16Method, "available", lambda *a: False)
         runner = make_runner(path, dtype="bfloat16")
-        linears = [m for m in runner.model.modules()
-                   if isinstance(m, Linear) and isinstance(m.method, PackedBf16Method)]
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)
+                   and isinstance(m.method, (PackedBf16Method, PairsBf16Method))]
         assert len(linears) == (4 * runner.model_config.layers + 1 if packing else 0)
         seq, alloc = Seq(0, ids), SlotAllocator(runner.num_slots)
         logits.append(torch.cat(run_step(runner, alloc, [(seq, 36)])

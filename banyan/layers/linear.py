@@ -301,8 +301,8 @@ class PairsBf16Method(LinearMethod):
     """A bf16 LM head on CPU stored only in the bf16 GEMM's pairs (pack_bf16_pairs), every step
     through that kernel: the head of a model whose layers take SkinnyBf16Method, in place of
     oneDNN's packed copy (the layer stack stops before the head, so it needs no second copy).
-    SmolLM2's head (49,152 x 576) on Zen 4: 1 token 1.63 against oneDNN's 2.16 ms, 8 tokens 1.59
-    against 2.35, 64 9.3 against 9.9, 128 even, 256 2% slower (batch-1 decode 1.12x in one
+    SmolLM2's head (49,152 x 576) on Zen 4 (benchmarks/bf16_head.py): 0.8x oneDNN's time at 1 and
+    8 tokens, 0.84-0.88x at 16-32, even at 64-128, 2% slower at 256 (batch-1 decode 1.12x in one
     process beside the packed head); and each row's sum is the same whatever the step's size."""
 
     def create_weights(self, layer: Linear) -> None:
