@@ -6,8 +6,8 @@ Decodes and prefill chunks of up to `max_extend` tokens go to the row kernel
 the prefill kernel is switched off: `prefill_kernel=False`, BANYAN_NATIVE_PREFILL=0 for a whole
 process (the A/B switch of benchmarks/prefill_roofline.py); and by default, on a CPU with AMX
 where SDPA (on AMX tiles) measured faster at start-up (prefill_choice.py), the fresh ones (no
-cached prefix: the case the probe times). The registry picks
-the "sdpa" backend itself where the kernels cannot load or the dtype is unsupported.
+cached prefix: the case the probe times). The registry picks the "sdpa" backend itself where
+the kernels cannot load or the dtype is unsupported.
 
 On Zen 3 (SmolLM2's 9 x 3 heads of 64, 2 threads; benchmarks/prefill_attention.py) the prefill
 kernel took a fresh 2,048-token prefill in 38-48 ms against SDPA's 47-60 (float32; 100-126

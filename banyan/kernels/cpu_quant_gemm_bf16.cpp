@@ -81,46 +81,13 @@ void fill_plain(const QuantWeight& w, int64_t p, int q, int np, __m512i* tile) {
     }
 }
 
-// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
-void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
-    if (w.kind == kBf16) {
-        for (int q = 0; q < np; ++q) fill_plain(w, p0 + q, q, np, tile);
-        return;
-    }
-    const int64_t K = w.K, pairs = K / 2;
-    const int64_t group = w.kind == kInt8Rows ? K : w.group, groups = K / group;
-    for (int q = 0; q < np; ++q) {
-        const int64_t p = p0 + q;
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t at = w.kind == kInt8Rows ? p * PANEL : (p * groups + g) * PANEL;
-            const __m512 s = scale16(w.scale, at, w.kind == kInt4);
-            if (w.kind == kInt8Rows || w.kind == kInt8Groups) {
-                const int8_t* c = static_cast<const int8_t*>(w.codes) + p * K * PANEL;
-                for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j)
-                    tile[j * np + q] = pair_bf16(_mm512_mul_ps(load_i8x16(c + 2 * j * PANEL), s),
-                                                 _mm512_mul_ps(load_i8x16(c + (2 * j + 1) * PANEL), s));
-                continue;
-            }
-            const __m512 m = scale16(w.mins, at, w.kind == kInt4);
-            const uint8_t* c = static_cast<const uint8_t*>(w.codes) + p * pairs * PANEL;
-            const __m512i low4 = _mm512_set1_epi32(0xF);
-            for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
-                const __m512i b = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j * PANEL)));
-                const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
-                const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-                tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
-                                             _mm512_add_ps(_mm512_mul_ps(odd, s), m));
-            }
-        }
-    }
-}
-
-// The next group's tile, filled a few vectors at a time in between this group's products
-// (tile_gemm), where the dequantizing's shuffles and conversions overlap the vdpbf16ps stream
-// instead of running alone between groups (a 64-token int4 step spent 7-16% over bf16's on it,
-// SmolLM2's layers, Zen 4). Vectors go panel by panel, pairs in order (the codes' order), each
-// computed as fill_tile computes it; a group's scales (and minimums) are loaded at its first.
+// Panels [p0, p0 + np) of a quantized kind (not kBf16) dequantized into tile[j * np + q] (panel
+// p0 + q's 16 rows at inputs 2j, 2j + 1) one vector a call, panel by panel, pairs in order (the
+// codes' order); a group's scales (and minimums) are loaded at its first vector. All at once
+// for a thread's first group (fill_tile); for each next one a few vectors at a time in between
+// the current group's products (tile_gemm), where the dequantizing's shuffles and conversions
+// overlap the vdpbf16ps stream instead of running alone between groups (a 64-token int4 step
+// spent 7-16% over bf16's on it, SmolLM2's layers, Zen 4).
 struct Fill {
     const QuantWeight* w = nullptr;
     int64_t p0 = 0, np = 0, pairs = 0;
@@ -129,6 +96,10 @@ struct Fill {
     int64_t done = 0, end = 0;  // vectors filled; this pass fills up to `end`
     int64_t left = 0;           // pairs left in the current group (0: at a group's start)
     __m512 s, m;
+
+    Fill() = default;
+    Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into)
+        : w(&weight), p0(first), np(panels), pairs(weight.K / 2), tile(into) {}
 
     void one() {
         const QuantWeight& W = *w;
@@ -159,6 +130,16 @@ struct Fill {
         if (++j == pairs) j = 0, ++q, left = 0;
     }
 };
+
+// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
+void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
+    if (w.kind == kBf16) {
+        for (int q = 0; q < np; ++q) fill_plain(w, p0 + q, q, np, tile);
+        return;
+    }
+    Fill fill(w, p0, np, tile);
+    while (fill.done < np * fill.pairs) fill.one();
+}
 
 // A span of memory the next group reads (codes fill_tile dequantizes, or pairs read in place),
 // to be fetched into L2 while this group computes.
@@ -278,10 +259,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
                 panels_at.stride = np;
             }
             Fill fill;
-            if (!plain && next_np > 0) {
-                fill.w = &w, fill.p0 = p0 + np, fill.np = next_np, fill.pairs = pairs;
-                fill.tile = tiles + ((k + 1) % 2) * pairs * NP;
-            }
+            if (!plain && next_np > 0)
+                fill = Fill(w, p0 + np, next_np, tiles + (k + 1) % 2 * pairs * NP);
             Fill* filling = fill.w ? &fill : nullptr;
             // the codes after the group being filled (the pairs after this group's, in place)
             const int64_t ahead = plain ? np : np + next_np;

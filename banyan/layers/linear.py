@@ -248,10 +248,7 @@ class SkinnyBf16Method(PackedBf16Method):
         plain = layer.weight.detach().contiguous()
         super().adopt(layer)  # packs a copy and drops the parameter
         if self.takes_gemm(layer):
-            layer.pairs = pack_bf16_pairs(plain)
-            # the GEMM adds a float32 bias: the bf16 one widened (exact), added where the
-            # skinny kernel and oneDNN add it, before the one rounding
-            layer.pairs_bias = None if layer.bias is None else layer.bias.float().contiguous()
+            _store_pairs(layer, plain, layer.bias)
         else:
             layer.weight = nn.Parameter(plain, requires_grad=False)
 
@@ -309,9 +306,8 @@ class PairsBf16Method(LinearMethod):
         raise NotImplementedError("pairs are made from a loaded dense layer (adopt)")
 
     def adopt(self, layer: Linear) -> None:
-        layer.pairs = pack_bf16_pairs(layer.weight.detach())
-        bias, layer.bias = layer.bias, None  # (a bf16 one widened for the kernel: exact)
-        layer.pairs_bias = None if bias is None else bias.detach().float().contiguous()
+        bias, layer.bias = layer.bias, None
+        _store_pairs(layer, layer.weight.detach(), bias)
         del layer.weight
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -372,6 +368,13 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     lane i of word j = row i's inputs 2j, 2j + 1 -> int32 [ceil(N / 16), K / 2, 16], a fresh
     tensor (torch's CPU allocator aligns it to 64 bytes, as the kernel's aligned loads need)."""
     return to_panels(pad_rows(weight.detach().contiguous().view(torch.int32)))
+
+
+def _store_pairs(layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The weight in the bf16 GEMM's pairs; the bias as it adds one: float32 (a bf16 one widened,
+    exact), added where the skinny kernel and oneDNN add it, before the one rounding."""
+    layer.pairs = pack_bf16_pairs(weight)
+    layer.pairs_bias = None if bias is None else bias.detach().float().contiguous()
 
 
 class Linear(nn.Module):
