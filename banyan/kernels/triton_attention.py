@@ -64,6 +64,13 @@ def extend_blocks(head_dim: int) -> tuple[int, int]:
 DECODE_BLOCK_N = 64  # keys per decode step of the loop; also a split's granularity
 
 
+def decode_tile(group: int) -> tuple[int, int]:
+    """(BLOCK_H query heads of a decode tile, programs per KV head) for G query heads per KV
+    head: a tile of >= 16 rows (tl.dot's smallest M), several programs past MAX_GROUP_BLOCK."""
+    block_h = min(max(16, _pow2(group)), MAX_GROUP_BLOCK)
+    return block_h, triton.cdiv(group, block_h)
+
+
 def _dot_flags(dtype: torch.dtype) -> tuple[bool, str | None]:
     """(UPCAST, input precision) of the products for K/V of this dtype (see the module doc)."""
     upcast = INTERPRETED and dtype == torch.bfloat16
@@ -207,8 +214,7 @@ def decode_attention(
     batch, heads, splits = mid_lse.shape
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     group = heads // kv_heads
-    block_h = min(max(16, _pow2(group)), MAX_GROUP_BLOCK)
-    head_blocks = triton.cdiv(group, block_h)
+    block_h, head_blocks = decode_tile(group)
     block_d = head_block(head_dim)
     upcast, precision = _dot_flags(k_pool.dtype)
     _decode_split_kernel[(batch, kv_heads * head_blocks, splits)](

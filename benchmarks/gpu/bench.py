@@ -18,6 +18,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +44,52 @@ def log(msg: str) -> None:
 
 
 def measure(folder: Path, device: str, hbm_tbs: float, quick: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
     with Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
                 kv_cache_memory="8GiB", max_running_requests=64) as engine:
+        start_s = time.perf_counter() - t0  # weights, KV cache, graph capture
         vocab = engine.core.vocab_size
-        batch1(engine, 32, 8, vocab)  # warm-up: kernels compiled, graphs captured
+        graphs = engine.core.scheduler.runner.model_runner.graphs
+        batch1(engine, 32, 8, vocab)  # warm-up: kernels compiled
         n = 16 if quick else 64
         random = run_workload(engine, random_workload(n, 128, 128, vocab, seed=1),
                               use_tqdm=False)
         one = batch1(engine, 128, 16 if quick else 128, vocab)
         weight_bytes = engine.core.weight_bytes
     read_tbs = weight_bytes * one["decode_tok_s"] / 1e12
-    return {"random": {"requests": n, "output_tok_s": random["output_tok_s"],
+    return {"start_s": start_s, "graph_buckets": None if graphs is None else graphs.captured,
+            "random": {"requests": n, "output_tok_s": random["output_tok_s"],
                        "step_split": random["step_split"]},
             "batch1": {"decode_tok_s": one["decode_tok_s"], "ttft_s": one["ttft_s"],
                        "weight_bytes": weight_bytes, "weights_read_tbs": read_tbs,
                        "fraction_of_hbm_bound": read_tbs / hbm_tbs}}
+
+
+def batch1_eager(folder: Path, device: str, quick: bool) -> float:
+    """Batch-1 decode tok/s with --disable-cuda-graph: what the graphs are worth."""
+    with Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
+                kv_cache_memory="1GiB", max_running_requests=4,
+                disable_cuda_graph=True) as engine:
+        vocab = engine.core.vocab_size
+        batch1(engine, 32, 8, vocab)
+        return batch1(engine, 128, 16 if quick else 128, vocab)["decode_tok_s"]
+
+
+def copy_tbs(device: str) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written), TB/s: the measured HBM bound."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.randn(2**30 // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 4 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                               "device": (torch.cuda.get_device_name(0)
                                          if ns.device.startswith("cuda") else ns.device),
                               "torch": torch.__version__, "models": {}}
+    result["copy_tbs"] = copy_tbs(ns.device)
+    log(f"device copy bandwidth {result['copy_tbs']} TB/s")
+    failed = False
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = None
         for name in ns.models.split(","):
@@ -90,20 +125,36 @@ def main(argv: list[str] | None = None) -> int:
                                         max_position_embeddings=2048, **shape)
             tokenizer = folder
             log(f"measuring {name}")
-            result["models"][name] = measure(folder, ns.device, ns.hbm_tbs, ns.quick)
-            log(json.dumps(result["models"][name]["batch1"]))
+            try:  # one model's failure is reported, and the other still measured
+                m = measure(folder, ns.device, ns.hbm_tbs, ns.quick)
+                log(json.dumps(m["batch1"]) + f" start {m['start_s']:.1f} s")
+                m["batch1"]["decode_tok_s_without_graphs"] = batch1_eager(folder, ns.device,
+                                                                          ns.quick)
+                log(f"without graphs: {m['batch1']['decode_tok_s_without_graphs']:.1f} tok/s")
+            except Exception as e:  # noqa: BLE001 - recorded in the result, exit status 1
+                traceback.print_exc()
+                m = {"error": f"{type(e).__name__}: {e}"}
+                failed = True
+            result["models"][name] = m
+    for m in result["models"].values():
+        if "batch1" in m and result["copy_tbs"]:
+            m["batch1"]["fraction_of_copy_bound"] = \
+                m["batch1"]["weights_read_tbs"] / result["copy_tbs"]
     (out / "gpu-check.json").write_text(json.dumps(result, indent=2))
     lines = [f"# GPU check, {result['date']}, {result['device']}, torch {result['torch']}", "",
              "| model | random output tok/s | busy | batch-1 decode tok/s | of HBM bound |",
              "|---|---:|---:|---:|---:|"]
     for name, m in result["models"].items():
+        if "error" in m:
+            lines.append(f"| {name} | {m['error'][:60]} | | | |")
+            continue
         busy = m["random"]["step_split"].get("busy_fraction", float("nan"))
         lines.append(f"| {name} | {m['random']['output_tok_s']:.1f} | {busy:.2f} | "
                      f"{m['batch1']['decode_tok_s']:.1f} | "
                      f"{m['batch1']['fraction_of_hbm_bound']:.3f} |")
     (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@
 #      without internet: make them beforehand with benchmarks/gpu/fetch_wheels.sh). Where pip
 #      can reach an index, `make install-test TORCH_SPEC="torch==2.13.0 --index-url
 #      https://download.pytorch.org/whl/cu128"` installs everything instead.
-#   2. The CUDA-marked tests of the files that have them, plus the Triton and CUDA-graph tests.
+#   2. The CUDA-marked tests of the files that have them, then the Triton, CUDA-graph and
+#      transformers-on-CUDA tests whole. Each stage has its own time limit and a failing stage
+#      does not stop the next: one run reports everything.
 #   3. benchmarks/gpu/bench.py: random 64 x 128/128 and batch-1 on two random-weight models.
-# Writes gpu-tests.log, gpu-check.json and gpu-check.md into $OUT (or benchmarks/results).
+# Writes env.txt, gpu-tests.log, gpu-check.json and gpu-check.md into $OUT (or
+# benchmarks/results).
 #   benchmarks/gpu/check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,21 +25,25 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/banyan-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
-print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 2
-echo "== CUDA tests ($(elapsed))"
-timeout 240 $PY -m pytest -q -p no:cacheprovider -x -m "cuda" \
-  tests/test_engine.py tests/test_models.py tests/test_sampler.py tests/test_quant.py \
-  tests/test_cascade_attention.py 2>&1 | tee "$DIR/gpu-tests.log" | tail -15
-tests=${PIPESTATUS[0]}
-for extra in tests/test_triton_attention.py tests/test_cuda_graph.py; do
-  [ -f "$extra" ] || continue
-  timeout 120 $PY -m pytest -q -p no:cacheprovider -x "$extra" 2>&1 | tee -a "$DIR/gpu-tests.log" \
-    | tail -3
-  [ "${PIPESTATUS[0]}" -eq 0 ] || tests=1
-done
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
+    --format=csv 2>&1; nproc; $PY --version
+  $PY -c "import torch, triton, transformers as t; print('torch', torch.__version__, \
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', t.__version__)"
+} 2>&1 | tee "$DIR/env.txt"
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
+PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --maxfail=8 --timeout=120"
+echo "== CUDA-marked tests ($(elapsed))"
+timeout 150 $PYTEST -m cuda tests/test_engine.py tests/test_models.py tests/test_sampler.py \
+  tests/test_quant.py tests/test_cascade_attention.py > "$DIR/gpu-tests.log" 2>&1
+tests=$?
+tail -12 "$DIR/gpu-tests.log"
+echo "== Triton, CUDA-graph and transformers-on-CUDA tests ($(elapsed))"
+timeout 150 $PYTEST tests/test_triton_attention.py tests/test_cuda_graph.py \
+  tests/test_cuda_reference.py >> "$DIR/gpu-tests.log" 2>&1
+[ $? -eq 0 ] || tests=1
+tail -12 "$DIR/gpu-tests.log"
 echo "== benchmark ($(elapsed))"
-timeout 240 $PY benchmarks/gpu/bench.py --out-dir "$DIR"
-bench=$?
+timeout 200 $PY benchmarks/gpu/bench.py --out-dir "$DIR" 2>&1 | grep -v "nanobind\|leaked"
+bench=${PIPESTATUS[0]}
 echo "== done in $(elapsed): tests exit $tests, benchmark exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
