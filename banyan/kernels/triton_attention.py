@@ -71,9 +71,9 @@ def decode_tile(group: int) -> tuple[int, int]:
     return block_h, triton.cdiv(group, block_h)
 
 
-def _dot_flags(dtype: torch.dtype) -> tuple[bool, str | None]:
+def _dot_flags(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> tuple[bool, str | None]:
     """(UPCAST, input precision) of the products for K/V of this dtype (see the module doc)."""
-    upcast = INTERPRETED and dtype == torch.bfloat16
+    upcast = interpreted and dtype == torch.bfloat16
     return upcast, ("ieee" if dtype == torch.float32 else None)
 
 
@@ -119,7 +119,9 @@ def _attend(q, k_base, v_base, table_row, stride_s, lo, hi, last, scale_log2,
 # ---------------------------------------------------------------------------- decode
 
 
-@triton.jit
+# num_splits changes from step to step: specialised (Triton's default for integers: == 1, a
+# multiple of 16) it would compile a kernel variant in the middle of serving (~1 s each).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, K, V, Table, Rows, SeqLens, Tokens, MidO, MidLse,
     scale_log2, num_splits,
@@ -164,7 +166,7 @@ def _decode_split_kernel(
     tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     MidO, MidLse, Tokens, Out, num_splits,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,

@@ -1,0 +1,75 @@
+"""Compiles the Triton attention kernels for a Hopper GPU (sm_90) on this host and prints one
+JSON line per kernel variant: {"case", "shared", "mma"}. Run as a process of its own by
+tests/test_triton_compile.py: under TRITON_INTERPRET=1 (which the interpreter tests set in
+the test process) `triton.jit` makes interpreted functions, which cannot be compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from banyan.kernels import triton_attention as ta
+
+HOPPER = GPUTarget("cuda", 90, 32)
+TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+SHAPES = [(3, 64), (4, 128)]  # (GQA group, head_dim): SmolLM2's and Llama 3 8B's
+SPLITS = [1, 16]
+
+
+def compile_for_hopper(fn: triton.JITFunction, pointers: dict[str, str],
+                       constexprs: dict[str, object], **options: int) -> object:
+    """Arguments not named: int32 scalars (strides, counts) or float32 (the scale)."""
+    signature = {name: ("constexpr" if name in constexprs else
+                        pointers.get(name, "fp32" if name == "scale_log2" else "i32"))
+                 for name in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=HOPPER, options=options)
+
+
+def kernels(dtype: torch.dtype, group: int, head_dim: int) -> dict[str, object]:
+    """The decode and extend kernels with the tile parameters their launchers use."""
+    pool = "*" + TYPES[dtype]
+    upcast, precision = ta._dot_flags(dtype, interpreted=False)  # as on a GPU
+    block_d = ta.head_block(head_dim)
+    block_h, head_blocks = ta.decode_tile(group)
+    ints = dict.fromkeys(("Table", "Rows", "SeqLens", "Tokens"), "*i32")
+    decode = compile_for_hopper(
+        ta._decode_split_kernel,
+        {"Q": pool, "K": pool, "V": pool, **ints, "MidO": "*fp32", "MidLse": "*fp32"},
+        dict(GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h,
+             BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_D=block_d, UPCAST=upcast, PRECISION=precision),
+        num_warps=4, num_stages=2)
+    block_m, block_n = ta.extend_blocks(head_dim)
+    ints = dict.fromkeys(("Table", "BlockReq", "BlockStart", "ReqRow", "ReqPrefix", "ReqLen",
+                          "ReqToken"), "*i32")
+    extend = compile_for_hopper(
+        ta._extend_kernel, {"Q": pool, "K": pool, "V": pool, "Out": pool, **ints},
+        dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+             UPCAST=upcast, PRECISION=precision),
+        num_warps=4, num_stages=2)
+    return {"decode": decode, "extend": extend}
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile with the interpreter off"
+    for dtype, name in TYPES.items():
+        for group, head_dim in SHAPES:
+            for kind, k in kernels(dtype, group, head_dim).items():
+                print(json.dumps({"case": f"{kind}-{name}-g{group}-d{head_dim}",
+                                  "shared": k.metadata.shared, "mma": "mma" in k.asm["ptx"]}))
+    for splits in SPLITS:
+        k = compile_for_hopper(
+            ta._decode_merge_kernel,
+            {"MidO": "*fp32", "MidLse": "*fp32", "Tokens": "*i32", "Out": "*bf16"},
+            dict(HEAD_DIM=64, BLOCK_S=ta._pow2(splits), BLOCK_D=64), num_warps=4)
+        print(json.dumps({"case": f"merge-s{splits}", "shared": k.metadata.shared,
+                          "mma": False}))
+
+
+if __name__ == "__main__":
+    main()
