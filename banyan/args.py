@@ -73,7 +73,9 @@ class EngineArgs:
         "tokens in the same --kv-cache-memory; attention reads the codes in place).",
         choices=list(KV_CACHE_DTYPE_CHOICES)))
     mem_fraction: float = field(default=0.25, metadata=_doc(
-        "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is unset."))
+        "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is "
+        "unset. On CUDA, of what is free after a warm-up step of --max-prefill-tokens (its "
+        "activation peak set aside), so the largest step still fits beside the cache."))
     max_model_len: int | None = field(default=None, metadata=_doc(
         "Longest sequence (prompt + output). Default: the model's max_position_embeddings."))
     max_running_requests: int = field(default=128, metadata=_doc(

@@ -17,3 +17,13 @@ import torch
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     """A CPU int64 tensor of `values` (a fresh buffer: later changes to the list do not show)."""
     return torch.from_numpy(np.fromiter(values, np.int64, len(values)))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (a host tensor) on `device`. To a GPU through pinned memory, without waiting: a
+    copy from pageable memory makes the host wait until the GPU has drained its queue (the
+    step in flight, with overlap), a pinned one is queued behind it. torch's pinned-memory
+    cache keeps the staging block until the copy that reads it has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

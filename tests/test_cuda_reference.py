@@ -7,6 +7,7 @@ graphs (and, for comparison, without them), the overlap loop on."""
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -105,3 +106,28 @@ def test_bfloat16_tokens_equal_transformers_up_to_near_ties(arch: str,
     # near-ties are the exception: most requests agree to the last token (CPU bf16 vs
     # transformers: 11-16 of 16 per architecture)
     assert exact >= len(prompts) // 2, f"{arch}: only {exact}/{len(prompts)} identical"
+
+
+def test_a_decode_step_waits_for_the_gpu_once(llama_dir: Path) -> None:
+    """Step inputs go up through pinned memory without waiting; the one wait of a decode step
+    is the sampled tokens coming back (torch's sync debug mode reports every other)."""
+    with Engine(str(llama_dir), dtype="bfloat16", device="cuda", disable_tqdm=True,
+                overlap="off") as engine:
+        engine.add_request(input_ids=[5, 6, 7], params=SamplingParams(
+            max_new_tokens=16, temperature=0, ignore_eos=True))
+        for _ in range(3):  # the prefill and the first decodes: kernels compiled
+            engine.step()
+        torch.cuda.synchronize()
+        steps = 4
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    assert engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    # (torch also warns once that the mode is a prototype: that line names no operation)
+    waits = [str(w.message).splitlines()[0] for w in caught
+             if "called a synchronizing" in str(w.message)]
+    assert len(waits) <= steps, waits

@@ -262,3 +262,21 @@ def test_engine_decodes_replayed_from_graphs_match_eager(llama_dir: Path) -> Non
                 replays = sum(kind == "replay" for kind, _ in api.events)
     assert outputs[True] == outputs[False]
     assert replays >= 6  # decode steps of 3, 2 and 1 requests went through the graphs
+
+
+def test_warmup_sizing_steps_through_triton(llama_dir: Path) -> None:
+    """The KV sizing's warm-up step (runner/kv_sizing.py) over a temporary pool with the
+    backend the GPU takes: chunks and decodes in one step, then the real pool and backend
+    (the memory figures from a fake probe: no GPU here)."""
+    from banyan.runner.model_runner import ModelRunner
+    from tests.test_kv_sizing import FakeProbe
+
+    probe = FakeProbe(free=2**20 + 2 * 50 * 512, step_peak=2**20)
+    runner = ModelRunner(llama_dir, dtype="float32", device=DEVICE, mem_fraction=0.5,
+                         max_rows=3, max_context=64, show_progress=False,
+                         attention_backend="triton", cuda_graphs=False, warmup_tokens=20,
+                         warmup_chunk=10, memory_probe=None if DEVICE == "cuda" else probe)
+    assert runner.backend.name == "triton" and runner.backend.pool is runner.pool
+    assert runner.kv_sizing is not None
+    if DEVICE == "cpu":  # (512 bytes per token: 2 layers, 2 KV heads of 16 floats, K and V)
+        assert runner.num_slots == 50 and "peak" in probe.events

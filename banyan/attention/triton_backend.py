@@ -26,6 +26,7 @@ from banyan.attention.base import AttentionBackend, AttentionMetadata
 from banyan.attention.registry import register_backend
 from banyan.attention.torch_backend import token_starts
 from banyan.batch import ForwardBatch
+from banyan.host_tensors import to_device
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 
@@ -59,7 +60,11 @@ class DecodePlan:
     tokens: torch.Tensor  # [B] int32: each decode's row in the flat batch
     splits: int
     # float32 scratch shared by every layer of the step, made by the first layer (the query
-    # head count is only known there): partial outputs [B, H, S, D], log-sum-exps [B, H, S]
+    # head count is only known there): partial outputs [B, H, S, D], log-sum-exps [B, H, S].
+    # Bounded, not growing with context: B <= max_rows and S <= SplitPolicy.max_splits, and
+    # split_count keeps B x kv_heads x S under target_programs + B x kv_heads, so at most
+    # (target_programs + B x kv_heads) x group x D floats; one per step (or per captured graph
+    # bucket), from the caching allocator, freed with the step's metadata.
     mid_o: torch.Tensor | None = None
     mid_lse: torch.Tensor | None = None
 
@@ -135,7 +140,7 @@ class TritonBackend(AttentionBackend):
             ints += [batch.extend_lens[i] for i in ext]
             ints += [starts[i] for i in ext]
             ints += [j for j, _ in blocks] + [m0 for _, m0 in blocks]
-        packed = torch.tensor(ints, dtype=torch.int32).to(self.pool.device)
+        packed = to_device(torch.tensor(ints, dtype=torch.int32), self.pool.device)
         parts = iter(packed.split([len(dec)] * (3 if dec else 0)
                                   + [len(ext)] * (4 if ext else 0)
                                   + [len(blocks)] * (2 if ext else 0)))
@@ -191,7 +196,7 @@ class TritonBackend(AttentionBackend):
         host[1, :] = 1
         host[1, :b] = torch.tensor(seq_lens, dtype=torch.int32)
         host[2, :] = torch.arange(size, dtype=torch.int32)
-        self._g_ints[:, :size].copy_(host, non_blocking=True)
+        self._g_ints[:, :size].copy_(to_device(host, self._g_ints.device))
         self._g_out_slots[b:size].zero_()
         self._g_out_slots[:b].copy_(out_slots)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from banyan.batch import ForwardBatch
+from banyan.host_tensors import to_device
 
 
 class ReqToTokenTable:
@@ -61,9 +62,9 @@ class ReqToTokenTable:
         pre_pos = torch.arange(len(pre_slots), dtype=torch.int64) - starts
         dev = self.device
         self.write(
-            torch.cat((pre_rows.to(dev), token_rows)),
-            torch.cat((pre_pos.to(dev), positions)),
-            torch.cat((torch.tensor(pre_slots, dtype=torch.int64).to(dev), out_slots)),
+            torch.cat((to_device(pre_rows, dev), token_rows)),
+            torch.cat((to_device(pre_pos, dev), positions)),
+            torch.cat((to_device(torch.tensor(pre_slots, dtype=torch.int64), dev), out_slots)),
         )
 
     def read(self, row: int, length: int) -> torch.Tensor:

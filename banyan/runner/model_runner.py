@@ -20,7 +20,7 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
-from banyan.host_tensors import int64_tensor
+from banyan.host_tensors import int64_tensor, to_device
 from banyan.layers.gguf_linear import gguf_repacked_tensors
 from banyan.layers.int8_activations import check_activation_quant, enable_int8_activations
 from banyan.layers.quant import quantization_runs
@@ -33,6 +33,14 @@ from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.cpu_dtype import compute_dtype
 from banyan.runner.device import available_memory, resolve_device
 from banyan.runner.host_memory import keep_freed_memory
+from banyan.runner.kv_sizing import (
+    CudaMemoryProbe,
+    KVSizing,
+    MemoryProbe,
+    measure_peak,
+    size_by_warmup,
+    warmup_batch,
+)
 from banyan.runner.linear_setup import convert_model_linears
 from banyan.runner.prompt_logprobs import (
     PromptLogprobInputs,
@@ -90,10 +98,17 @@ class ModelRunner:
         activation_quant: str = "none",
         gguf_file: Path | None = None,
         cuda_graphs: bool = True,
+        warmup_tokens: int | None = None,
+        warmup_chunk: int | None = None,
+        memory_probe: MemoryProbe | None = None,
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
-        at max_rows * max_context + 1 slots).
+        at max_rows * max_context + 1 slots). On CUDA with warmup_tokens given, mem_fraction
+        applies to what the largest step leaves: a warm-up step of warmup_tokens prompt tokens
+        (chunks of at most warmup_chunk per request, decodes in the other rows) is run first
+        and its activation peak set aside (runner/kv_sizing.py); memory_probe: the memory reads
+        that uses (default: CUDA's; a probe given on CPU runs the warm-up there, for tests).
         max_context: longest sequence a table row holds (default max_position_embeddings).
         quantization: none | int8 | int4 weight-only linears (layers/quant.py), or gguf: the
         linears of `gguf_file` (the file model_path was converted from) computed from its own
@@ -134,13 +149,27 @@ class ModelRunner:
         self.max_rows = max_rows
         self._checked_rows: list[int] = []  # the last rows validated
         self.max_context = max_context or cfg.max_position_embeddings
+        # before the pool: the warm-up step writes it, and its size is then no longer free
+        self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
+        self.kv_sizing: KVSizing | None = None  # the warm-up's figures, when it sized the pool
+        self.stack: NativeLayerStack | None = None
+        self.graphs: DecodeGraphs | None = None
+        probe = memory_probe  # (a CPU step's peak is not measured: no warm-up there)
+        if probe is None and self.device.type == "cuda":
+            probe = CudaMemoryProbe(self.device)
         if num_slots is None and kv_cache_bytes is not None:
             num_slots = num_slots_for_bytes(
                 kv_cache_bytes, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype
             )
         elif num_slots is None:
             assert mem_fraction is not None
-            budget = int(available_memory(self.device) * mem_fraction)
+            if warmup_tokens is not None and probe is not None:
+                chunk = warmup_chunk or warmup_tokens
+                self.kv_sizing = size_by_warmup(probe, mem_fraction, warmup_tokens, lambda: (
+                    self._warmup_peak(probe, warmup_tokens, chunk, attention_backend, code_dtype)))
+                budget = self.kv_sizing.budget
+            else:
+                budget = int(available_memory(self.device) * mem_fraction)
             num_slots = num_slots_for_bytes(
                 budget, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype
             )
@@ -159,11 +188,9 @@ class ModelRunner:
             cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device,
             code_dtype,
         )
-        self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
         self.backend = create_backend(attention_backend, self.pool, self.table)
         # small steps' decoder layers in one native call where every piece has a kernel
         self.stack = NativeLayerStack.build(self.model, self.pool, self.backend)
-        self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and self.backend.supports_graphs:
             self.enable_graphs()
         self.timings: dict[str, float] = {"prepare": 0.0, "forward": 0.0}
@@ -179,6 +206,31 @@ class ModelRunner:
             self.backend.name,
             "; small steps: one native call" if self.stack is not None else "",
         )
+
+    def _warmup_peak(self, probe: MemoryProbe, tokens: int, chunk: int, attention_backend: str,
+                     code_dtype: torch.dtype | None) -> int:
+        """Run the largest step over a temporary pool just big enough for it -> the step's
+        activation peak in bytes. The pool, its backend and the step's tensors are gone when
+        this returns; the table keeps stale entries, which no step reads unmasked."""
+        cfg = self.model_config
+        batch = warmup_batch(tokens, chunk, self.max_rows, self.max_context, cfg.vocab)
+        # prepare/compute read these attributes: the warm-up is an ordinary step (the native
+        # stack and the decode graphs are built after it, over the real pool)
+        self.pool = KVPool(cfg.layers, batch.num_tokens + 1, cfg.kv_heads, cfg.head_dim,
+                           self.dtype, self.device, code_dtype)
+        self.backend = create_backend(attention_backend, self.pool, self.table)
+        try:
+            return measure_peak(probe, lambda: self.compute(self.prepare(batch)))
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError(
+                f"KV cache: the warm-up step of {batch.num_tokens} tokens ({tokens} prompt "
+                f"tokens in chunks of {chunk}, {batch.batch_size} rows) does not fit in the "
+                "memory left after the weights; lower --max-prefill-tokens / "
+                "--chunked-prefill-size or --max-running-requests"
+            ) from exc
+        finally:
+            del self.pool, self.backend
+            self._checked_rows = []
 
     @classmethod
     def from_engine_args(
@@ -207,6 +259,10 @@ class ModelRunner:
             activation_quant=args.activation_quant,
             gguf_file=gguf_source(args.model) if args.quantization in ("auto", "gguf") else None,
             cuda_graphs=not args.disable_cuda_graph,
+            # the largest step the scheduler builds (BudgetConfig): its activations are set
+            # aside before --mem-fraction sizes the KV cache
+            warmup_tokens=args.max_prefill_tokens,
+            warmup_chunk=args.chunked_prefill_size,
         )
 
     # ------------------------------------------------------------------ public surface
@@ -296,15 +352,15 @@ class ModelRunner:
                 first = torch.cumsum(counts, 0) - counts
                 offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
                 picked = torch.repeat_interleave(picked - counts + 1, counts) + offsets
-            logit_tokens = picked.to(dev)
+            logit_tokens = to_device(picked, dev)
         deferred = None
         if batch.deferred_inputs:
             flat = int64_tensor(batch.deferred_inputs)
-            deferred = DeferredInputs(flat.to(dev), token_rows[flat].to(dev))
-        input_ids = int64_tensor(batch.input_ids).to(dev)
-        out_slots = int64_tensor(batch.out_slots).to(dev)
-        positions = positions.to(dev)
-        self.table.write_batch(batch, token_rows.to(dev), positions, out_slots)
+            deferred = DeferredInputs(to_device(flat, dev), to_device(token_rows[flat], dev))
+        input_ids = to_device(int64_tensor(batch.input_ids), dev)
+        out_slots = to_device(int64_tensor(batch.out_slots), dev)
+        positions = to_device(positions, dev)
+        self.table.write_batch(batch, to_device(token_rows, dev), positions, out_slots)
         meta = self.backend.plan(batch, out_slots)
         prompt = None
         if batch.prompt_logprobs:

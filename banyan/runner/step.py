@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
-from banyan.host_tensors import int64_tensor
+from banyan.host_tensors import int64_tensor, to_device
 from banyan.runner.model_runner import ModelRunner, StepInputs
 from banyan.runner.threads import ThreadGovernor
 from banyan.sampling.sampler import Sampler
@@ -115,8 +115,9 @@ class ModelStepRunner:
             last = [t[-1] for t in tokens]
             rows_now = [r.row for r in batch.sampling]
             if min(rows_now) >= 0:
-                index = int64_tensor(rows_now).to(self._row_tokens.device)
-                self._row_tokens.index_copy_(0, index, int64_tensor(last).to(index.device))
+                dev = self._row_tokens.device
+                self._row_tokens.index_copy_(0, to_device(int64_tensor(rows_now), dev),
+                                             to_device(int64_tensor(last), dev))
                 for r, t in zip(rows_now, last, strict=True):
                     self._row_last[r] = t
         t2 = time.perf_counter()
