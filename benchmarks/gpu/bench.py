@@ -29,6 +29,9 @@ from banyan.bench.offline import batch1, run_workload
 from banyan.bench.workloads import random_workload
 from banyan.demo import build_random_model
 
+sys.path.insert(0, str(Path(__file__).parent))
+from batch1_variants import diagnose  # noqa: E402
+
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m-shape": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                                num_key_value_heads=3, intermediate_size=1536,
@@ -52,8 +55,10 @@ def measure(folder: Path, device: str, hbm_tbs: float, quick: bool) -> dict[str,
         graphs = engine.core.scheduler.runner.model_runner.graphs
         batch1(engine, 32, 8, vocab)  # warm-up: kernels compiled
         n = 16 if quick else 64
-        random = run_workload(engine, random_workload(n, 128, 128, vocab, seed=1),
-                              use_tqdm=False)
+        # once to warm up (Triton compiles each new kernel variant on first use), once timed
+        for _ in range(2):
+            random = run_workload(engine, random_workload(n, 128, 128, vocab, seed=1),
+                                  use_tqdm=False)
         one = batch1(engine, 128, 16 if quick else 128, vocab)
         weight_bytes = engine.core.weight_bytes
     read_tbs = weight_bytes * one["decode_tok_s"] / 1e12
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-tbs", type=float, default=4.8)
     ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="batch-1 variants and a profile per model (batch1_variants.py)")
     ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " +
                     ", ".join(SHAPES))
     ns = ap.parse_args(argv)
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                 m["batch1"]["decode_tok_s_without_graphs"] = batch1_eager(folder, ns.device,
                                                                           ns.quick)
                 log(f"without graphs: {m['batch1']['decode_tok_s_without_graphs']:.1f} tok/s")
+                if ns.diagnose:
+                    m["batch1_variants"] = diagnose(folder, ns.device, out / f"profile-{name}.txt",
+                                                    ns.quick)
+                    log(json.dumps(m["batch1_variants"]))
             except Exception as e:  # noqa: BLE001 - recorded in the result, exit status 1
                 traceback.print_exc()
                 m = {"error": f"{type(e).__name__}: {e}"}

@@ -8,9 +8,10 @@
 #   2. The CUDA-marked tests of the files that have them, then the Triton, CUDA-graph and
 #      transformers-on-CUDA tests whole. Each stage has its own time limit and a failing stage
 #      does not stop the next: one run reports everything.
-#   3. benchmarks/gpu/bench.py: random 64 x 128/128 and batch-1 on two random-weight models.
-# Writes env.txt, gpu-tests.log, gpu-check.json and gpu-check.md into $OUT (or
-# benchmarks/results).
+#   3. benchmarks/gpu/bench.py: random 64 x 128/128 and batch-1 on two random-weight models,
+#      and where a batch-1 step's time goes (batch1_variants.py).
+# Writes env.txt, gpu-tests.log, gpu-check.json, gpu-check.md and a profile table per model
+# into $OUT (or benchmarks/results).
 #   benchmarks/gpu/check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,18 +33,22 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 } 2>&1 | tee "$DIR/env.txt"
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --maxfail=8 --timeout=120"
+# four test processes share the GPU where pytest-xdist is installed (the CPU-side
+# transformers references and Triton's compiles are most of the time)
+$PY -c "import xdist" 2>/dev/null && PYTEST="$PYTEST -n 4"
 echo "== CUDA-marked tests ($(elapsed))"
-timeout 150 $PYTEST -m cuda tests/test_engine.py tests/test_models.py tests/test_sampler.py \
-  tests/test_quant.py tests/test_cascade_attention.py > "$DIR/gpu-tests.log" 2>&1
+timeout 120 $PYTEST -m cuda tests/test_engine.py tests/test_models.py tests/test_sampler.py \
+  tests/test_quant.py tests/test_cascade_attention.py tests/test_kv_sizing.py \
+  > "$DIR/gpu-tests.log" 2>&1
 tests=$?
 tail -12 "$DIR/gpu-tests.log"
 echo "== Triton, CUDA-graph and transformers-on-CUDA tests ($(elapsed))"
-timeout 150 $PYTEST tests/test_triton_attention.py tests/test_cuda_graph.py \
+timeout 140 $PYTEST tests/test_triton_attention.py tests/test_cuda_graph.py \
   tests/test_cuda_reference.py >> "$DIR/gpu-tests.log" 2>&1
 [ $? -eq 0 ] || tests=1
 tail -12 "$DIR/gpu-tests.log"
 echo "== benchmark ($(elapsed))"
-timeout 200 $PY benchmarks/gpu/bench.py --out-dir "$DIR" 2>&1 | grep -v "nanobind\|leaked"
+timeout 200 $PY benchmarks/gpu/bench.py --out-dir "$DIR" --diagnose 2>&1 | grep -v "nanobind\|leaked"
 bench=${PIPESTATUS[0]}
 echo "== done in $(elapsed): tests exit $tests, benchmark exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -1,0 +1,102 @@
+"""Where a batch-1 decode step's time goes on a GPU (bench.py --diagnose): the same request
+under the overlap loop and without it, with Python's thread switch interval at its 5 ms
+default and at 0.1 ms, the step itself timed apart from the engine loop, and a torch.profiler
+table of a few decode steps (host and device time per operator) written beside the results.
+
+The first GPU run (H200, 2026-12-04) gave 350 and 359 tok/s at batch 1 for a 135M and a 1.2B
+model alike: ~2.8 ms a token that the model's size does not explain, so this looks for it."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from banyan import Engine, SamplingParams
+from banyan.bench.offline import batch1
+
+
+def _engine(folder: Path, device: str, **kw: Any) -> Engine:
+    return Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
+                  kv_cache_memory="1GiB", max_running_requests=4, **kw)
+
+
+def _decode_ms(engine: Engine, tokens: int) -> float:
+    vocab = engine.core.vocab_size
+    batch1(engine, 32, 8, vocab)
+    return 1e3 / batch1(engine, 128, tokens, vocab)["decode_tok_s"]
+
+
+def _on_cuda(engine: Engine) -> bool:
+    return engine.core.scheduler.runner.model_runner.device.type == "cuda"
+
+
+def _sync(engine: Engine) -> None:
+    if _on_cuda(engine):
+        torch.cuda.synchronize()
+
+
+def step_ms(engine: Engine, tokens: int) -> dict[str, float]:
+    """One request stepped by hand with overlap off: per decode step, the engine's step()
+    wall time, and its split (schedule, the runner's prepare, forward launch, sample: the
+    sample waits for the GPU, output)."""
+    engine.add_request(input_ids=list(range(5, 133)), params=SamplingParams(
+        max_new_tokens=tokens + 4, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    _sync(engine)
+    split = dict.fromkeys(("schedule", "prepare", "forward", "sample", "output"), 0.0)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        engine.step()
+        stats = engine.core.scheduler.last_step
+        split["schedule"] += stats.schedule
+        split["prepare"] += stats.launch
+        split["output"] += stats.output
+        for k in ("forward", "sample"):
+            split[k] += stats.timings.get(k, 0.0)
+    wall = time.perf_counter() - t0
+    while engine.core.has_work:
+        engine.step()
+    return {"step_ms": 1e3 * wall / tokens, **{f"{k}_ms": 1e3 * v / tokens
+                                                for k, v in split.items()}}
+
+
+def profile(engine: Engine, out: Path, tokens: int = 16) -> None:
+    engine.add_request(input_ids=list(range(5, 69)), params=SamplingParams(
+        max_new_tokens=tokens + 4, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if _on_cuda(engine):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(tokens):
+            engine.step()
+        _sync(engine)
+    while engine.core.has_work:
+        engine.step()
+    avg = prof.key_averages()
+    tables = [avg.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if _on_cuda(engine):
+        tables.append(avg.table(sort_by="self_device_time_total", row_limit=25))
+    out.write_text("\n\n".join(tables))
+
+
+def diagnose(folder: Path, device: str, out: Path, quick: bool) -> dict[str, Any]:
+    tokens = 32 if quick else 128
+    result: dict[str, Any] = {}
+    for name, kw in (("overlap", {"overlap": "on"}), ("sequential", {"overlap": "off"})):
+        for interval in (0.005, 0.0001):
+            sys.setswitchinterval(interval)
+            with _engine(folder, device, **kw) as engine:
+                result[f"{name}_switch_{interval * 1e3:g}ms_ms_per_token"] = \
+                    _decode_ms(engine, tokens)
+    sys.setswitchinterval(0.005)
+    with _engine(folder, device, overlap="off") as engine:
+        result["sequential_steps"] = step_ms(engine, tokens)
+        profile(engine, out)
+    return result
