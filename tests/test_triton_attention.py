@@ -22,16 +22,14 @@ On a CUDA machine the same tests run the compiled kernels on the GPU instead.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":  # before triton is imported: it decides at decoration time
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_device import DEVICE, skip_if_compiled_without_gpu
+
 pytest.importorskip("triton")
 
 from banyan import Engine, SamplingParams  # noqa: E402
@@ -43,9 +41,7 @@ from banyan.mem.kv_pool import KVPool, kv_code_dtype  # noqa: E402
 from banyan.mem.req_table import ReqToTokenTable  # noqa: E402
 from tests.test_cascade_attention import Req, Scene  # noqa: E402
 
-if DEVICE == "cpu" and not triton_attention.INTERPRETED:
-    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET was set",
-                allow_module_level=True)
+skip_if_compiled_without_gpu()
 
 F32, BF16 = torch.float32, torch.bfloat16
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -14,15 +14,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from banyan.kernels import triton_attention as ta
+from banyan.kernels import triton_fused as tf
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 SHAPES = [(3, 64), (4, 128)]  # (GQA group, head_dim): SmolLM2's and Llama 3 8B's
 SPLITS = [1, 16]
+WIDTHS = [576, 2048]  # hidden sizes of the fused norm: SmolLM2's, Llama 3.2 1B's
 
 
 def compile_for_hopper(fn: triton.JITFunction, pointers: dict[str, str],
-                       constexprs: dict[str, object], **options: int) -> object:
+                       constexprs: dict[str, object], **options: int | bool) -> object:
     """Arguments not named: int32 scalars (strides, counts) or float32 (the scale)."""
     signature = {name: ("constexpr" if name in constexprs else
                         pointers.get(name, "fp32" if name == "scale_log2" else "i32"))
@@ -69,6 +71,29 @@ def main() -> None:
             dict(HEAD_DIM=64, BLOCK_S=ta._pow2(splits), BLOCK_D=64), num_warps=4)
         print(json.dumps({"case": f"merge-s{splits}", "shared": k.metadata.shared,
                           "mma": False}))
+    for dtype, name in TYPES.items():
+        for case, k in fused_kernels(dtype).items():
+            print(json.dumps({"case": f"{case}-{name}", "shared": k.metadata.shared,
+                              "mma": False}))
+
+
+def fused_kernels(dtype: torch.dtype) -> dict[str, object]:
+    """The element-wise kernels, with the block sizes and options their launchers use."""
+    p = "*" + TYPES[dtype]
+    out = {}
+    for n in WIDTHS:
+        block = triton.next_power_of_2(n)
+        out[f"rmsnorm-{n}"] = compile_for_hopper(
+            tf._add_rms_norm_kernel, {"X": p, "R": p, "W": p, "Out": p, "eps": "fp32"},
+            dict(HAS_RESIDUAL=True, BLOCK=block), num_warps=tf._warps(block),
+            enable_fp_fusion=False)
+    out["silu"] = compile_for_hopper(tf._silu_and_mul_kernel, {"GateUp": p, "Out": p},
+                                     dict(BLOCK=1024), num_warps=tf._warps(1024),
+                                     enable_fp_fusion=False)
+    out["rope"] = compile_for_hopper(
+        tf._rope_qk_kernel, {"QKV": p, "Cos": p, "Sin": p, "Q": p, "K": p},
+        dict(HALF=32, BLOCK=32), num_warps=1, enable_fp_fusion=False)
+    return out
 
 
 if __name__ == "__main__":

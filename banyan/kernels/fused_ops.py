@@ -4,13 +4,16 @@ mem/kv_pool.py's rule says (cpu_kv_quant.cpp).
 
 Each function returns None when the kernel cannot take its input (not a CPU float32/bfloat16
 tensor, or the kernels are unavailable); the layers then run their PyTorch composition, which
-computes the same values.
+computes the same values. On CUDA, with BANYAN_TRITON_FUSED=1, the first three run as Triton
+kernels instead (kernels/triton_fused.py; off by default until measured on a GPU).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from types import ModuleType
 
 import torch
 
@@ -18,12 +21,27 @@ from banyan.kernels import native
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 512  # the RoPE kernel's per-head scratch
+_GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def _lookup(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr | None:
     lib = native.load()
     return None if lib is None else getattr(lib, f"banyan_{name}_{_SUFFIX[dtype]}")
+
+
+@functools.cache
+def triton_fused_enabled() -> bool:
+    return os.environ.get("BANYAN_TRITON_FUSED", "0") == "1"
+
+
+def _gpu_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels where they take x (a CUDA tensor, and switched on), else None."""
+    if x.device.type != "cuda" or x.dtype not in _GPU_DTYPES or not triton_fused_enabled():
+        return None
+    from banyan.kernels import triton_fused  # imports Triton: only where a GPU runs
+
+    return triton_fused
 
 
 def _kernel(name: str, x: torch.Tensor) -> ctypes._CFuncPtr | None:
@@ -39,14 +57,18 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x: [T, n]. With residual: residual += x in place (rounded like torch's add), then RMSNorm
     of it; without: RMSNorm of x. -> (normed [T, n], the residual stream: residual or x)."""
-    fn = _kernel("add_rms_norm", x)
-    if fn is None or x.dim() != 2 or weight.dtype != x.dtype or weight.shape != x.shape[1:]:
+    gpu = _gpu_kernels(x)
+    fn = None if gpu is not None else _kernel("add_rms_norm", x)
+    if (gpu is None and fn is None) or x.dim() != 2 or weight.dtype != x.dtype \
+            or weight.shape != x.shape[1:]:
         return None
     base = x if residual is None else residual
     if not (base.is_contiguous() and x.is_contiguous() and weight.is_contiguous()):
         return None
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return None
+    if gpu is not None:
+        return gpu.add_rms_norm(x, residual, weight, eps)
     out = torch.empty_like(x)
     add = x.data_ptr() if residual is not None else None
     rows, n = x.shape
@@ -58,9 +80,13 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up: [T, 2 * I] contiguous -> silu(gate) * up, [T, I]."""
-    fn = _kernel("silu_and_mul", gate_up)
-    if fn is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+    gpu = _gpu_kernels(gate_up)
+    fn = None if gpu is not None else _kernel("silu_and_mul", gate_up)
+    if (gpu is None and fn is None) or gate_up.dim() != 2 or not gate_up.is_contiguous() \
+            or gate_up.shape[1] % 2:
         return None
+    if gpu is not None:
+        return gpu.silu_and_mul(gate_up)
     rows, width = gate_up.shape
     out = gate_up.new_empty((rows, width // 2))
     with native.kernel_range("banyan::silu_and_mul"):
@@ -82,8 +108,10 @@ def rope_qk(
     """qkv: [T, (H + 2 KVH) D] (rows may be strided), cos/sin: [T, D/2] in its dtype ->
     rotated q [T, H, D], k [T, KVH, D], contiguous. q_norm/k_norm: per-head RMSNorm weights
     [D] applied before the rotation (Qwen3), both or neither."""
-    fn = _kernel("rope_qk", qkv)
-    if fn is None or qkv.dim() != 2 or qkv.stride(1) != 1 or head_dim > MAX_HEAD_DIM:
+    gpu = _gpu_kernels(qkv) if q_norm is None else None  # (no Qwen3 norms in Triton yet)
+    fn = None if gpu is not None else _kernel("rope_qk", qkv)
+    if (gpu is None and fn is None) or qkv.dim() != 2 or qkv.stride(1) != 1 \
+            or head_dim > MAX_HEAD_DIM:
         return None
     rows = qkv.shape[0]
     if head_dim % 2 or qkv.shape[1] < (heads + kv_heads) * head_dim:
@@ -99,6 +127,8 @@ def rope_qk(
             w.dtype == qkv.dtype and w.shape == (head_dim,) and w.is_contiguous()
         ):
             return None
+    if gpu is not None:
+        return gpu.rope_qk(qkv, cos, sin, heads, kv_heads, head_dim)
     q = qkv.new_empty((rows, heads, head_dim))
     k = qkv.new_empty((rows, kv_heads, head_dim))
     qn = q_norm.data_ptr() if q_norm is not None else None

@@ -4,10 +4,14 @@ default and at 0.1 ms, the step itself timed apart from the engine loop, and a t
 table of a few decode steps (host and device time per operator) written beside the results.
 
 The first GPU run (H200, 2026-12-04) gave 350 and 359 tok/s at batch 1 for a 135M and a 1.2B
-model alike: ~2.8 ms a token that the model's size does not explain, so this looks for it."""
+model alike: ~2.8 ms a token that the model's size does not explain; the second found the GPU
+busy 1.4-1.7 ms a step with ~25 small element-wise kernels a layer. So this also runs the fused
+element-wise Triton kernels (kernels/triton_fused.py, BANYAN_TRITON_FUSED) off and on,
+alternating, at batch 1 and random 64, and profiles a step with them."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +20,9 @@ from typing import Any
 import torch
 
 from banyan import Engine, SamplingParams
-from banyan.bench.offline import batch1
+from banyan.bench.offline import batch1, run_workload
+from banyan.bench.workloads import random_workload
+from banyan.kernels import fused_ops
 
 
 def _engine(folder: Path, device: str, **kw: Any) -> Engine:
@@ -86,6 +92,34 @@ def profile(engine: Engine, out: Path, tokens: int = 16) -> None:
     out.write_text("\n\n".join(tables))
 
 
+def set_triton_fused(on: bool) -> None:
+    os.environ["BANYAN_TRITON_FUSED"] = "1" if on else "0"
+    fused_ops.triton_fused_enabled.cache_clear()
+
+
+def fused_ab(folder: Path, device: str, quick: bool, rounds: int = 2) -> dict[str, Any]:
+    """The fused element-wise Triton kernels (BANYAN_TRITON_FUSED) off and on, alternating:
+    batch-1 ms a token (sequential and overlapped) and random 64 x 128/128 output tok/s."""
+    tokens, n = (32, 16) if quick else (128, 64)
+    result: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for on in (False, True):
+            set_triton_fused(on)
+            tag = "fused" if on else "unfused"
+            for overlap in ("off", "on"):
+                with _engine(folder, device, overlap=overlap) as engine:
+                    result.setdefault(f"{tag}_batch1_overlap_{overlap}_ms", []).append(
+                        _decode_ms(engine, tokens))
+            with Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
+                        kv_cache_memory="8GiB", max_running_requests=64) as engine:
+                work = random_workload(n, 128, 128, engine.core.vocab_size, seed=1)
+                run_workload(engine, work, use_tqdm=False)  # compiles, captures
+                result.setdefault(f"{tag}_random_tok_s", []).append(
+                    run_workload(engine, work, use_tqdm=False)["output_tok_s"])
+    set_triton_fused(False)
+    return result
+
+
 def diagnose(folder: Path, device: str, out: Path, quick: bool) -> dict[str, Any]:
     tokens = 32 if quick else 128
     result: dict[str, Any] = {}
@@ -99,4 +133,10 @@ def diagnose(folder: Path, device: str, out: Path, quick: bool) -> dict[str, Any
     with _engine(folder, device, overlap="off") as engine:
         result["sequential_steps"] = step_ms(engine, tokens)
         profile(engine, out)
+    result["triton_fused_ab"] = fused_ab(folder, device, quick)
+    set_triton_fused(True)
+    with _engine(folder, device, overlap="off") as engine:
+        result["sequential_steps_fused"] = step_ms(engine, tokens)
+        profile(engine, out.with_name(out.stem + "-fused.txt"))
+    set_triton_fused(False)
     return result

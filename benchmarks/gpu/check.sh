@@ -9,7 +9,8 @@
 #      transformers-on-CUDA tests whole. Each stage has its own time limit and a failing stage
 #      does not stop the next: one run reports everything.
 #   3. benchmarks/gpu/bench.py: random 64 x 128/128 and batch-1 on two random-weight models,
-#      and where a batch-1 step's time goes (batch1_variants.py).
+#      where a batch-1 step's time goes, and the fused element-wise kernels off and on
+#      (batch1_variants.py).
 # Writes env.txt, gpu-tests.log, gpu-check.json, gpu-check.md and a profile table per model
 # into $OUT (or benchmarks/results).
 #   benchmarks/gpu/check.sh
@@ -44,11 +45,11 @@ tests=$?
 tail -12 "$DIR/gpu-tests.log"
 echo "== Triton, CUDA-graph and transformers-on-CUDA tests ($(elapsed))"
 timeout 140 $PYTEST tests/test_triton_attention.py tests/test_cuda_graph.py \
-  tests/test_cuda_reference.py >> "$DIR/gpu-tests.log" 2>&1
+  tests/test_cuda_reference.py tests/test_triton_fused.py >> "$DIR/gpu-tests.log" 2>&1
 [ $? -eq 0 ] || tests=1
 tail -12 "$DIR/gpu-tests.log"
 echo "== benchmark ($(elapsed))"
-timeout 200 $PY benchmarks/gpu/bench.py --out-dir "$DIR" --diagnose 2>&1 | grep -v "nanobind\|leaked"
+timeout 300 $PY benchmarks/gpu/bench.py --out-dir "$DIR" --diagnose 2>&1 | grep -v "nanobind\|leaked"
 bench=${PIPESTATUS[0]}
 echo "== done in $(elapsed): tests exit $tests, benchmark exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
