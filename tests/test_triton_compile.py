@@ -37,7 +37,7 @@ def compiled() -> dict[str, dict[str, object]]:
 def test_every_variant_compiles_for_hopper(compiled: dict[str, dict[str, object]]) -> None:
     dtypes = len(triton_hopper.TYPES)
     attention = dtypes * len(triton_hopper.SHAPES) * 2 + len(triton_hopper.SPLITS)
-    fused = dtypes * (len(triton_hopper.WIDTHS) + 2)  # norms, SiLU-and-mul, RoPE
+    fused = dtypes * (len(triton_hopper.WIDTHS) + 3)  # norms, SiLU-and-mul, RoPE x 2
     assert len(compiled) == attention + fused
 
 

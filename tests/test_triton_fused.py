@@ -4,8 +4,8 @@ composition the layers run otherwise. Without a GPU they run under Triton's inte
 CUDA machine the same tests run the compiled kernels.
 
 Covered: widths 64 (one block), 576 (SmolLM2's hidden, not a power of two) and 1536 (its MLP,
-several column blocks in SiLU-and-mul); 1, 5 and 33 rows; head_dim 64 and 24; float32 and
-bfloat16. RoPE must be bit-identical in both; the add before the norm too; the norm and SiLU
+several column blocks in SiLU-and-mul); 1, 5 and 33 rows; head_dim 64 and 24, and 32 with
+Qwen3's q/k head norms; float32 and bfloat16. RoPE must be bit-identical in both; the add before the norm too; the norm and SiLU
 within one rounding step (their reductions and exp are other implementations). Except in
 bfloat16 under the interpreter: its float32 -> bfloat16 cast truncates where a GPU's (and
 torch's) rounds to nearest, so there the values are checked within three bf16 steps only."""
@@ -106,6 +106,32 @@ def test_rope_is_bit_identical(dtype: torch.dtype, heads: int, kv_heads: int,
     assert q.is_contiguous() and k.is_contiguous()
     assert_same(q, want_q)
     assert_same(k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_with_qwen3_head_norms(dtype: torch.dtype) -> None:
+    """Each q/k head RMS-normed by its own weights before the rotation, as the layer's
+    RMSNorm modules do it."""
+    rows, heads, kv_heads, head_dim = 5, 4, 2, 32
+    qkv = rand(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=7)
+    angles = torch.rand(rows, head_dim // 2, generator=torch.Generator().manual_seed(8)) * 50
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE), RMSNorm(head_dim, 1e-6).to(DEVICE)
+    q_norm.weight.data = rand(head_dim, dtype=dtype, seed=9)
+    k_norm.weight.data = rand(head_dim, dtype=dtype, seed=10)
+    q, k = qkv[:, : (heads + kv_heads) * head_dim].split([heads * head_dim,
+                                                         kv_heads * head_dim], dim=-1)
+    with torch.no_grad():
+        want_q = apply_rotary(q_norm(q.reshape(rows, heads, head_dim)), cos, sin)
+        want_k = apply_rotary(k_norm(k.reshape(rows, kv_heads, head_dim)), cos, sin)
+    got_q, got_k = triton_fused.rope_qk(qkv, cos, sin, heads, kv_heads, head_dim,
+                                        q_norm.weight.data, k_norm.weight.data, 1e-6)
+    # the norm's sum of squares is reduced in another order: within a rounding step or two
+    # of the result's scale (a rotation mixes two rounded halves)
+    scale = float(want_q.float().abs().max())
+    tol = 4 * ONE_ROUNDING[dtype] * scale if exact(dtype) else 6 * 2**-7 * scale
+    assert float((got_q.float() - want_q.float()).abs().max()) <= tol
+    assert float((got_k.float() - want_k.float()).abs().max()) <= tol
 
 
 def test_engine_with_the_triton_kernels_gives_the_same_tokens(

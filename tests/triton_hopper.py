@@ -90,9 +90,11 @@ def fused_kernels(dtype: torch.dtype) -> dict[str, object]:
     out["silu"] = compile_for_hopper(tf._silu_and_mul_kernel, {"GateUp": p, "Out": p},
                                      dict(BLOCK=1024), num_warps=tf._warps(1024),
                                      enable_fp_fusion=False)
-    out["rope"] = compile_for_hopper(
-        tf._rope_qk_kernel, {"QKV": p, "Cos": p, "Sin": p, "Q": p, "K": p},
-        dict(HALF=32, BLOCK=32), num_warps=1, enable_fp_fusion=False)
+    for norms in (False, True):  # Qwen3's q/k head norms
+        out[f"rope{'-norms' if norms else ''}"] = compile_for_hopper(
+            tf._rope_qk_kernel, {"QKV": p, "Cos": p, "Sin": p, "QNorm": p, "KNorm": p, "Q": p,
+                                 "K": p, "eps": "fp32"},
+            dict(HALF=32, BLOCK=32, HEAD_NORMS=norms), num_warps=1, enable_fp_fusion=False)
     return out
 
 

@@ -108,7 +108,7 @@ def rope_qk(
     """qkv: [T, (H + 2 KVH) D] (rows may be strided), cos/sin: [T, D/2] in its dtype ->
     rotated q [T, H, D], k [T, KVH, D], contiguous. q_norm/k_norm: per-head RMSNorm weights
     [D] applied before the rotation (Qwen3), both or neither."""
-    gpu = _gpu_kernels(qkv) if q_norm is None else None  # (no Qwen3 norms in Triton yet)
+    gpu = _gpu_kernels(qkv)
     fn = None if gpu is not None else _kernel("rope_qk", qkv)
     if (gpu is None and fn is None) or qkv.dim() != 2 or qkv.stride(1) != 1 \
             or head_dim > MAX_HEAD_DIM:
@@ -128,7 +128,7 @@ def rope_qk(
         ):
             return None
     if gpu is not None:
-        return gpu.rope_qk(qkv, cos, sin, heads, kv_heads, head_dim)
+        return gpu.rope_qk(qkv, cos, sin, heads, kv_heads, head_dim, q_norm, k_norm, eps)
     q = qkv.new_empty((rows, heads, head_dim))
     k = qkv.new_empty((rows, kv_heads, head_dim))
     qn = q_norm.data_ptr() if q_norm is not None else None

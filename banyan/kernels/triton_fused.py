@@ -1,9 +1,10 @@
 """Fused element-wise Triton kernels of a decoder layer on the GPU: residual add + RMSNorm,
-SiLU-and-mul, RoPE on the fused qkv projection. What the CPU does in cpu_fused_ops.cpp, and why:
-on an H200 a batch-1 decode step of the 135M model kept the GPU busy 1.7 ms, most of it ~25
-small PyTorch kernels a layer of 1-3 us each (the norm alone is an add, a cast, the norm, a cast
-back and the weight's product), and a CUDA graph of ~800 nodes took 0.68 ms of host time to
-launch (docs/performance.md, 2026-12-04). These make it ~3 a layer.
+SiLU-and-mul, RoPE on the fused qkv projection (Qwen3's per-head q/k norms before it). What
+the CPU does in cpu_fused_ops.cpp, and why: on an H200 a batch-1 decode step of the 135M model
+kept the GPU busy 1.7 ms, most of it ~25 small PyTorch kernels a layer of 1-3 us each (the
+norm alone is an add, a cast, the norm, a cast back and the weight's product), and a CUDA
+graph of ~800 nodes took 0.68 ms of host time to launch (docs/performance.md, 2026-12-04).
+These make it ~3 a layer.
 
 Each rounds where the PyTorch composition rounds, so the values are the same: bf16 products of
 two bf16 numbers are exact in float32 and rounded once, as torch's are; the add before the norm
@@ -91,8 +92,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_qk_kernel(QKV, Cos, Sin, Q, K, stride_t, heads, kv_heads,
-                    HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_qk_kernel(QKV, Cos, Sin, QNorm, KNorm, Q, K, stride_t, heads, kv_heads, eps,
+                    HALF: tl.constexpr, BLOCK: tl.constexpr, HEAD_NORMS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # q heads first, then k heads
     j = tl.arange(0, BLOCK)
@@ -105,6 +106,16 @@ def _rope_qk_kernel(QKV, Cos, Sin, Q, K, stride_t, heads, kv_heads,
     dt = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
+    if HEAD_NORMS:  # Qwen3: each head RMS-normed before the rotation, as RMSNorm rounds it
+        if h < heads:
+            w = QNorm
+        else:
+            w = KNorm
+        w1 = tl.load(w + j, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w + HALF + j, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        x1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # apply_rotary's ops, each rounded to the model's dtype as torch rounds them
     o1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
@@ -117,15 +128,20 @@ def _rope_qk_kernel(QKV, Cos, Sin, Q, K, stride_t, heads, kv_heads,
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-            kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+            k_norm: torch.Tensor | None = None,
+            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv: [T, >= (H + KVH) D] with unit column stride; cos/sin: [T, D/2] contiguous in its
-    dtype -> rotated q [T, H, D] and k [T, KVH, D], contiguous (NeoX/HF half layout)."""
+    dtype -> rotated q [T, H, D] and k [T, KVH, D], contiguous (NeoX/HF half layout).
+    q_norm/k_norm: per-head RMSNorm weights [D] applied first (Qwen3), both or neither."""
     rows = qkv.shape[0]
     q = qkv.new_empty((rows, heads, head_dim))
     k = qkv.new_empty((rows, kv_heads, head_dim))
     half = head_dim // 2
+    norms = q_norm is not None and k_norm is not None
     _rope_qk_kernel[(rows, heads + kv_heads)](
-        qkv, cos, sin, q, k, qkv.stride(0), heads, kv_heads, HALF=half,
-        BLOCK=max(ROPE_BLOCK_MIN, triton.next_power_of_2(half)), num_warps=1,
-        enable_fp_fusion=False)
+        qkv, cos, sin, q_norm if norms else cos, k_norm if norms else cos, q, k,
+        qkv.stride(0), heads, kv_heads, eps, HALF=half,
+        BLOCK=max(ROPE_BLOCK_MIN, triton.next_power_of_2(half)), HEAD_NORMS=norms,
+        num_warps=1, enable_fp_fusion=False)
     return q, k
