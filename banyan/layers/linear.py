@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from banyan.kernels import native
+from banyan.layers.linear_choice import CHOICE_RULE, beats_linear
 from banyan.layers.panels import pad_rows, to_panels
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ class SkinnyF32Method(DenseMethod):
         """Whether the kernel beats F.linear on this CPU for `rows` tokens through `weight` (the
         model's largest, where the time goes). CPUs differ (GEMM libraries pick other kernels
         per ISA), so this is measured, not assumed."""
-        return _beats_linear("skinny float32 linear", native.skinny_linear, weight, rows, reps)
+        return beats_linear("skinny float32 linear", native.skinny_linear, weight, rows, reps)
 
     @classmethod
     def onednn_chosen_here(cls, weight: torch.Tensor, rows: int) -> bool:
@@ -217,7 +218,7 @@ class SkinnyF32Method(DenseMethod):
         out_f, in_f = weight.shape
         return native.remembered(
             f"onednn-f32 {out_f}x{in_f} at {rows} rows{CHOICE_RULE}",
-            lambda: _beats_linear("oneDNN float32 linear", onednn_linear, weight, rows,
+            lambda: beats_linear("oneDNN float32 linear", onednn_linear, weight, rows,
                                   reps=1 if out_f * in_f * rows > 2**30 else 3))
 
 
@@ -327,40 +328,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x @ weight.T + bias through oneDNN (the op PackedBf16Method calls, given the plain
     weight: oneDNN reads the row-major matrix as it is)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-
-
-# A kernel replaces F.linear only when it measures at most this share of F.linear's time. With
-# no margin, near-ties went either way from one build of the kernels to the next (their answers
-# are remembered per build): on one Zen 4 machine 21 of the 53 answers remembered there
-# flipped between builds, and with them the float32 sums' last bits (the fixed text's
-# perplexity over an int8 KV cache moved +0.11% -> +0.17% on a comment's change). A tie keeps
-# F.linear, transformers' own GEMM.
-CHOICE_MARGIN = 0.9
-CHOICE_RULE = " (10% margin)"  # in the remembered questions: answers of the old rule not reused
-
-
-def _beats_linear(name: str, fn: object, weight: torch.Tensor, rows: int, reps: int) -> bool:
-    """Whether fn(x, weight, None) takes at most CHOICE_MARGIN of F.linear's time for `rows`
-    random tokens: medians of `reps` timed calls each, after one that warms caches and
-    threads."""
-    import time
-
-    x = torch.randn(rows, weight.shape[1])
-
-    def median(call: object) -> float:
-        times = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            call()  # type: ignore[operator]
-            times.append(time.perf_counter() - t0)
-        return sorted(times[1:])[reps // 2]
-
-    with torch.inference_mode():
-        library = median(lambda: nn.functional.linear(x, weight))
-        other = median(lambda: fn(x, weight, None))  # type: ignore[operator]
-    logger.info("%s %s: %.2f ms vs F.linear %.2f ms at %d rows", name, tuple(weight.shape),
-                other * 1e3, library * 1e3, rows)
-    return other < library * CHOICE_MARGIN
 
 
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
