@@ -19,11 +19,21 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     return torch.from_numpy(np.fromiter(values, np.int64, len(values)))
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (a host tensor) on `device`. To a GPU through pinned memory, without waiting: a
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) from a host tensor. To a GPU through pinned memory, without waiting: a
     copy from pageable memory makes the host wait until the GPU has drained its queue (the
     step in flight, with overlap), a pinned one is queued behind it. torch's pinned-memory
     cache keeps the staging block until the copy that reads it has run."""
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+    else:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (a host tensor) on `device`, copied as `copy_into` copies."""
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    copy_into(out, t)
+    return out

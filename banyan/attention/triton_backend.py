@@ -26,7 +26,7 @@ from banyan.attention.base import AttentionBackend, AttentionMetadata
 from banyan.attention.registry import register_backend
 from banyan.attention.torch_backend import token_starts
 from banyan.batch import ForwardBatch
-from banyan.host_tensors import to_device
+from banyan.host_tensors import copy_into, to_device
 from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 
@@ -196,7 +196,7 @@ class TritonBackend(AttentionBackend):
         host[1, :] = 1
         host[1, :b] = torch.tensor(seq_lens, dtype=torch.int32)
         host[2, :] = torch.arange(size, dtype=torch.int32)
-        self._g_ints[:, :size].copy_(to_device(host, self._g_ints.device))
+        copy_into(self._g_ints[:, :size], host)  # (no second copy on the device)
         self._g_out_slots[b:size].zero_()
         self._g_out_slots[:b].copy_(out_slots)
 

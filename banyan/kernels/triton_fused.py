@@ -139,8 +139,9 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     k = qkv.new_empty((rows, kv_heads, head_dim))
     half = head_dim // 2
     norms = q_norm is not None and k_norm is not None
+    unused = cos  # any pointer of the dtype: HEAD_NORMS=False compiles the loads away
     _rope_qk_kernel[(rows, heads + kv_heads)](
-        qkv, cos, sin, q_norm if norms else cos, k_norm if norms else cos, q, k,
+        qkv, cos, sin, q_norm if norms else unused, k_norm if norms else unused, q, k,
         qkv.stride(0), heads, kv_heads, eps, HALF=half,
         BLOCK=max(ROPE_BLOCK_MIN, triton.next_power_of_2(half)), HEAD_NORMS=norms,
         num_warps=1, enable_fp_fusion=False)

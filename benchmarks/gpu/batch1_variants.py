@@ -25,12 +25,14 @@ from banyan.bench.workloads import random_workload
 from banyan.kernels import fused_ops
 
 
-def _engine(folder: Path, device: str, **kw: Any) -> Engine:
+def small_engine(folder: Path, device: str, **kw: Any) -> Engine:
+    """An engine for one request at a time (bf16; EngineArgs fields in kw)."""
     return Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
                   kv_cache_memory="1GiB", max_running_requests=4, **kw)
 
 
-def _decode_ms(engine: Engine, tokens: int) -> float:
+def decode_ms(engine: Engine, tokens: int) -> float:
+    """Batch-1 decode ms a token over `tokens` tokens, after a short warm-up request."""
     vocab = engine.core.vocab_size
     batch1(engine, 32, 8, vocab)
     return 1e3 / batch1(engine, 128, tokens, vocab)["decode_tok_s"]
@@ -107,9 +109,9 @@ def fused_ab(folder: Path, device: str, quick: bool, rounds: int = 2) -> dict[st
             set_triton_fused(on)
             tag = "fused" if on else "unfused"
             for overlap in ("off", "on"):
-                with _engine(folder, device, overlap=overlap) as engine:
+                with small_engine(folder, device, overlap=overlap) as engine:
                     result.setdefault(f"{tag}_batch1_overlap_{overlap}_ms", []).append(
-                        _decode_ms(engine, tokens))
+                        decode_ms(engine, tokens))
             with Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
                         kv_cache_memory="8GiB", max_running_requests=64) as engine:
                 work = random_workload(n, 128, 128, engine.core.vocab_size, seed=1)
@@ -126,16 +128,16 @@ def diagnose(folder: Path, device: str, out: Path, quick: bool) -> dict[str, Any
     for name, kw in (("overlap", {"overlap": "on"}), ("sequential", {"overlap": "off"})):
         for interval in (0.005, 0.0001):
             sys.setswitchinterval(interval)
-            with _engine(folder, device, **kw) as engine:
+            with small_engine(folder, device, **kw) as engine:
                 result[f"{name}_switch_{interval * 1e3:g}ms_ms_per_token"] = \
-                    _decode_ms(engine, tokens)
+                    decode_ms(engine, tokens)
     sys.setswitchinterval(0.005)
-    with _engine(folder, device, overlap="off") as engine:
+    with small_engine(folder, device, overlap="off") as engine:
         result["sequential_steps"] = step_ms(engine, tokens)
         profile(engine, out)
     result["triton_fused_ab"] = fused_ab(folder, device, quick)
     set_triton_fused(True)
-    with _engine(folder, device, overlap="off") as engine:
+    with small_engine(folder, device, overlap="off") as engine:
         result["sequential_steps_fused"] = step_ms(engine, tokens)
         profile(engine, out.with_name(out.stem + "-fused.txt"))
     set_triton_fused(False)

@@ -30,7 +30,7 @@ from banyan.bench.workloads import random_workload
 from banyan.demo import build_random_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batch1_variants import diagnose  # noqa: E402
+from batch1_variants import decode_ms, diagnose, small_engine  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m-shape": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -72,12 +72,8 @@ def measure(folder: Path, device: str, hbm_tbs: float, quick: bool) -> dict[str,
 
 def batch1_eager(folder: Path, device: str, quick: bool) -> float:
     """Batch-1 decode tok/s with --disable-cuda-graph: what the graphs are worth."""
-    with Engine(str(folder), dtype="bfloat16", device=device, disable_tqdm=True,
-                kv_cache_memory="1GiB", max_running_requests=4,
-                disable_cuda_graph=True) as engine:
-        vocab = engine.core.vocab_size
-        batch1(engine, 32, 8, vocab)
-        return batch1(engine, 128, 16 if quick else 128, vocab)["decode_tok_s"]
+    with small_engine(folder, device, disable_cuda_graph=True) as engine:
+        return 1e3 / decode_ms(engine, 16 if quick else 128)
 
 
 def copy_tbs(device: str) -> float | None:
