@@ -181,7 +181,8 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
     """The bf16 GEMM on a plain weight (its pairs transposed per call: inputs not a multiple of
     32 take the tail loop, rows not a multiple of 16 repeat the last row) and on the weight
     stored in its pairs (what a dense bf16 layer without a bias runs for steps of 1..GEMM_ROWS
-    tokens): float32 sums and one rounding of each output, the same bits."""
+    tokens): float32 sums and one rounding of each output, the same bits, and each token's the
+    same as alone (9, 12 and 21 tokens: token blocks of unequal sizes)."""
     from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm
     from banyan.layers.linear import pack_bf16_pairs
 
@@ -196,6 +197,8 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
     pairs = pack_bf16_pairs(weight)
     assert pairs.shape == (-(-out_f // 16), in_f // 2, 16) and pairs.data_ptr() % 64 == 0
     assert torch.equal(bf16_pairs_gemm(x, pairs, out_f), got)  # the stored pairs: same bits
+    for t in range(tokens):  # a token's bits whatever block of the step it falls in
+        assert torch.equal(bf16_pairs_gemm(x[t : t + 1], pairs, out_f), got[t : t + 1])
     layer = Linear.from_weight(weight.clone())
     if SkinnyBf16Method.available(torch.device("cpu"), torch.bfloat16) and \
             SkinnyBf16Method.takes_gemm(layer):
