@@ -1,0 +1,107 @@
+"""Two builds of the native kernels through the whole bf16 layer stack, step by step in one
+process: the default model (dense bf16, Banyan's runner and pool), its stack's entry point
+taken from each library in turn (the kernels it calls are that library's own), so a drift of
+the machine's speed between runs, which on these VMs moves a step by 20-40%, hits both alike.
+Each step size T: one request checking T - 1 guesses over a 300-token context (T <= 16; T = 1
+is a plain decode), or T decodes of 300-token contexts (T > 16). The logits of both builds are
+compared first.
+
+Build the other checkout's kernels (any Banyan call that loads them writes the library into
+~/.cache/banyan/kernels, named by a hash of the sources), then:
+
+    python benchmarks/layer_stack_ab.py A.so B.so [--tokens 1,8,13,64] [--rounds 30] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from banyan.batch import ForwardBatch
+from banyan.bench.offline import machine_info
+from banyan.model_files import resolve_model_dir
+from banyan.runner.model_runner import ModelRunner
+
+CONTEXT = 300
+STRIDE = 400  # slots a row may use
+
+
+def step(tokens: int) -> ForwardBatch:
+    if tokens <= 16:
+        batch = ForwardBatch(rows=[0], prefix_lens=[CONTEXT], extend_lens=[tokens],
+                             input_ids=[5] * tokens,
+                             out_slots=list(range(1 + CONTEXT, 1 + CONTEXT + tokens)),
+                             sample_indices=[0])
+        if tokens > 1:
+            batch.proposed = [[5] * (tokens - 1)]
+        return batch
+    return ForwardBatch(rows=list(range(tokens)), prefix_lens=[CONTEXT] * tokens,
+                        extend_lens=[1] * tokens, input_ids=[5] * tokens,
+                        out_slots=[1 + r * STRIDE + CONTEXT for r in range(tokens)],
+                        sample_indices=list(range(tokens)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--tokens", default="1,8,13,64")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=None)
+    ns = ap.parse_args()
+    sizes = [int(t) for t in ns.tokens.split(",")]
+    rows = max(max(sizes), 1)
+    runner = ModelRunner(resolve_model_dir(None), dtype="bfloat16", max_rows=rows,
+                         num_slots=rows * STRIDE + 1, show_progress=False)
+    stack = runner.stack
+    if stack is None:
+        raise SystemExit("no native layer stack for this model here")
+    entry = stack._call
+    calls = {}
+    for name, path in (("a", ns.a), ("b", ns.b)):
+        fn = getattr(ctypes.CDLL(str(path)), entry.__name__)
+        fn.argtypes, fn.restype = entry.argtypes, entry.restype
+        calls[name] = fn
+    ids = [(7 * i) % 4000 + 100 for i in range(CONTEXT)]
+    for r in range(rows):  # every row's context in the pool
+        runner.forward(ForwardBatch(rows=[r], prefix_lens=[0], extend_lens=[CONTEXT],
+                                    input_ids=ids,
+                                    out_slots=list(range(1 + r * STRIDE, 1 + r * STRIDE + CONTEXT)),
+                                    sample_indices=[0]))
+    results = []
+    for tokens in sizes:
+        logits = {}
+        for name, fn in calls.items():
+            stack._call = fn
+            logits[name] = runner.forward(step(tokens)).clone()
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        for r in range(ns.rounds):
+            for name in ("a", "b") if r % 2 else ("b", "a"):
+                stack._call = calls[name]
+                t0 = time.perf_counter()
+                runner.forward(step(tokens))
+                seconds[name].append(time.perf_counter() - t0)
+        a, b = (statistics.median(seconds[n]) for n in ("a", "b"))
+        same = torch.equal(logits["a"], logits["b"])
+        results.append({"tokens": tokens, "a_median_ms": a * 1e3, "b_median_ms": b * 1e3,
+                        "b_over_a": b / a, "same_logits": same})
+        print(f"T={tokens:3d}: a {a * 1e3:.2f} ms b {b * 1e3:.2f} ms  b/a {b / a:.3f}  "
+              f"same logits {same}", flush=True)
+    stack._call = entry
+    if ns.out:
+        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+                                      "machine": machine_info(), "context": CONTEXT,
+                                      "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
+                                      "cases": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
