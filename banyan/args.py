@@ -154,6 +154,11 @@ class EngineArgs:
         "draft: a request's guesses stop after one the draft gives a probability below this "
         "(0: always --speculative-num-tokens); a guess it doubts is seldom accepted, and the "
         "draft's forwards are most of a guessing step's cost."))
+    spec_draft_no_lookup: bool = field(default=False, metadata=_doc(
+        "draft: always guess with the draft model. By default a request whose recent text "
+        "already appeared earlier in it (the ngram lookup of --spec-ngram-min..max finds a "
+        "continuation of at least 2 tokens) is given that continuation instead, at no draft "
+        "forward; the draft catches up on its tokens later."))
     quantization: str = field(default="auto", metadata=_doc(
         "Weight format of the linear layers: none (the dtype's), int8 (weight-only, one scale "
         "per output channel), int4 (weight-only, 4-bit with a float16 scale and minimum per 32 "

@@ -37,8 +37,9 @@ from banyan.bench.workloads import random_workload
 def config(name: str) -> dict[str, Any]:
     """Engine arguments of a configuration: none, ngram or draft (the engine's defaults), with
     -kN: at most N guesses a step, and for draft -cF: --spec-draft-min-confidence F, -qQ: the
-    draft's weights in Q instead of --draft-quantization (draft-k8-c0: 8 guesses, however
-    unsure; draft-qint4: the draft model quantized to int4 at load)."""
+    draft's weights in Q instead of --draft-quantization, -l0 / -l1: --spec-draft-no-lookup /
+    the lookup on (draft-k8-c0: 8 guesses, however unsure; draft-qint4: the draft model
+    quantized to int4 at load)."""
     algorithm, *options = name.split("-")
     extra: dict[str, Any] = {"speculative_algorithm": algorithm}
     for option in options:
@@ -49,11 +50,13 @@ def config(name: str) -> dict[str, Any]:
             extra["spec_draft_min_confidence"] = float(value)
         elif algorithm == "draft" and option.startswith("q") and value in QUANTIZATION_CHOICES:
             extra["spec_draft_quantization"] = value
+        elif algorithm == "draft" and option in ("l0", "l1"):
+            extra["spec_draft_no_lookup"] = option == "l0"
         else:
             algorithm = "?"
     if algorithm not in ("none", "ngram", "draft"):
         raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], "
-                         "draft[-kN][-cF][-qQ]")
+                         "draft[-kN][-cF][-qQ][-l0|-l1]")
     return extra
 
 

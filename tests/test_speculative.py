@@ -29,6 +29,9 @@ def spec_engine(model: Path, algo: str, draft: Path | None = None, **kwargs: obj
     kwargs.setdefault("speculative_num_tokens", 4)
     # every guess, however unsure: a random tiny model is unsure of all of them
     kwargs.setdefault("spec_draft_min_confidence", 0.0)
+    # the draft model's own guesses (a random model repeats itself: lookups would stand in for
+    # many of them; test_a_lookup_stands_in_for_the_draft_where_the_text_repeats has them)
+    kwargs.setdefault("spec_draft_no_lookup", True)
     engine = Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
                     speculative_algorithm=algo, speculative_max_step_tokens=64,
                     spec_ngram_min=1, **extra, **kwargs)
@@ -125,6 +128,29 @@ def test_a_gguf_draft_computes_from_its_own_blocks(tmp_path: Path, tokenizer_dir
         check_pool_empty(engine)
     with pytest.raises(ValueError, match="spec_draft_model must be a .gguf"):
         spec_engine(llama_dir, "draft", llama_dir, spec_draft_quantization="gguf")
+
+
+def test_a_lookup_stands_in_for_the_draft_where_the_text_repeats(
+        model_dirs: dict[str, Path]) -> None:
+    """With the lookup on (the default), requests whose text repeats take the continuation
+    found earlier in it instead of the draft's guesses; outputs stay transformers' greedy ones,
+    and the draft, which never saw those tokens, catches up on them at its next guess."""
+    target = model_dirs["llama"]
+    pattern = [11, 23, 35, 47, 59, 71, 83]
+    prompts = [pattern * 12, [5] + pattern * 9 + [13, 17], prompts_1_to_300(1, seed=5)[0]]
+    max_new = [24, 30, 20]
+    expected = [hf_greedy(target, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    with spec_engine(target, "draft", model_dirs["qwen3"], spec_draft_no_lookup=False,
+                     speculative_num_tokens=6) as engine:
+        assert run_greedy(engine, prompts, max_new) == expected
+        spec = engine.core.scheduler.speculation
+        assert spec.proposer.looked_up > 0 and spec.stats.num_accepted_tokens > 0
+        check_pool_empty(engine)
+        draft_slots = spec.proposer.allocator
+        assert draft_slots.num_free == draft_slots.capacity  # every draft sequence let go
+    with spec_engine(target, "draft", model_dirs["qwen3"], speculative_num_tokens=6) as engine:
+        assert run_greedy(engine, prompts, max_new) == expected
+        assert engine.core.scheduler.speculation.proposer.looked_up == 0
 
 
 def test_draft_stops_guessing_after_a_guess_it_doubts(model_dirs: dict[str, Path]) -> None:

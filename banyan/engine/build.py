@@ -72,7 +72,9 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)
-        return DraftProposer(draft, target.vocab_size, args.spec_draft_min_confidence)
+        lookup = (NgramProposer(args.spec_ngram_min, args.spec_ngram_max)
+                  if not args.spec_draft_no_lookup else None)
+        return DraftProposer(draft, target.vocab_size, args.spec_draft_min_confidence, lookup)
     return None
 
 
