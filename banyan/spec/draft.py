@@ -64,6 +64,7 @@ class DraftProposer:
         self.target_vocab = target_vocab
         self.min_confidence = min_confidence
         self.lookup = lookup
+        self.lookup_min = LOOKUP_MIN
         self.looked_up = 0  # requests given a lookup's continuation instead of draft guesses
         self.allocator = SlotAllocator(runner.num_slots)
         self._free_rows = list(range(runner.max_rows - 1, -1, -1))
@@ -78,7 +79,7 @@ class DraftProposer:
         for i, req in enumerate(reqs):
             if self.lookup is not None:
                 found = self.lookup.lookup(req.prompt_ids, req.output_ids, limit[i])
-                if len(found) >= LOOKUP_MIN:  # the text repeats: its continuation, no forward
+                if len(found) >= self.lookup_min:  # the text repeats: its continuation, no forward
                     guesses[i] = found
                     self.looked_up += 1
                     continue
