@@ -38,8 +38,8 @@ def config(name: str) -> dict[str, Any]:
     """Engine arguments of a configuration: none, ngram or draft (the engine's defaults), with
     -kN: at most N guesses a step, and for draft -cF: --spec-draft-min-confidence F, -qQ: the
     draft's weights in Q instead of --draft-quantization, -l0 / -l1: --spec-draft-no-lookup /
-    the lookup on (draft-k8-c0: 8 guesses, however unsure; draft-qint4: the draft model
-    quantized to int4 at load)."""
+    the lookup on, -h0: the draft's guesses from its full head, not its 4-bit pick (draft-k8-c0:
+    8 guesses, however unsure; draft-qint4: the draft model quantized to int4 at load)."""
     algorithm, *options = name.split("-")
     extra: dict[str, Any] = {"speculative_algorithm": algorithm}
     for option in options:
@@ -52,11 +52,13 @@ def config(name: str) -> dict[str, Any]:
             extra["spec_draft_quantization"] = value
         elif algorithm == "draft" and option in ("l0", "l1"):
             extra["spec_draft_no_lookup"] = option == "l0"
+        elif algorithm == "draft" and option == "h0":
+            extra["plain_head"] = True  # (not an engine argument: build() takes it)
         else:
             algorithm = "?"
     if algorithm not in ("none", "ngram", "draft"):
         raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], "
-                         "draft[-kN][-cF][-qQ][-l0|-l1]")
+                         "draft[-kN][-cF][-qQ][-l0|-l1][-h0]")
     return extra
 
 
@@ -89,10 +91,14 @@ def main() -> None:
 
     def build(name: str, **limits: Any) -> Engine:
         extra = config(name)
+        plain_head = extra.pop("plain_head", False)
         if extra["speculative_algorithm"] == "draft":
             extra.setdefault("spec_draft_quantization", ns.draft_quantization)
             extra["spec_draft_model"] = ns.draft or ns.model
-        return Engine(model=ns.model, dtype=ns.dtype, disable_tqdm=True, **limits, **extra)
+        engine = Engine(model=ns.model, dtype=ns.dtype, disable_tqdm=True, **limits, **extra)
+        if plain_head:  # the draft's guesses from its full head's logits (spec/draft_head.py)
+            engine.core.scheduler.speculation.proposer.head = None
+        return engine
 
     engines = {name: build(name, max_running_requests=1, kv_cache_memory="512MiB")
                for name in names}

@@ -48,7 +48,8 @@ def kernel_range(name: str) -> AbstractContextManager[object]:
 SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp",
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
            "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
-           "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp", "cpu_kv_quant.cpp")
+           "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp", "cpu_kv_quant.cpp",
+           "cpu_draft_pick.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -200,6 +201,8 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_int4s_dequant_f32.argtypes = lib.banyan_int4_dequant_f32.argtypes
     for name in ("int8", "int8g", "int4", "int4s"):
         getattr(lib, f"banyan_{name}_dequant_f32").restype = None
+    lib.banyan_draft_pick.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, f32, ptr, ptr]
+    lib.banyan_draft_pick.restype = None  # (spec/draft_head.py)
     for suffix in _DTYPE_SUFFIX.values():
         skinny = getattr(lib, f"banyan_skinny_linear_{suffix}")
         skinny.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]

@@ -24,7 +24,7 @@ from torch import nn
 
 from banyan.kernels import native
 from banyan.layers.linear_choice import CHOICE_RULE, beats_linear
-from banyan.layers.panels import pad_rows, to_panels
+from banyan.layers.panels import from_panels, pad_rows, to_panels
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +321,11 @@ class PairsBf16Method(LinearMethod):
 
     def native(self, layer: Linear) -> NativeLinear | None:
         return NativeLinear("pairs_bf16", layer.pairs, bias=layer.pairs_bias)
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        """The weight [N, K] (float32) out of its pairs, as the quantized methods give theirs."""
+        pairs = from_panels(layer.pairs, layer.out_features).contiguous()
+        return pairs.view(torch.bfloat16).float()
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

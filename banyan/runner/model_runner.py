@@ -303,6 +303,18 @@ class ModelRunner:
     def compute(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
         """The model over a prepared step -> (logits at `inputs.logit_tokens`, float32; the
         prompt logprobs of each ForwardBatch.prompt_logprobs span, empty when none)."""
+        picked, prompt = self.compute_hidden(inputs)
+        if picked is None:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32,
+                               device=self.device), prompt
+        with torch.inference_mode():
+            return self.model.compute_logits(picked), prompt
+
+    def compute_hidden(self, inputs: StepInputs
+                       ) -> tuple[torch.Tensor | None, list[list[TokenLogprobs]]]:
+        """`compute` short of the LM head: the final-normed hidden states at
+        `inputs.logit_tokens` (None when none) and the prompt logprobs (a draft picks its
+        guesses from the hidden states itself: spec/draft_head.py)."""
         with torch.inference_mode():
             hidden = None
             if inputs.graph is not None and self.graphs is not None:
@@ -316,9 +328,9 @@ class ModelRunner:
             prompt = ([] if inputs.prompt is None else
                       compute_prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt))
             if inputs.logit_tokens is None:
-                return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), prompt
+                return None, prompt
             picked = hidden if inputs.every_token else hidden.index_select(0, inputs.logit_tokens)
-            return self.model.compute_logits(picked), prompt
+            return picked, prompt
 
     def prepare(self, batch: ForwardBatch) -> StepInputs:
         """Validate the batch, build its tensors, write the table, plan attention.

@@ -15,6 +15,8 @@ probability (transformers' assisted generation stops the same way): such a guess
 checked, but the ones after it would seldom be accepted, and each costs a draft forward (chat on
 SmolLM2-135M with its int4 copy as the draft, Zen 4: 1.44x at 0.2 against 1.33x at 0 in one
 run, a small gain inside the machine's spread; docs/performance.md).
+Where it reads fewer bytes, the guesses come from a 4-bit copy of the draft's LM head, the few
+logits near the largest recomputed exactly (draft_head.py).
 With a `lookup` (an NgramProposer), a request whose recent tokens appeared earlier in its own
 text takes the continuation found there (at least LOOKUP_MIN tokens) and no draft forward
 this step: where the text repeats, prompt lookup guesses as well as the draft at no cost (chat
@@ -39,6 +41,7 @@ from banyan.mem.allocator import SlotAllocator
 from banyan.runner.model_runner import ModelRunner
 from banyan.scheduler.request import Request
 from banyan.scheduler.speculation import StepCost
+from banyan.spec.draft_head import DraftHead
 from banyan.spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class DraftProposer:
             logger.warning("draft vocabulary (%d) is smaller than the target's (%d): guesses "
                            "only ever use the shared ids", runner.vocab_size, target_vocab)
         self.runner = runner
+        self.head = DraftHead.build(runner.model, runner.device, runner.dtype)  # or None
         self.target_vocab = target_vocab
         self.min_confidence = min_confidence
         self.lookup = lookup
@@ -164,7 +168,12 @@ class DraftProposer:
             seq.tokens.extend(new)
             seq.slots.extend(taken)
         start = time.perf_counter()
-        found = top_token_and_probability(self.runner.forward(batch))
+        if self.head is None:
+            found = top_token_and_probability(self.runner.forward(batch))
+        else:  # the guesses from the hidden states, through half the head's bytes
+            hidden, _ = self.runner.compute_hidden(self.runner.prepare(batch))
+            assert hidden is not None, "every sequence samples"
+            found = self.head.pick(hidden)
         if need == len(seqs):  # a guessing position (a prompt's catch-up is priced by no one)
             self.cost.observe(need, time.perf_counter() - start)
         return found

@@ -4,9 +4,9 @@ own prompt or output, guess that what followed them then follows them now.
 No model, no state: a request that copies spans of its input (summaries, rewrites, code edits)
 gets long runs accepted; one that does not simply gets no guesses. The longest suffix from
 `max_n` down to `min_n` that matches wins, and among its matches the most recent one that is
-followed by k tokens (the text being copied is usually the nearest one). The search runs at C speed: the tokens are packed as 4-byte
-integers and `bytes.rfind` looks for the suffix (a hit at an offset that is not a multiple of 4
-straddles two tokens and is skipped).
+followed by k tokens (the text being copied is usually the nearest one). The search runs at C
+speed: the tokens are packed as 4-byte integers and `bytes.rfind` looks for the suffix (a hit
+at an offset that is not a multiple of 4 straddles two tokens and is skipped).
 """
 
 from __future__ import annotations
