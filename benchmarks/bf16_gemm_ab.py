@@ -12,13 +12,11 @@ kernel cache, ~/.cache/banyan/kernels, named by a hash of their sources), then:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +24,7 @@ import torch
 from banyan.bench.offline import machine_info
 from banyan.layers.linear import Linear, SkinnyBf16Method
 from banyan.layers.quant import BF16_GEMM_KINDS, Int4Method, Int8Method
+from two_builds import gemm_libraries, parse_args  # (this script's folder)
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
 BF16_PAIRS_KIND = 5  # kBf16Pairs
@@ -54,17 +53,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("a", type=Path)
-    ap.add_argument("b", type=Path)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=150)
-    ap.add_argument("--out", type=Path, default=None)
-    ns = ap.parse_args()
-    libs = {"a": ctypes.CDLL(str(ns.a)), "b": ctypes.CDLL(str(ns.b))}
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for lib in libs.values():
-        lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
+    ns = parse_args(__doc__, "64", 150)
+    if len(ns.tokens) != 1:
+        raise SystemExit("--tokens: one count here")
+    ns.tokens = ns.tokens[0]
+    libs = gemm_libraries(ns.a, ns.b)
     torch.manual_seed(0)
     keep: list[Any] = []
     cases = {(shape, method): call_args(method, n, k, ns.tokens, keep)

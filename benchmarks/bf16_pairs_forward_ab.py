@@ -10,18 +10,17 @@ forward by forward (order swapped every round), after a check that they give the
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from banyan.bench.offline import machine_info
 from banyan.layers.linear import pack_bf16_pairs
+from two_builds import gemm_libraries, parse_args  # (this script's folder)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate/up, down (out, in)
 LAYERS = 30
@@ -29,22 +28,13 @@ PAIRS_KIND = 5  # kBf16Pairs
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("a", type=Path)
-    ap.add_argument("b", type=Path)
-    ap.add_argument("--tokens", default="1,8,9,12,13,16")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=None)
-    ns = ap.parse_args()
-    libs = {"a": ctypes.CDLL(str(ns.a)), "b": ctypes.CDLL(str(ns.b))}
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for lib in libs.values():
-        lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
+    ns = parse_args(__doc__, "1,8,9,12,13,16", 9)
+    libs = gemm_libraries(ns.a, ns.b)
     torch.manual_seed(0)
     weights = [(pack_bf16_pairs(torch.randn(n, k).bfloat16() * 0.02), n, k)
                for _ in range(LAYERS) for n, k in SHAPES]
     weight_bytes = sum(n * k * 2 for _, n, k in weights)
-    tokens = [int(t) for t in ns.tokens.split(",")]
+    tokens = ns.tokens
     xs = {t: {k: torch.randn(t, k).bfloat16() for k in (576, 1536)} for t in tokens}
     outs = {t: torch.empty(t, max(n for n, _ in SHAPES), dtype=torch.bfloat16) for t in tokens}
     threads = torch.get_num_threads()

@@ -14,13 +14,11 @@ Build the other checkout's kernels (any Banyan call that loads them writes the l
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,6 +26,7 @@ from banyan.batch import ForwardBatch
 from banyan.bench.offline import machine_info
 from banyan.model_files import resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
+from two_builds import parse_args  # (this script's folder)
 
 CONTEXT = 300
 STRIDE = 400  # slots a row may use
@@ -49,14 +48,8 @@ def step(tokens: int) -> ForwardBatch:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("a", type=Path)
-    ap.add_argument("b", type=Path)
-    ap.add_argument("--tokens", default="1,8,13,64")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=None)
-    ns = ap.parse_args()
-    sizes = [int(t) for t in ns.tokens.split(",")]
+    ns = parse_args(__doc__, "1,8,13,64", 30)
+    sizes = ns.tokens
     rows = max(max(sizes), 1)
     runner = ModelRunner(resolve_model_dir(None), dtype="bfloat16", max_rows=rows,
                          num_slots=rows * STRIDE + 1, show_progress=False)

@@ -1,0 +1,32 @@
+"""What the build-against-build benchmarks share (bf16_gemm_ab.py, bf16_pairs_forward_ab.py,
+layer_stack_ab.py): their arguments (the two kernel libraries, token counts, rounds, the JSON
+out) and the bf16 GEMM entry point of each library, typed."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+from pathlib import Path
+
+
+def parse_args(doc: str, tokens: str, rounds: int) -> argparse.Namespace:
+    """a, b: the libraries (~/.cache/banyan/kernels/*.so of two checkouts); tokens: a list
+    ("1,8,13"); rounds; out: a JSON file or None."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--tokens", default=tokens)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--out", type=Path, default=None)
+    ns = ap.parse_args()
+    ns.tokens = [int(t) for t in ns.tokens.split(",")]
+    return ns
+
+
+def gemm_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
+    """Both libraries, banyan_quant_gemm_bf16 typed in each."""
+    libs = {"a": ctypes.CDLL(str(a)), "b": ctypes.CDLL(str(b))}
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for lib in libs.values():
+        lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
+    return libs
