@@ -37,11 +37,13 @@ GROUP = 32
 class DraftHead:
     """`pick(hidden)` -> (each row's guess, the draft's probability of it)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        """weight: the head's values [V, K], float32."""
+    def __init__(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """weight: the head's values [V, K], float32; rows: the same in bf16 where the model
+        holds them already (a tied head's embedding), else a copy is made."""
         self.screen = Linear.from_weight(weight)
         self.screen.convert(Int4Method(GROUP))
-        self.rows = weight.to(torch.bfloat16).contiguous()  # [V, K], read a few rows a call
+        # [V, K], read a few rows a call
+        self.rows = rows if rows is not None else weight.to(torch.bfloat16).contiguous()
         self.vocab, self.width = weight.shape
 
     @classmethod
@@ -58,7 +60,10 @@ class DraftHead:
         weight = _head_values(model, head)
         if weight is None or weight.numel() * 2 < min_bytes:
             return None
-        built = cls(weight)
+        embedding = model.embed_tokens.weight.detach()
+        shared = (model.lm_head is None and embedding.dtype == torch.bfloat16
+                  and embedding.is_contiguous())
+        built = cls(weight, embedding if shared else None)  # (tied: 57 MB not copied again)
         logger.info("draft LM head picked from a 4-bit copy (%.1f MB a forward)",
                     built.screen.weight_bytes() / 1e6)
         return built
