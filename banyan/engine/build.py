@@ -51,8 +51,9 @@ def eos_token_ids(model_dir: Path, tokenizer: Any, hf_config: Any) -> frozenset[
 
 def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
     """The speculative proposer EngineArgs name (None: no speculation)."""
+    lookup = NgramProposer(args.spec_ngram_min, args.spec_ngram_max)
     if args.speculative_algorithm == "ngram":
-        return NgramProposer(args.spec_ngram_min, args.spec_ngram_max)
+        return lookup
     if args.speculative_algorithm == "draft":
         assert args.spec_draft_model is not None
         quantization = args.spec_draft_quantization
@@ -72,9 +73,8 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)
-        lookup = (NgramProposer(args.spec_ngram_min, args.spec_ngram_max)
-                  if not args.spec_draft_no_lookup else None)
-        return DraftProposer(draft, target.vocab_size, args.spec_draft_min_confidence, lookup)
+        return DraftProposer(draft, target.vocab_size, args.spec_draft_min_confidence,
+                             None if args.spec_draft_no_lookup else lookup)
     return None
 
 

@@ -86,14 +86,11 @@ class DraftHead:
 
 def _head_values(model: LlamaForCausalLM, head: Linear | None) -> torch.Tensor | None:
     """The head's values as float32 [V, K], or None where its method keeps none readable (an
-    untied oneDNN-packed head)."""
-    if head is None:  # tied, computed from the embedding as loaded
-        return model.embed_tokens.weight.detach().float()
-    dequantized = getattr(head.method, "dequantized_weight", None)
-    if dequantized is not None:
-        return dequantized(head).float()
-    if hasattr(head, "weight"):
-        return head.weight.detach().float()
-    if model.lm_head is None:
-        return model.embed_tokens.weight.detach().float()
-    return None
+    untied oneDNN-packed head); a tied head without them is the embedding as loaded."""
+    if head is not None:
+        dequantized = getattr(head.method, "dequantized_weight", None)
+        if dequantized is not None:
+            return dequantized(head).float()
+        if hasattr(head, "weight"):
+            return head.weight.detach().float()
+    return model.embed_tokens.weight.detach().float() if model.lm_head is None else None
