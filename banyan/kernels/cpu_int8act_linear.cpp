@@ -28,8 +28,8 @@
 // AVX2 (Zen 2/3, Intel Haswell on; AVX-512 machines take it too), with vpdpbusd in place of
 // each vpmaddubsw + vpmaddwd pair where the CPU has AVX512-VNNI or AVX-VNNI (the same integer
 // sums: the tests check both builds against one reference); a plain-loop path builds elsewhere.
-// With AVX512-VNNI, int4 steps of 2 tokens or more take whole panels in 512-bit registers
-// (cpu_int8act_panels512.h) on the same bytes.
+// With AVX512-VNNI, int4 steps of 2 tokens or more and int8 steps of 4 or more take whole panels
+// in 512-bit registers (cpu_int8act_panels512.h) on the same bytes.
 
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -85,8 +85,9 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* dsum, i
 // Denormal operands and results make float instructions take microcode assists on Zen 4: 127
 // 64-decode steps on random tokens ran the q8 stack 14% slower than bf16's (whose vdpbf16ps
 // flushes them itself), on one repeated token 7% faster, and with the flush below 7-8% faster
-// (which activations hold the denormals was not traced). While a thread runs these loops its float steps flush them
-// (FTZ, DAZ), the caller's mode restored after: values under 1.2e-38 count as zero.
+// (which activations hold the denormals was not traced). While a thread runs these loops its
+// float steps flush them (FTZ, DAZ), the caller's mode restored after: values under 1.2e-38
+// count as zero.
 #if defined(__SSE__)
 struct FlushDenormals {
     const unsigned saved = _mm_getcsr();
@@ -224,6 +225,10 @@ struct Int5Half {  // groups of 32 (Q5_0): float16 scale and min per block
 // Steps of at least this many tokens take the 512-bit panel loops; fewer keep the halves', whose
 // batch-1 loop streams the weights (twice the units to share among threads, prefetched).
 constexpr int64_t kPanelMinTokens = 2;
+// int8 codes from 4 (SmolLM2's 120 projections, Zen 4, halves -> panels: 2 tokens 6.0 -> 6.9
+// ms, 4 tokens 8.2 -> 7.8, 8 tokens 11.4 -> 10.1, 64 tokens 46.7 -> 31.1): a byte a weight,
+// short steps are read-bound, where the halves' loop prefetches its weights.
+constexpr int64_t kInt8PanelMinTokens = 4;
 
 template <typename S>
 struct Int4Panel {  // run_block's unit: panel p (both its half panels), PTB tokens a pass
@@ -260,13 +265,35 @@ void store_panel(const float* res, int64_t p, int64_t tb, const float* bias, O* 
         store_half(res + (row0 - p * PANEL), PANEL, tb, bias, out, N, row0);
 }
 
-// over_halves with pairs of whole panels as the units (TB2 tokens a pass), a last odd panel
-// alone (PTB tokens a pass).
-template <typename S, typename O>
-void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, O* out,
-                      int64_t N, int64_t n_threads) {
+struct Int8Panel {  // run_block's unit: panel p alone, PTB tokens a pass
+    const QRows& a;
+    int64_t K, group;
+    const int8_t* w;
+    const float* scale;
+    template <int TB>
+    void run(int64_t t0, int64_t p, float* res) const {
+        int8_panels<TB, 1>(a, t0, K, group, w + 2 * p * K * HALF, 0,
+                           scale + p * (K / group) * PANEL, res, TB);
+    }
+};
+
+struct Int8PanelPair {  // run_block's unit: panels 2u and 2u + 1, TB2 tokens a pass
+    const Int8Panel& one;
+    template <int TB>
+    void run(int64_t t0, int64_t u, float* res) const {
+        const Int8Panel& l = one;
+        const int64_t p = 2 * u;
+        int8_panels<TB, 2>(l.a, t0, l.K, l.group, l.w + 2 * p * l.K * HALF, 2 * l.K * HALF,
+                           l.scale + p * (l.K / l.group) * PANEL, res, TB2);
+    }
+};
+
+// over_halves with pairs of whole panels as the units (TB2 tokens a pass: pair.run), a last
+// odd panel alone (PTB tokens a pass: one.run).
+template <typename Pair, typename One, typename O>
+void over_panels(const Pair& pair, const One& one, int64_t T, const float* bias, O* out,
+                 int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, units = (panels + 1) / 2;
-    const Int4PanelPair<S> pair{panel};
 #pragma omp parallel for num_threads(threads_for(units, n_threads)) schedule(static)
     for (int64_t u = 0; u < units; ++u) {
         const FlushDenormals flush;
@@ -280,7 +307,7 @@ void int4_over_panels(const Int4Panel<S>& panel, int64_t T, const float* bias, O
                 store_panel(res, p, tb, bias, out + t0 * N, N);
                 store_panel(res + TB2 * PANEL, p + 1, tb, bias, out + t0 * N, N);
             } else {
-                run_block<PTB>(panel, tb, t0, p, res);
+                run_block<PTB>(one, tb, t0, p, res);
                 store_panel(res, p, tb, bias, out + t0 * N, N);
             }
         }
@@ -294,9 +321,10 @@ void q8_int4(const X* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
              int64_t n_threads) {
     const QRows& a = quantize(x, T, K, n_threads);
 #if defined(BANYAN_Q8_PANELS)
-    if (T >= kPanelMinTokens)
-        return int4_over_panels(Int4Panel<S>{a, K, group, w, scale, mins}, T, bias, out, N,
-                                n_threads);
+    if (T >= kPanelMinTokens) {
+        const Int4Panel<S> panel{a, K, group, w, scale, mins};
+        return over_panels(Int4PanelPair<S>{panel}, panel, T, bias, out, N, n_threads);
+    }
 #endif
     over_halves(T, N, bias, out, n_threads, Int4Half<S>{a, K, group, w, scale, mins});
 }
@@ -305,6 +333,12 @@ template <typename X, typename O>
 void q8_int8(const X* x, int64_t T, int64_t K, int64_t group, const int8_t* w,
              const float* scale, const float* bias, O* out, int64_t N, int64_t n_threads) {
     const QRows& a = quantize(x, T, K, n_threads);
+#if defined(BANYAN_Q8_PANELS)
+    if (T >= kInt8PanelMinTokens && group % QB == 0) {  // (groups of 16: the halves)
+        const Int8Panel panel{a, K, group, w, scale};
+        return over_panels(Int8PanelPair{panel}, panel, T, bias, out, N, n_threads);
+    }
+#endif
     over_halves(T, N, bias, out, n_threads, Int8Half{a, K, group, w, scale});
 }
 
