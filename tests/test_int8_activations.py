@@ -355,11 +355,12 @@ def test_a_panel_gives_the_same_bits_in_a_pair_as_alone(symmetric: bool) -> None
         assert torch.equal(whole[:, lo:lo + 16], rows(lo, lo + 16))
 
 
-@pytest.mark.parametrize("fmt", ["int8 rows", "int8 g32", "int8 g16"])
-def test_each_int8_token_of_a_step_gets_the_bits_it_gets_alone(fmt: str) -> None:
-    """int8 codes: a one-token step runs the half-panel loop, longer ones (AVX512-VNNI, groups
-    of 32 or more) the panel loops, two panels at a time and a last odd one alone: the same
-    integer sums and float steps, so a token's outputs do not depend on the step it is in."""
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_token_of_a_step_gets_the_bits_it_gets_alone(fmt: str) -> None:
+    """A one-token step runs a half-panel loop of its own, longer ones other half-panel loops
+    or (AVX512-VNNI) the panel loops, two panels at a time and a last odd one alone: the same
+    integer sums and float steps, so a token's outputs do not depend on the step it is in (a
+    speculative check or a batch gives a decode's bits)."""
     layer = FORMATS[fmt](48, 256)  # 3 panels: a pair, one alone
     enable_int8_activations(layer)
     x = _activations(13, 256, 7)

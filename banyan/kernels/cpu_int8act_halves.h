@@ -111,7 +111,7 @@ void int4_half1(const QRows& a, int64_t t, int64_t K, int64_t group, const uint8
     const float* d = a.d.data() + t * blocks;
     const float* dsum = a.dsum.data() + t * blocks;
     const int32_t* qsum = a.qsum.data() + t * blocks;
-    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     int64_t g = 0, in_group = 0;
     for (int64_t b = 0; b < blocks; ++b, q += QB) {
         const uint8_t* wb = w + b * (QB * HALF / 2);
@@ -126,17 +126,16 @@ void int4_half1(const QRows& a, int64_t t, int64_t K, int64_t group, const uint8
         }
         __m256i isum = BlockDot::total(s0, s1);
         const __m256 sc = load_scale8(scale + g * PANEL);
-        if (mins) {
-            acc_min = _mm256_fmadd_ps(load_scale8(mins + g * PANEL), _mm256_set1_ps(dsum[b]),
-                                      acc_min);
-        } else {
-            isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kInt4Offset * qsum[b]));
-        }
+        if (!mins) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kInt4Offset * qsum[b]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(d[b])),
                               acc);
+        // the minimums into the same sum right after, as int4_half and the panels add them (a
+        // second sum added at the end gave a decode other bits than the same token in a batch)
+        if (mins)
+            acc = _mm256_fmadd_ps(load_scale8(mins + g * PANEL), _mm256_set1_ps(dsum[b]), acc);
         if (++in_group == per) in_group = 0, ++g;  // g = b / per: an idiv cost as much
     }
-    _mm256_storeu_ps(res, _mm256_add_ps(acc, acc_min));
+    _mm256_storeu_ps(res, acc);
 }
 
 // TB tokens x one int4 half panel (w: its blocks; scale, mins: its 8 lanes of group 0, the
