@@ -55,7 +55,9 @@ def test_plain_decodes_match_naive(
 
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_decodes_match_naive(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("own", [33, 600])  # 600: a member's own keys in several parts
+def test_grouped_decodes_match_naive(heads: int, kv_heads: int, dtype: torch.dtype,
+                                     own: int) -> None:
     c = [1]
     system_a, system_b = fresh(c, 100), fresh(c, 37)
     reqs = [
@@ -63,7 +65,7 @@ def test_grouped_decodes_match_naive(heads: int, kv_heads: int, dtype: torch.dty
         Req(system_b + fresh(c, 20)),
         Req(system_a + fresh(c, 1)),
         Req(fresh(c, 50)),
-        Req(system_a + fresh(c, 33)),
+        Req(system_a + fresh(c, own)),
         Req(system_b + fresh(c, 2)),
     ]
     scene = Scene(reqs, heads, kv_heads, dim=64, dtype=dtype)
@@ -209,48 +211,57 @@ def test_every_finite_fp8_code_decodes_as_torch_does(kv_cache_dtype: str) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_lone_request_shares_its_heads_between_threads(extend: int, dtype: torch.dtype) -> None:
     """One request is one slice: with fewer slices than threads, its KV heads are separate
-    work items (one per thread) or, for a lone decode, its keys are split between the threads
-    and the partial softmax states merged; the result is the same attention."""
+    work items (one per thread); the result is the same attention."""
     scene = Scene([Req(fresh([1], 300 + extend), extend=extend)], 6, 3, dim=64, dtype=dtype)
     meta = scene.check(native_backend(scene), atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert meta.native is not None and meta.native.n_new.tolist() == [extend]
 
 
-@pytest.mark.parametrize("context", [127, 128, 129, 511, 512, 1000, 4200])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_a_lone_decode_split_by_keys(context: int, kv_cache_dtype: str) -> None:
-    """A lone decode of at least 128 keys is split by keys into parts (flash-decoding): parts of
-    unequal sizes, a context just under the bar (not split), part counts at their edges (2, 8,
-    the cap of 64), a quantized pool. The merged result equals naive attention, and its bits do
-    not depend on the thread count (the engine changes it between steps on a shared CPU)."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+            reqs: list[tuple[int, int]]) -> torch.Tensor:
+    """The row kernel over (context, new tokens) per request, each request's own table row
+    (all naming the same slots), its new tokens' queries taken in order from q."""
+    from banyan.attention.native_plan import plan_native
+
+    rows = table.repeat(len(reqs), 1).contiguous()
+    starts = [sum(n for _, n in reqs[:i]) for i in range(len(reqs))]
+    plan = plan_native(rows, list(range(len(reqs))), [c - n for c, n in reqs],
+                       [n for _, n in reqs], starts, max_shared=0)
+    out = torch.empty_like(q)
+    native.paged_attention(q, k, v, rows, plan.req_row, plan.req_len, plan.q_start, plan.n_new,
+                           plan.order, plan.group_start, plan.group_prefix, 0.125, out)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (6, 2, 64), (5, 5, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check(
+        heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    """The bits of a query row's attention depend only on its query and its keys: decoded alone
+    (its KV heads shared among the threads), among other decodes of a step, or as one row of a
+    13-token extend (a speculative check), on 1 or 2 threads. Speculation and batching then
+    change no output: a lone decode once split its keys between the threads and merged the
+    parts, and bf16 rows of a KV head fewer than 4 took scores by another summation (each
+    gave other last bits, and greedy text with speculation on parted from it off)."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    n, e = 1000, 13  # past the old split's bar (128 keys) and its cap of parts
+    k, v = (torch.randn(n + 1, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(e, heads, dim, generator=gen).to(dtype)
+    table = torch.arange(1, n + 1, dtype=torch.int32)[None]
     before = torch.get_num_threads()
-    outs = []
     try:
-        for threads in (1, 2, 3):
+        outs = []
+        for threads in (1, 2):
             torch.set_num_threads(threads)
-            scene = Scene([Req(fresh([1], context))], 6, 2, dim=64,
-                          kv_cache_dtype=kv_cache_dtype)
-            backend = native_backend(scene)
-            meta = scene.check(backend, atol=5e-5)
-            q = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(7))
-            k, v = (x[scene.out_slots] for x in scene.values(0))
-            outs.append(backend.forward(q, k.float(), v.float(), 0, meta))
+            check = _attend(q, k, v, table, [(n, e)])
+            batch = _attend(q, k, v, table, [(n - e + 1 + t, 1) for t in range(e)])
+            alone = torch.cat([_attend(q[t:t + 1].contiguous(), k, v, table,
+                                       [(n - e + 1 + t, 1)]) for t in range(e)])
+            assert torch.equal(alone, check) and torch.equal(batch, check)
+            outs.append(check)
+        assert torch.equal(outs[0], outs[1])
     finally:
         torch.set_num_threads(before)
-    assert meta.native is not None and meta.native.n_new.tolist() == [1]
-    assert all(torch.equal(out, outs[0]) for out in outs[1:])
-
-
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 1, 128), (7, 7, 32), (9, 3, 96),
-                                                (4, 2, 24), (5, 1, 64)])
-def test_a_lone_decode_split_by_keys_on_other_head_layouts(heads: int, kv_heads: int,
-                                                           dim: int) -> None:
-    """The split by keys with other query heads per KV head (1 to 8) and head dims (24 to
-    128): parts of unequal sizes (301 keys in 4 parts), the last key block partial, against
-    naive attention."""
-    scene = Scene([Req(fresh([1], 301))], heads, kv_heads, dim=dim)
-    meta = scene.check(native_backend(scene), atol=5e-5)
-    assert meta.native is not None and meta.native.n_new.tolist() == [1]
 
 
 def test_the_native_kernels_show_in_torch_profiles(llama_dir: Path) -> None:

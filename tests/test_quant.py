@@ -154,6 +154,25 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
 
 
 @needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4g32", "int8g32", "int8g16",
+                                    "int4-float32-scales"])
+def test_a_bf16_step_short_of_the_gemm_gives_each_token_its_bits_alone(method: str) -> None:
+    """Steps of bf16 activations shorter than BF16_GEMM_MIN_TOKENS (a speculative check of up
+    to 16 tokens, a batch of up to 16 decodes) take the short kernels, whose tokens come out as
+    each would alone: speculation and batching change no output there."""
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+
+    assert BF16_GEMM_MIN_TOKENS > 16
+    torch.manual_seed(3)
+    layer = _quantized_layer(method, 70, 256, True)
+    x = torch.randn(16, 256).bfloat16()
+    with torch.inference_mode():
+        whole = layer(x)
+        for t in range(16):
+            assert torch.equal(whole[t:t + 1], layer(x[t:t + 1]))
+
+
+@needs_kernels
 @pytest.mark.parametrize("method,out_f,in_f", [
     ("int8", 70, 100), ("int4g32", 70, 128), ("int8g32", 16, 608), ("int4-float32-scales", 33, 96)])
 def test_long_bf16_steps_multiply_the_same_bf16_weight_by_onednn(

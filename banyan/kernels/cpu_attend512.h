@@ -90,6 +90,39 @@ inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pair
 #endif
 }
 
+// Row r's raw scores against the 16 keys of kt (transposed: word i = dims 2i, 2i + 1 of the 16
+// keys) in the very arithmetic of scores_fixed + reduce16 for one row: lane l of its partial
+// sums holds pairs l, l + 16, ... of a key, added in that order by vdpbf16ps, then the 16 lanes
+// are added in reduce16's tree. Here each partial lane is a register of 16 keys instead, and
+// the tree adds registers: the same operations in the same order, so a row has the same scores
+// in a pass of many rows (a speculative check, a chunk) as alone (a decode's 3 rows a KV head
+// for SmolLM2), with the keys transposed once for all the pass's rows.
+// W: 64-byte words of a row (d / 32); 0: d / 32 at run time (the head dims of no instance).
+// Out of line: inlined thrice into block_scores, it cost the few-row loop there its register
+// allocation (64 x 192-key decodes 1.10x slower, Zen 4).
+template <int W>
+__attribute__((noinline)) __m512 transposed_scores(const __m512i* kt, const int32_t* qw,
+                                                   int d) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const int words = W > 0 ? W : d / 32;
+    __m512 lane[16];
+    for (int l = 0; l < 16; ++l) {
+        lane[l] = _mm512_setzero_ps();
+        for (int w = 0; w < words; ++w)
+            lane[l] = _mm512_dpbf16_ps(lane[l], (__m512bh)_mm512_loadu_si512(kt + 16 * w + l),
+                                       (__m512bh)_mm512_set1_epi32(qw[16 * w + l]));
+    }
+    __m512 s[4];  // reduce16's sums of the 4 lanes of each 128-bit block, then of the blocks
+    for (int b = 0; b < 4; ++b)
+        s[b] = _mm512_add_ps(_mm512_add_ps(lane[4 * b], lane[4 * b + 2]),
+                             _mm512_add_ps(lane[4 * b + 1], lane[4 * b + 3]));
+    return _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
+#else
+    (void)kt, (void)qw, (void)d;
+    return _mm512_setzero_ps();
+#endif
+}
+
 // Raw scores of rows [0, rows) against the 16 keys kr (the block at j0 of the chunk):
 // s[r * CHUNK + j0 + j].
 template <typename T>
@@ -99,8 +132,9 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
     if constexpr (kPairsFor<T>) {
         // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
         // = dims 2i, 2i + 1 of key j), so each vdpbf16ps gives 16 keys' partial scores of one
-        // row and no horizontal sums are needed. Transposed 16 words at a time with shuffles
-        // (gathers, 16 lanes each, took a fifth of the loop's time on Zen 5).
+        // row; transposed 16 words at a time with shuffles (gathers, 16 lanes each, took a
+        // fifth of the loop's time on Zen 5). Each row's scores those of the per-row loop
+        // below (transposed_scores).
         if (rows >= 4) {
             __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());  // [D/2] words
             for (int w0 = 0; w0 < d / 2; w0 += 16) {
@@ -109,25 +143,13 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
                 transpose16(r);
                 for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + w0 + i, r[i]);
             }
-            // 8 rows a pass: 8 independent sums keep vdpbf16ps busy; a last partial pass
-            // repeats its last row
-            for (int r = 0; r < rows; r += 8) {
-                const int nr = std::min(8, rows - r);
-                __m512 acc[8];
-                const int32_t* qw[8];
-                for (int t = 0; t < 8; ++t) {
-                    acc[t] = _mm512_setzero_ps();
-                    qw[t] = reinterpret_cast<const int32_t*>(
-                        qraw + static_cast<size_t>(r + std::min(t, nr - 1)) * d);
-                }
-                for (int i = 0; i < d / 2; ++i) {
-                    const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kt + i);
-                    for (int t = 0; t < 8; ++t)
-                        acc[t] = _mm512_dpbf16_ps(acc[t], k2,
-                                                  (__m512bh)_mm512_set1_epi32(qw[t][i]));
-                }
-                for (int t = 0; t < nr; ++t)
-                    _mm512_storeu_ps(s + static_cast<size_t>(r + t) * CHUNK, acc[t]);
+            for (int r = 0; r < rows; ++r) {
+                const auto* qw =
+                    reinterpret_cast<const int32_t*>(qraw + static_cast<size_t>(r) * d);
+                _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK,
+                                 d == 64    ? transposed_scores<2>(kt, qw, d)
+                                 : d == 128 ? transposed_scores<4>(kt, qw, d)
+                                            : transposed_scores<0>(kt, qw, d));
             }
             return;
         }

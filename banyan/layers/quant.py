@@ -28,12 +28,17 @@ from banyan.layers.panels import PANEL, from_panels, pad_rows, to_panels
 # SLAB_BYTES (measured on Zen 3: the native kernels win below ~128 tokens, GEMM above).
 DEQUANT_MIN_TOKENS = 128
 SLAB_BYTES = 8 << 20
-# A bf16 model's steps of more tokens than this multiply bf16 activations by the weights
+# A bf16 model's steps of at least this many tokens multiply bf16 activations by the weights
 # dequantized to bf16 pairs in the kernel's own tiles (kernels/cpu_quant_gemm_bf16.cpp, on
-# CPUs with AVX512-BF16): as fast as oneDNN on packed bf16 weights from 8 tokens (SmolLM2's
-# layer, Zen 5: 8 tokens 0.16 vs 0.17 ms, 64 0.61 vs 0.63, 512 4.4 vs 4.4), while up to 8 the
-# float32 panel kernels are faster (1 token 0.05 vs 0.13 ms).
-BF16_GEMM_MIN_TOKENS = 9
+# CPUs with AVX512-BF16): as fast as oneDNN on packed bf16 weights (SmolLM2's layer, Zen 5: 8
+# tokens 0.16 vs 0.17 ms, 64 0.61 vs 0.63, 512 4.4 vs 4.4). Shorter steps take the short
+# kernels (int4's bf16 one, the float32 ones on x widened), which compute with the weights'
+# exact values where the GEMM rounds them to bf16: a speculative check of up to 16 tokens then
+# gives each token the bits of its decode, so speculation changes no greedy output (from 9, the
+# GEMM's bits had parted the two at near-ties). The short kernels are the faster ones there
+# too: a 13-token check through SmolLM2's layer stack, Zen 4, int4 25.3 -> 18.8 ms, int8 17.8
+# -> 17.1 (9 tokens 16.9 -> 11.9 and 15.6 -> 13.3; at 24 tokens int4 breaks even, int8 loses).
+BF16_GEMM_MIN_TOKENS = 17
 # ... and from this many tokens (a long prefill chunk), a layer without bias multiplies its
 # weight dequantized to plain bf16 rows by torch's GEMM (oneDNN), the same values: there oneDNN
 # outruns that kernel by more than the dequantizing (0.2-0.3 ms a layer) and its reorder of the

@@ -1,0 +1,305 @@
+// One thread's state of the paged-attention kernel (cpu_paged_attention.cpp): query rows, their
+// online softmax, and the dispatch of a segment of keys to the loops of cpu_attend.h,
+// cpu_attend512.h and the prefill kernel's pair tiles (included before this header, their
+// vector-width pragma confined to them); a request's own keys in parts (kPartKeys).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_attend.h"
+#include "cpu_attend512.h"
+
+namespace {
+
+// On the AVX-512 and AVX2 paths, keys of a quantized pool are dequantized this many at a time
+// into rows of the queries' type, which those paths then attend as an unquantized pool (a few
+// dozen KB per thread: they stay in cache). The portable loops convert codes as they load a
+// block instead (on Zen 3 an extra pass before them measured 1.4x slower).
+constexpr int64_t QCHUNK = 128;
+// Rows from which a segment all of them see whole takes the pair tiles (AVX512-BF16, bf16).
+constexpr int kPairRows = 12;
+// A request's own keys are attended in parts of this many from its first (one part up to
+// here), each part from a fresh softmax state, the parts' states folded in order: a row's bits
+// then depend on its query and keys alone, whether it is a lone decode (whose parts the threads
+// share, its KV heads too few for them), a decode among others or a row of a speculative check
+// (whose rows share each part's keys). A lone decode once split its keys into parts of its own
+// length and merged them another way, and its text parted from the same text speculated.
+constexpr int64_t kPartKeys = 256;
+#if defined(__AVX512F__)
+constexpr bool has_wide_paths = true;
+#else
+constexpr bool has_wide_paths = false;
+#endif
+// bf16 queries over a quantized pool with AVX512-BF16: the codes read in place
+// (cpu_attend512.h).
+#if defined(__AVX512F__)
+template <typename C, typename K>
+constexpr bool codes_in_place = K::kScaled && kPairsFor<typename C::T>;
+#else
+template <typename C, typename K>
+constexpr bool codes_in_place = false;
+#endif
+// The AVX2 loops (attend256) take float32 rows: a float32 model's quantized pool is
+// dequantized chunk by chunk for them, as for the AVX-512 paths.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr bool has_avx2_paths = true;
+#else
+constexpr bool has_avx2_paths = false;
+#endif
+
+// Rows slots[0, n) of KV head h of a quantized pool -> out [n][d] in C's type: code x scale,
+// rounded once to C (a bf16 model attends bf16 values, as with a bf16 pool).
+template <typename C, typename K>
+void dequantize(const int32_t* slots, int64_t n, const typename K::T* pool, const float* scale,
+                int64_t kvh, int64_t h, int d, typename C::T* out) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t row = static_cast<int64_t>(slots[j]) * kvh + h;
+        const typename K::T* src = pool + row * d;
+        const float s = scale[row];
+        typename C::T* dst = out + j * d;
+#if defined(__AVX2__) && defined(__F16C__)
+        if constexpr (std::is_same<C, F32>::value &&
+                      (std::is_same<K, E4M3>::value || std::is_same<K, E5M2>::value)) {
+            if (d % 16 == 0) {
+                fp8_row_to_f32<K>(src, s, d, dst);
+                continue;
+            }
+        }
+#endif
+#pragma omp simd
+        for (int e = 0; e < d; ++e) dst[e] = C::store(K::load(src[e]) * s);
+    }
+}
+
+// A part's softmax state (m, l, acc) folded into the state of the parts before it (fm, fl,
+// facc): both rescaled to the larger maximum and added. A part whose row saw no key (m -inf)
+// changes nothing; into an empty fold (fm -inf) a part comes as it is.
+inline void fold(float& fm, float& fl, float* facc, float m, float l, const float* acc,
+                 int64_t d) {
+    const float top = std::max(fm, m);
+    const float wa = exp_nonpos_fma(fm - top), wb = exp_nonpos_fma(m - top);
+    fl = fmadd(fl, wa, l * wb);
+    for (int64_t e = 0; e < d; ++e) facc[e] = fmadd(facc[e], wa, acc[e] * wb);
+    fm = top;
+}
+
+// One thread's attention state and the dispatch to the block loops of cpu_attend.h: rows of
+// queries (scaled, with their online-softmax state in `sc`) attended to segments of keys.
+// C: the queries' and outputs' type; K: the pool's (C's own, or a quantized one with scales).
+template <typename C, typename K>
+struct Attender {
+    const typename K::T* kpool = nullptr;
+    const typename K::T* vpool = nullptr;
+    const float* kscale = nullptr;
+    const float* vscale = nullptr;
+    int64_t kvh = 0, d = 0;
+    float scale = 0.0f;
+    Scratch sc;
+    std::vector<typename C::T> qraw;  // the rows unscaled, for the AVX-512 paths
+    // a quantized pool's keys and values of one chunk, dequantized, and their "slots"
+    std::vector<typename C::T> kq, vq;
+    std::vector<int32_t> iota;
+    bool wide = false;
+#if defined(BANYAN_PREFILL_PAIRS)
+    Buffers pairs;  // a decode group's shared keys through the prefill kernel's pair tiles
+#endif
+
+    // This call's pool and shape (the scratch keeps its capacity from call to call: see
+    // thread_attender).
+    void bind(const typename K::T* k, const typename K::T* v, const float* ks, const float* vs,
+              int64_t kv_heads, int64_t dim, float sm_scale) {
+        kpool = k, vpool = v, kscale = ks, vscale = vs, kvh = kv_heads, d = dim;
+        scale = sm_scale;
+        if (K::kScaled && (has_wide_paths || (has_avx2_paths && std::is_same<C, F32>::value))) {
+            kq.resize(QCHUNK * d);
+            vq.resize(QCHUNK * d);
+            iota.resize(QCHUNK);
+            for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
+        }
+    }
+
+    void fit(int rows) {
+        sc.fit(rows, static_cast<int>(d));
+        wide = has_wide_paths && d % 32 == 0;
+        if (wide) qraw.resize(static_cast<size_t>(rows) * d);
+    }
+
+    // Row r: query qs (d values), no keys seen yet, causal limit lim.
+    void start_row(int64_t r, const typename C::T* qs, int64_t lim) {
+        if (wide) std::copy_n(qs, d, qraw.data() + r * d);
+        float* qd = sc.q.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) qd[e] = C::load(qs[e]) * scale;
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.0f;
+        sc.lim[r] = lim;
+        std::fill_n(sc.acc.data() + r * d, d, 0.0f);
+    }
+
+    // Attend rows [r0, r0 + nrows) to keys slots[0, n) of KV head h of an unquantized pool
+    // (or of dequantized rows: kvh 1, head 0) on the AVX-512 paths.
+    void wide_plain(int r0, int nrows, const int32_t* slots, int64_t n, bool causal,
+                    const typename C::T* kp, const typename C::T* vp, int64_t kv_heads,
+                    int64_t head) {
+#if defined(__AVX512F__)
+        attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0, nrows,
+                                 slots, n, kp, vp, kv_heads, head, static_cast<int>(d), scale,
+                                 causal);
+#else  // never called: `wide` is false without AVX-512
+        (void)r0, (void)nrows, (void)slots, (void)n, (void)causal, (void)kp, (void)vp;
+        (void)kv_heads, (void)head;
+#endif
+    }
+
+    void segment(int r0, int nrows, const int32_t* slots, int64_t n, bool causal, int64_t h) {
+#if defined(BANYAN_PREFILL_PAIRS)
+        // many rows over the same keys (a decode group's shared prefix): register tiles of 32
+        // rows x 8 keys and 6 rows x 64 dims, where the row loop takes 8 rows a pass
+        if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
+            if (wide && !causal && nrows >= kPairRows && n >= BK && pairs_fit(d)) {
+                const size_t at = static_cast<size_t>(r0);
+                shared_segment_pairs(pairs, qraw.data() + at * d, nrows, slots, n, kpool, vpool,
+                                     kvh, h, d, scale, sc.m.data() + at, sc.l.data() + at,
+                                     sc.acc.data() + at * d);
+                return;
+            }
+        }
+#endif
+        if (!wide) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            if constexpr (std::is_same<K, F32>::value) {
+                if (d % 8 == 0) {
+                    attend256(sc, r0, nrows, slots, n, kpool, vpool, kvh, h,
+                              static_cast<int>(d), causal);
+                    return;
+                }
+            } else if constexpr (K::kScaled && std::is_same<C, F32>::value) {
+                if (d % 8 == 0) {  // (Zen 3, 64 x 256 decodes: 1.2-1.7x the portable loops)
+                    dequantized(r0, nrows, slots, n, causal, h,
+                                [&](const int32_t* at, int64_t cn) {
+                                    attend256(sc, r0, nrows, at, cn, kq.data(), vq.data(), 1,
+                                              0, static_cast<int>(d), causal);
+                                });
+                    return;
+                }
+            }
+#endif
+            attend<K>(sc, r0, nrows, slots, n, kpool, vpool, kscale, vscale, kvh, h,
+                      static_cast<int>(d), causal);
+        } else if constexpr (!K::kScaled) {
+            wide_plain(r0, nrows, slots, n, causal, kpool, vpool, kvh, h);
+        } else if constexpr (codes_in_place<C, K>) {
+#if defined(__AVX512F__)
+            attend512<uint16_t, typename K::T, K>(
+                sc, qraw.data() + static_cast<size_t>(r0) * d, r0, nrows, slots, n, kpool, vpool,
+                kvh, h, static_cast<int>(d), scale, causal, kscale, vscale);
+#endif
+        } else {
+            dequantized(r0, nrows, slots, n, causal, h, [&](const int32_t* at, int64_t cn) {
+                wide_plain(r0, nrows, at, cn, causal, kq.data(), vq.data(), 1, 0);
+            });
+        }
+    }
+
+    // A quantized pool's keys slots[0, n) of head h, QCHUNK at a time dequantized into kq / vq
+    // and attended there by `attend_chunk(slots of the chunk's rows, rows)`; the causal limits
+    // count keys from each chunk's start meanwhile.
+    template <typename F>
+    void dequantized(int r0, int nrows, const int32_t* slots, int64_t n, bool causal, int64_t h,
+                     F&& attend_chunk) {
+        for (int64_t c0 = 0; c0 < n; c0 += QCHUNK) {
+            const int64_t cn = std::min(QCHUNK, n - c0);
+            const int di = static_cast<int>(d);
+#if defined(__AVX2__)
+            // Every row of the chunk, K and V, requested at once: read row by row, each miss was
+            // waited out in turn (perf: the dequantizing loop stalled on its loads). 64 x 256
+            // decodes on Zen 5: int8 pool ~1.2x, fp8 ~2.3x faster (kv-quant-prefetch-ab-zen5).
+            const int64_t bytes = d * static_cast<int64_t>(sizeof(typename K::T));
+            for (int64_t j = c0; j < c0 + cn; ++j) {
+                const int64_t row = static_cast<int64_t>(slots[j]) * kvh + h;
+                const char* k_row = reinterpret_cast<const char*>(kpool + row * d);
+                const char* v_row = reinterpret_cast<const char*>(vpool + row * d);
+                for (int64_t off = 0; off < bytes; off += 64) {
+                    _mm_prefetch(k_row + off, _MM_HINT_T0);
+                    _mm_prefetch(v_row + off, _MM_HINT_T0);
+                }
+            }
+#endif
+            dequantize<C, K>(slots + c0, cn, kpool, kscale, kvh, h, di, kq.data());
+            dequantize<C, K>(slots + c0, cn, vpool, vscale, kvh, h, di, vq.data());
+            attend_chunk(iota.data(), cn);
+            if (causal)
+                for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] -= cn;
+        }
+        if (causal)
+            for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] += n;
+    }
+
+    // Row r's output: its accumulated values over its softmax sum.
+    void finish_row(int64_t r, typename C::T* os) const {
+        const float inv = 1.0f / sc.l[r];
+        const float* ar = sc.acc.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
+    }
+
+    // Row r's state back to none (as start_row leaves it), its query kept.
+    void reset_row(int64_t r) {
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.0f;
+        std::fill_n(sc.acc.data() + r * d, d, 0.0f);
+    }
+
+    // Rows [r0, r0 + nrows) of KV head h over a request's own keys slots[0, n), causally up to
+    // their limits (start_row): part by part (kPartKeys), each from a fresh state, folded into
+    // the rows' states so far (none, or a group's shared prefix).
+    void own_keys(int r0, int nrows, const int32_t* slots, int64_t n, int64_t h) {
+        if (n <= kPartKeys) return segment(r0, nrows, slots, n, true, h);
+        folded.resize(static_cast<size_t>(nrows) * (d + 2));  // per row: m, l, acc
+        fold_lim.resize(nrows);
+        for (int i = 0; i < nrows; ++i) {
+            fold_lim[i] = sc.lim[r0 + i];
+            float* f = folded.data() + i * (d + 2);
+            f[0] = sc.m[r0 + i];
+            f[1] = sc.l[r0 + i];
+            std::copy_n(sc.acc.data() + (r0 + i) * d, d, f + 2);
+        }
+        for (int64_t p0 = 0; p0 < n; p0 += kPartKeys) {
+            for (int i = 0; i < nrows; ++i) {
+                reset_row(r0 + i);
+                sc.lim[r0 + i] = fold_lim[i] - p0;
+            }
+            segment(r0, nrows, slots + p0, std::min(kPartKeys, n - p0), true, h);
+            for (int i = 0; i < nrows; ++i) {
+                float* f = folded.data() + i * (d + 2);
+                fold(f[0], f[1], f + 2, sc.m[r0 + i], sc.l[r0 + i], sc.acc.data() + (r0 + i) * d,
+                     d);
+            }
+        }
+        for (int i = 0; i < nrows; ++i) {
+            const float* f = folded.data() + i * (d + 2);
+            sc.m[r0 + i] = f[0];
+            sc.l[r0 + i] = f[1];
+            std::copy_n(f + 2, d, sc.acc.data() + (r0 + i) * d);
+            sc.lim[r0 + i] = fold_lim[i];
+        }
+    }
+
+    std::vector<float> folded;  // own_keys' states of the parts so far
+    std::vector<int64_t> fold_lim;
+};
+
+// The calling thread's Attender of this instantiation, bound to this call: one per thread kept
+// across calls, so its dozen scratch vectors are not allocated and freed in every layer of
+// every step (a batch-1 decode's attention is a few microseconds a layer).
+template <typename C, typename K>
+Attender<C, K>& thread_attender(const typename K::T* k, const typename K::T* v, const float* ks,
+                                const float* vs, int64_t kv_heads, int64_t dim, float sm_scale) {
+    static thread_local Attender<C, K> at;
+    at.bind(k, v, ks, vs, kv_heads, dim, sm_scale);
+    return at;
+}
+
+}  // namespace
