@@ -90,37 +90,63 @@ inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pair
 #endif
 }
 
-// Row r's raw scores against the 16 keys of kt (transposed: word i = dims 2i, 2i + 1 of the 16
+// Rows' raw scores against the 16 keys of kt (transposed: word i = dims 2i, 2i + 1 of the 16
 // keys) in the very arithmetic of scores_fixed + reduce16 for one row: lane l of its partial
 // sums holds pairs l, l + 16, ... of a key, added in that order by vdpbf16ps, then the 16 lanes
 // are added in reduce16's tree. Here each partial lane is a register of 16 keys instead, and
 // the tree adds registers: the same operations in the same order, so a row has the same scores
 // in a pass of many rows (a speculative check, a chunk) as alone (a decode's 3 rows a KV head
 // for SmolLM2), with the keys transposed once for all the pass's rows.
-// W: 64-byte words of a row (d / 32); 0: d / 32 at run time (the head dims of no instance).
-// Out of line: inlined thrice into block_scores, it cost the few-row loop there its register
-// allocation (64 x 192-key decodes 1.10x slower, Zen 4).
-template <int W>
-__attribute__((noinline)) __m512 transposed_scores(const __m512i* kt, const int32_t* qw,
-                                                   int d) {
+//
+// Rows [r, r + NR) of a pass: W 64-byte words a row (d / 32; 0: d / 32 at run time, the head
+// dims of no instance). The 16 lanes go 4 at a time (one 128-bit block of reduce16's), each
+// key word loaded once for the NR rows. Out of line: inlined into block_scores, it cost the
+// few-row loop there its register allocation (64 x 192-key decodes 1.10x slower, Zen 4).
+template <int W, int NR>
+__attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16_t* qraw, int r,
+                                                 int d, float* s) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int words = W > 0 ? W : d / 32;
-    __m512 lane[16];
-    for (int l = 0; l < 16; ++l) {
-        lane[l] = _mm512_setzero_ps();
+    const int32_t* qw[NR];
+    for (int t = 0; t < NR; ++t)
+        qw[t] = reinterpret_cast<const int32_t*>(qraw + static_cast<size_t>(r + t) * d);
+    __m512 low[NR], high[NR];  // the sums of blocks 0 + 1, then of block 2
+    for (int b = 0; b < 4; ++b) {
+        __m512 lane[NR][4];
+        for (int t = 0; t < NR; ++t)
+            for (int m = 0; m < 4; ++m) lane[t][m] = _mm512_setzero_ps();
         for (int w = 0; w < words; ++w)
-            lane[l] = _mm512_dpbf16_ps(lane[l], (__m512bh)_mm512_loadu_si512(kt + 16 * w + l),
-                                       (__m512bh)_mm512_set1_epi32(qw[16 * w + l]));
+            for (int m = 0; m < 4; ++m) {
+                const int i = 16 * w + 4 * b + m;  // lane 4b + m of word w: pair i
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + i);
+                for (int t = 0; t < NR; ++t)
+                    lane[t][m] = _mm512_dpbf16_ps(lane[t][m], k,
+                                                  (__m512bh)_mm512_set1_epi32(qw[t][i]));
+            }
+        for (int t = 0; t < NR; ++t) {
+            const __m512 block = _mm512_add_ps(_mm512_add_ps(lane[t][0], lane[t][2]),
+                                               _mm512_add_ps(lane[t][1], lane[t][3]));
+            if (b == 0) low[t] = block;
+            else if (b == 1) low[t] = _mm512_add_ps(low[t], block);
+            else if (b == 2) high[t] = block;
+            else
+                _mm512_storeu_ps(s + static_cast<size_t>(r + t) * CHUNK,
+                                 _mm512_add_ps(low[t], _mm512_add_ps(high[t], block)));
+        }
     }
-    __m512 s[4];  // reduce16's sums of the 4 lanes of each 128-bit block, then of the blocks
-    for (int b = 0; b < 4; ++b)
-        s[b] = _mm512_add_ps(_mm512_add_ps(lane[4 * b], lane[4 * b + 2]),
-                             _mm512_add_ps(lane[4 * b + 1], lane[4 * b + 3]));
-    return _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
 #else
-    (void)kt, (void)qw, (void)d;
-    return _mm512_setzero_ps();
+    (void)kt, (void)qraw, (void)r, (void)d, (void)s;
 #endif
+}
+
+// The rows [r, r + nr) of a pass (nr <= 4), through the instance of exactly nr rows.
+template <int W, int NR = 4>
+inline void transposed_rows(int nr, const __m512i* kt, const uint16_t* qraw, int r, int d,
+                            float* s) {
+    if constexpr (NR > 1) {
+        if (nr < NR) return transposed_rows<W, NR - 1>(nr, kt, qraw, r, d, s);
+    }
+    transposed_scores<W, NR>(kt, qraw, r, d, s);
 }
 
 // Raw scores of rows [0, rows) against the 16 keys kr (the block at j0 of the chunk):
@@ -143,13 +169,14 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
                 transpose16(r);
                 for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + w0 + i, r[i]);
             }
-            for (int r = 0; r < rows; ++r) {
-                const auto* qw =
-                    reinterpret_cast<const int32_t*>(qraw + static_cast<size_t>(r) * d);
-                _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK,
-                                 d == 64    ? transposed_scores<2>(kt, qw, d)
-                                 : d == 128 ? transposed_scores<4>(kt, qw, d)
-                                            : transposed_scores<0>(kt, qw, d));
+            for (int r = 0; r < rows; r += 4) {
+                const int nr = std::min(4, rows - r);
+                if (d == 64)
+                    transposed_rows<2>(nr, kt, qraw, r, d, s);
+                else if (d == 128)
+                    transposed_rows<4>(nr, kt, qraw, r, d, s);
+                else
+                    transposed_rows<0>(nr, kt, qraw, r, d, s);
             }
             return;
         }

@@ -53,20 +53,28 @@ void lone_decode(const typename C::T* q, const typename K::T* kpool, const typen
     static thread_local std::vector<float> states;
     states.resize(parts * heads * width);
     float* st = states.data();
-#pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, parts * kvh)))
+    // Work items: whole parts (every KV head, the part's rows read in order) where there are
+    // parts enough to share, else a part's KV heads apart (2 or 3 parts: a short last one)
+    const int64_t per = parts >= 2 * n_threads ? kvh : 1, items = parts * kvh / per;
+#pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, items)))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
         at.fit(static_cast<int>(g));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < parts * kvh; ++it) {
-            const int64_t p = it / kvh, h = it % kvh, p0 = p * kPartKeys;
-            for (int64_t gh = 0; gh < g; ++gh) at.start_row(gh, q + (h * g + gh) * d, n - p0);
-            at.segment(0, static_cast<int>(g), slots + p0, std::min(kPartKeys, n - p0), true, h);
-            for (int64_t gh = 0; gh < g; ++gh) {
-                float* state = st + (p * heads + h * g + gh) * width;
-                state[0] = at.sc.m[gh];
-                state[1] = at.sc.l[gh];
-                std::copy_n(at.sc.acc.data() + gh * d, d, state + 2);
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t p = it * per / kvh, h0 = it * per % kvh, p0 = p * kPartKeys;
+            const int64_t len = std::min(kPartKeys, n - p0);
+            if (per == kvh) stream_in(kpool, vpool, slots + p0, len, kvh * d);
+            for (int64_t h = h0; h < h0 + per; ++h) {
+                for (int64_t gh = 0; gh < g; ++gh)
+                    at.start_row(gh, q + (h * g + gh) * d, n - p0);
+                at.segment(0, static_cast<int>(g), slots + p0, len, true, h);
+                for (int64_t gh = 0; gh < g; ++gh) {
+                    float* state = st + (p * heads + h * g + gh) * width;
+                    state[0] = at.sc.m[gh];
+                    state[1] = at.sc.l[gh];
+                    std::copy_n(at.sc.acc.data() + gh * d, d, state + 2);
+                }
             }
         }
 #pragma omp for schedule(static)
