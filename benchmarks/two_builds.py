@@ -30,3 +30,24 @@ def gemm_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
     for lib in libs.values():
         lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
     return libs
+
+
+def native_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
+    """Both libraries set up as banyan.kernels.native.load() sets up its own (every entry point
+    typed), for scripts that call the kernels through native's wrappers: point native.load at
+    one or the other (`native.load = lambda: libs[name]`) between calls."""
+    from banyan.kernels import native
+
+    build, libs = native._build, {}
+    try:
+        for name, path in (("a", a), ("b", b)):
+            native._build = lambda compiler, p=path: Path(p)  # type: ignore[assignment]
+            native.load.cache_clear()
+            lib = native.load()
+            if lib is None:
+                raise SystemExit(f"could not load {path}")
+            libs[name] = lib
+    finally:
+        native._build = build  # type: ignore[assignment]
+        native.load.cache_clear()
+    return libs

@@ -24,10 +24,10 @@ constexpr int64_t QCHUNK = 128;
 constexpr int kPairRows = 12;
 // A request's own keys are attended in parts of this many from its first (one part up to
 // here), each part from a fresh softmax state, the parts' states folded in order: a row's bits
-// then depend on its query and keys alone, whether it is a lone decode (whose parts the threads
-// share, its KV heads too few for them), a decode among others or a row of a speculative check
-// (whose rows share each part's keys). A lone decode once split its keys into parts of its own
-// length and merged them another way, and its text parted from the same text speculated.
+// then depend on its query and keys alone, whether it is a lone request's (a decode or a
+// speculative check, whose parts the threads share: its KV heads are too few for them), or in
+// a step of many requests. A lone decode once split its keys into parts of its own length and
+// merged them another way, and its text parted from the same text speculated.
 constexpr int64_t kPartKeys = 256;
 #if defined(__AVX512F__)
 constexpr bool has_wide_paths = true;

@@ -38,20 +38,22 @@
 
 namespace {
 
-// A lone decode of more than kPartKeys keys (the batch-1 case): its parts of every KV head
-// shared by the threads (its heads alone are too few for them: SmolLM2's 3 on 2 threads), each
-// computed from a fresh state as own_keys computes it, then folded in part order per row: the
-// bits own_keys gives that row in any step, on any thread count.
+// A lone request over more than kPartKeys keys (a batch-1 decode, or a speculative check of a
+// few tokens): its parts of every KV head shared by the threads (its heads alone are too few
+// for them: SmolLM2's 3 on 2 threads, one thread taking two), each computed from a fresh state
+// as own_keys computes it, then folded in part order per row: the bits own_keys gives those
+// rows in any step, on any thread count. q, out: the request's e tokens' rows.
 template <typename C, typename K>
-void lone_decode(const typename C::T* q, const typename K::T* kpool, const typename K::T* vpool,
-                 const float* kscale, const float* vscale, const int32_t* slots, int64_t n,
-                 typename C::T* out, int64_t heads, int64_t kvh, int64_t d, float scale,
-                 int64_t n_threads) {
+void lone_request(const typename C::T* q, const typename K::T* kpool,
+                  const typename K::T* vpool, const float* kscale, const float* vscale,
+                  const int32_t* slots, int64_t n, int64_t e, typename C::T* out, int64_t heads,
+                  int64_t kvh, int64_t d, float scale, int64_t n_threads) {
     const int64_t g = heads / kvh, parts = (n + kPartKeys - 1) / kPartKeys, width = d + 2;
-    // every part's states (m, l, acc per row), written whole before the fold reads them: the
-    // calling thread's buffer, kept between calls, shared with the team through this pointer
+    const int64_t rows = e * g;  // a KV head's rows: token t's query head gh at t * g + gh
+    // every part's states (m, l, acc per row: [part][token][head]), written whole before the
+    // fold reads them: the calling thread's buffer, kept between calls, shared with the team
     static thread_local std::vector<float> states;
-    states.resize(parts * heads * width);
+    states.resize(parts * e * heads * width);
     float* st = states.data();
     // Work items: whole parts (every KV head, the part's rows read in order) where there are
     // parts enough to share, else a part's KV heads apart (2 or 3 parts: a short last one)
@@ -59,35 +61,39 @@ void lone_decode(const typename C::T* q, const typename K::T* kpool, const typen
 #pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, items)))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
-        at.fit(static_cast<int>(g));
+        at.fit(static_cast<int>(rows));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             const int64_t p = it * per / kvh, h0 = it * per % kvh, p0 = p * kPartKeys;
             const int64_t len = std::min(kPartKeys, n - p0);
             if (per == kvh) stream_in(kpool, vpool, slots + p0, len, kvh * d);
             for (int64_t h = h0; h < h0 + per; ++h) {
-                for (int64_t gh = 0; gh < g; ++gh)
-                    at.start_row(gh, q + (h * g + gh) * d, n - p0);
-                at.segment(0, static_cast<int>(g), slots + p0, len, true, h);
-                for (int64_t gh = 0; gh < g; ++gh) {
-                    float* state = st + (p * heads + h * g + gh) * width;
-                    state[0] = at.sc.m[gh];
-                    state[1] = at.sc.l[gh];
-                    std::copy_n(at.sc.acc.data() + gh * d, d, state + 2);
-                }
+                for (int64_t t = 0; t < e; ++t)
+                    for (int64_t gh = 0; gh < g; ++gh)  // causal: up to its position
+                        at.start_row(t * g + gh, q + (t * heads + h * g + gh) * d,
+                                     n - e + t + 1 - p0);
+                at.segment(0, static_cast<int>(rows), slots + p0, len, true, h);
+                for (int64_t t = 0; t < e; ++t)
+                    for (int64_t gh = 0; gh < g; ++gh) {
+                        const int64_t r = t * g + gh;
+                        float* state = st + ((p * e + t) * heads + h * g + gh) * width;
+                        state[0] = at.sc.m[r];
+                        state[1] = at.sc.l[r];
+                        std::copy_n(at.sc.acc.data() + r * d, d, state + 2);
+                    }
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t hr = 0; hr < heads; ++hr) {
+        for (int64_t tr = 0; tr < e * heads; ++tr) {  // (token, query head)
             static thread_local std::vector<float> acc;  // (this thread's)
             acc.assign(d, 0.0f);
             float fm = -INFINITY, fl = 0.0f;
             for (int64_t p = 0; p < parts; ++p) {
-                const float* state = st + (p * heads + hr) * width;
+                const float* state = st + (p * e * heads + tr) * width;
                 fold(fm, fl, acc.data(), state[0], state[1], state + 2, d);
             }
             const float inv = 1.0f / fl;  // (finish_row's steps)
-            for (int64_t e = 0; e < d; ++e) out[hr * d + e] = C::store(acc[e] * inv);
+            for (int64_t x = 0; x < d; ++x) out[tr * d + x] = C::store(acc[x] * inv);
         }
     }
 }
@@ -101,12 +107,11 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                      const int64_t* group_prefix, int64_t n_groups, typename C::T* out,
                      int64_t heads, int64_t kvh, int64_t d, float scale, int64_t n_threads) {
     const int64_t g_heads = heads / kvh;  // query heads per KV head
-    if (n_groups == 1 && group_start[1] - group_start[0] == 1 && n_new[order[0]] == 1 &&
-        req_len[order[0]] > kPartKeys) {
+    if (n_groups == 1 && group_start[1] - group_start[0] == 1 && req_len[order[0]] > kPartKeys) {
         const int64_t b = order[0];
-        lone_decode<C, K>(q + q_start[b] * heads * d, kpool, vpool, kscale, vscale,
-                          table + req_row[b] * table_stride, req_len[b],
-                          out + q_start[b] * heads * d, heads, kvh, d, scale, n_threads);
+        lone_request<C, K>(q + q_start[b] * heads * d, kpool, vpool, kscale, vscale,
+                           table + req_row[b] * table_stride, req_len[b], n_new[b],
+                           out + q_start[b] * heads * d, heads, kvh, d, scale, n_threads);
         return;
     }
     // Work items: slices of a group's members of about 48 query rows per KV head (a member has

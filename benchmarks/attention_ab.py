@@ -1,0 +1,97 @@
+"""Two builds of the paged-attention kernel alternated call by call in one process (a drift of
+these VMs' speed, 20-40% between runs, hits both alike), on SmolLM2-135M's heads (30 layers of
+9 query x 3 KV heads of 64, bf16, random K/V): the decode steps of benchmarks/decode_attention.py
+(random 64 x 192 keys, shared-prefix 8 x 8 over 1,024 + 100), and one request's lone decode and
+13-token speculative check over 100 / 300 / 1,000 keys (batch 1). Medians of --rounds calls.
+
+Build the other checkout's kernels (any Banyan call that loads them writes the library into
+~/.cache/banyan/kernels, named by a hash of the sources), then:
+
+    python benchmarks/attention_ab.py A.so B.so [--rounds 41] [--out F]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from banyan.attention.native_plan import plan_native
+from banyan.bench.offline import machine_info
+from banyan.kernels import native
+from decode_attention import decode_step  # (this script's folder)
+from two_builds import native_libraries, parse_args
+
+HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
+
+
+def lone(keys: int, tokens: int) -> Callable[[], None]:
+    """One request's last `tokens` new tokens over `keys` keys in all (1: a decode)."""
+    gen = torch.Generator().manual_seed(keys + tokens)
+    k, v = (torch.randn(LAYERS, keys + 1, KV_HEADS, DIM, generator=gen).bfloat16()
+            for _ in range(2))
+    q = torch.randn(tokens, HEADS, DIM, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    table = torch.arange(1, keys + 1, dtype=torch.int32)[None]
+    p = plan_native(table, [0], [keys - tokens], [tokens], [0])
+
+    def run() -> None:
+        for layer in range(LAYERS):
+            native.paged_attention(q, k[layer], v[layer], table, p.req_row, p.req_len,
+                                   p.q_start, p.n_new, p.order, p.group_start, p.group_prefix,
+                                   DIM**-0.5, out)
+    return run
+
+
+def cases() -> dict[str, Callable[[], None]]:
+    random_rows = [list(range(1 + 192 * i, 1 + 192 * (i + 1))) for i in range(64)]
+    shared_rows = []
+    for g in range(8):
+        prefix = list(range(1 + 1024 * g, 1 + 1024 * (g + 1)))
+        for m in range(8):
+            start = 1 + 8 * 1024 + 100 * (8 * g + m)
+            shared_rows.append(prefix + list(range(start, start + 100)))
+    out = {"64 decodes x 192 keys": decode_step(random_rows, torch.bfloat16)[0],
+           "shared-prefix 8 x 8, 1024 + 100": decode_step(shared_rows, torch.bfloat16)[0]}
+    for keys in (100, 300, 1000):
+        out[f"lone decode, {keys} keys"] = lone(keys, 1)
+        out[f"13-token check, {keys} keys"] = lone(keys, 13)
+    return out
+
+
+def main() -> int:
+    ns = parse_args(__doc__, "1", 41)
+    libs = native_libraries(ns.a, ns.b)
+    load = native.load
+    results = []
+    try:
+        with torch.inference_mode():
+            for name, run in cases().items():
+                seconds: dict[str, list[float]] = {"a": [], "b": []}
+                for r in range(ns.rounds):
+                    for lib in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                        native.load = lambda lib=lib: libs[lib]  # type: ignore[assignment]
+                        run()  # (the first call after a switch warms the other library)
+                        t0 = time.perf_counter()
+                        run()
+                        seconds[lib].append(time.perf_counter() - t0)
+                a, b = (statistics.median(seconds[n]) * 1e3 for n in ("a", "b"))
+                results.append({"case": name, "a_median_ms": a, "b_median_ms": b,
+                                "b_over_a": b / a})
+                print(f"{name:34s} a {a:7.3f} ms  b {b:7.3f} ms  b/a {b / a:.3f}", flush=True)
+    finally:
+        native.load = load  # type: ignore[assignment]
+    if ns.out:
+        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+                                      "machine": machine_info(), "rounds": ns.rounds,
+                                      "a": ns.a.name, "b": ns.b.name, "cases": results},
+                                     indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
