@@ -23,7 +23,7 @@ import torch
 from banyan.attention.native_plan import plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
-from decode_attention import decode_step  # (this script's folder)
+from decode_attention import decode_step, workload_rows  # (this script's folder)
 from two_builds import native_libraries, parse_args
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
@@ -48,13 +48,7 @@ def lone(keys: int, tokens: int) -> Callable[[], None]:
 
 
 def cases() -> dict[str, Callable[[], None]]:
-    random_rows = [list(range(1 + 192 * i, 1 + 192 * (i + 1))) for i in range(64)]
-    shared_rows = []
-    for g in range(8):
-        prefix = list(range(1 + 1024 * g, 1 + 1024 * (g + 1)))
-        for m in range(8):
-            start = 1 + 8 * 1024 + 100 * (8 * g + m)
-            shared_rows.append(prefix + list(range(start, start + 100)))
+    random_rows, shared_rows = workload_rows()
     out = {"64 decodes x 192 keys": decode_step(random_rows, torch.bfloat16)[0],
            "shared-prefix 8 x 8, 1024 + 100": decode_step(shared_rows, torch.bfloat16)[0]}
     for keys in (100, 300, 1000):

@@ -62,8 +62,9 @@ def decode_step(rows: list[list[int]], dtype: torch.dtype, group: bool = True,
     return run, pool
 
 
-def cases(dtype: torch.dtype) -> dict[str, tuple[Callable[[], None], int]]:
-    """name -> (the step, key-heads it reads: requests x keys x KV heads x layers)."""
+def workload_rows() -> tuple[list[list[int]], list[list[int]]]:
+    """The table rows of the random step (64 x 192 own keys) and of the shared-prefix one (8
+    groups x 8 over 1,024 shared keys + 100 own)."""
     random_rows = [list(range(1 + 192 * i, 1 + 192 * (i + 1))) for i in range(64)]
     shared_rows = []
     for g in range(8):
@@ -71,6 +72,12 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable[[], None], int]]:
         for m in range(8):
             start = 1 + 8 * 1024 + 100 * (8 * g + m)
             shared_rows.append(prefix + list(range(start, start + 100)))
+    return random_rows, shared_rows
+
+
+def cases(dtype: torch.dtype) -> dict[str, tuple[Callable[[], None], int]]:
+    """name -> (the step, key-heads it reads: requests x keys x KV heads x layers)."""
+    random_rows, shared_rows = workload_rows()
     hot_rows = [list(range(1, 193))] * 64
     heads = KV_HEADS * LAYERS
     return {"random 64 x 192": (decode_step(random_rows, dtype)[0], 64 * 192 * heads),

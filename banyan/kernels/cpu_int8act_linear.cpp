@@ -188,11 +188,14 @@ struct Int4Half {
     }
 };
 
-struct Int8Half {
+struct Int8Weights {  // an int8 layer's codes and scales, and one call's activations
     const QRows& a;
     int64_t K, group;
     const int8_t* w;
     const float* scale;
+};
+
+struct Int8Half : Int8Weights {
     template <int TB>
     void run(int64_t t0, int64_t u, float* res) const {
         const int64_t p = u / 2, h = u % 2, groups = K / group;
@@ -265,11 +268,7 @@ void store_panel(const float* res, int64_t p, int64_t tb, const float* bias, O* 
         store_half(res + (row0 - p * PANEL), PANEL, tb, bias, out, N, row0);
 }
 
-struct Int8Panel {  // run_block's unit: panel p alone, PTB tokens a pass
-    const QRows& a;
-    int64_t K, group;
-    const int8_t* w;
-    const float* scale;
+struct Int8Panel : Int8Weights {  // run_block's unit: panel p alone, PTB tokens a pass
     template <int TB>
     void run(int64_t t0, int64_t p, float* res) const {
         int8_panels<TB, 1>(a, t0, K, group, w + 2 * p * K * HALF, 0,
@@ -335,11 +334,11 @@ void q8_int8(const X* x, int64_t T, int64_t K, int64_t group, const int8_t* w,
     const QRows& a = quantize(x, T, K, n_threads);
 #if defined(BANYAN_Q8_PANELS)
     if (T >= kInt8PanelMinTokens && group % QB == 0) {  // (groups of 16: the halves)
-        const Int8Panel panel{a, K, group, w, scale};
+        const Int8Panel panel{{a, K, group, w, scale}};
         return over_panels(Int8PanelPair{panel}, panel, T, bias, out, N, n_threads);
     }
 #endif
-    over_halves(T, N, bias, out, n_threads, Int8Half{a, K, group, w, scale});
+    over_halves(T, N, bias, out, n_threads, Int8Half{{a, K, group, w, scale}});
 }
 
 template <typename X, typename O>
