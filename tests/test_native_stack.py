@@ -70,7 +70,8 @@ def _check_steps(runner: ModelRunner) -> None:
     any_step = runner.activation_quant == "int8"  # its kernels take steps of any size
     gemm = bf16 and (any_step or bf16_gemm_here() and (runner.quantization != "none" or
                                                        not native.amx_here()))
-    assert largest == (GEMM_MAX_TOKENS if gemm else 8 if bf16 else MAX_TOKENS)
+    assert largest == (GEMM_MAX_TOKENS if gemm else SkinnyBf16Method.SKINNY_ROWS if bf16
+                       else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
     shared = random_ids(40, 1)
     seqs = [Seq(0, random_ids(30, 2) + random_ids(20, 12)), Seq(1, shared + random_ids(20, 3)),

@@ -90,6 +90,27 @@ def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens_at_an_odd_width()
 
 
 @pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
+def test_a_plain_bf16_weight_gives_each_token_of_a_check_its_bits_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the plain weight serves (AMX, odd widths), steps of up to 16 tokens (a speculative
+    check's) take the skinny kernel, whose tokens come out as each would alone: the check
+    computes every token as its decode did."""
+    if not SkinnyBf16Method.suits_here():
+        pytest.skip("the skinny bf16 kernel needs AVX512-BF16")
+    monkeypatch.setattr(SkinnyBf16Method, "takes_gemm", classmethod(lambda cls, layer: False))
+    assert SkinnyBf16Method.SKINNY_ROWS >= 16
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear.from_weight(torch.randn(70, 256, generator=gen).bfloat16(),
+                               torch.randn(70, generator=gen).bfloat16())
+    layer.convert(SkinnyBf16Method())
+    assert not hasattr(layer, "pairs")
+    x = torch.randn(16, 256, generator=gen).bfloat16()
+    whole = layer(x)
+    for t in range(16):
+        assert torch.equal(whole[t:t + 1], layer(x[t:t + 1]))
+
+
+@pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_bf16_layer_keeps_its_pairs_for_up_to_gemm_rows_tokens(with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(4)

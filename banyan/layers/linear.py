@@ -233,10 +233,13 @@ class SkinnyBf16Method(PackedBf16Method):
     runner picks this method only where the second copy is affordable (`affordable`) and the
     CPU has the instruction the kernels are built on (`suits_here`)."""
 
-    # Up to 8 tokens (one pass over the weights) on a plain weight. At 16 (two passes) 16
-    # requests decoded ~5% slower than with oneDNN's packed GEMM alone on Zen 5 (median of 5
-    # alternating runs, 466 vs 491 tok/s); at 8 the two were even; at 1 the layer stack is 2x.
-    SKINNY_ROWS = 8
+    # Up to 16 tokens on a plain weight (passes of 8 over the weights), each token's outputs the
+    # bits it gets alone: a speculative check of up to 16 tokens then computes every token as
+    # its decode did (oneDNN's GEMM rounds otherwise: its text parted from the plain text's at
+    # near-ties). The price where the plain weight serves (AMX CPUs, odd widths), measured on
+    # Zen 5 before: 16 requests decoded ~5% slower than with oneDNN's packed GEMM alone (median
+    # of 5 alternating runs, 466 vs 491 tok/s); at 8 the two were even; at 1 the stack is 2x.
+    SKINNY_ROWS = 16
     # Up to 256 tokens (batched decodes, short chunks) the bf16 GEMM kernel on the pairs, which
     # the layer stack calls too; longer steps take oneDNN's. Over SmolLM2's 120 projections on
     # Zen 5 (2 threads) it matched the skinny kernel at 1 token and beat it from 2 (8 tokens:
