@@ -35,7 +35,8 @@ def gemm_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
 def native_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
     """Both libraries set up as banyan.kernels.native.load() sets up its own (every entry point
     typed), for scripts that call the kernels through native's wrappers: point native.load at
-    one or the other (`native.load = lambda: libs[name]`) between calls."""
+    one or the other (`native.load = lambda: libs[name]`) between calls. Both builds must export
+    every entry point native.py types (gemm_libraries asks for one only)."""
     from banyan.kernels import native
 
     build, libs = native._build, {}

@@ -1,12 +1,12 @@
-// The 8-bit-activation int4 and int8 linears on AVX512-VNNI, for steps of several tokens: a
-// whole panel (16 output rows) at a time in 512-bit registers, vpdpbusd making 64 u8 x s8
-// products an instruction, twice the 256-bit loops' (cpu_int8act_halves.h) and twice vdpbf16ps's 32, which
+// The 8-bit-activation int4 and int8 linears on AVX512-VNNI, for steps of several tokens: a whole
+// panel (16 output rows) at a time in 512-bit registers, vpdpbusd making 64 u8 x s8 products an
+// instruction, twice the 256-bit loops' (cpu_int8act_halves.h) and twice vdpbf16ps's 32, which
 // caps the bf16 path's GEMM (cpu_quant_gemm_bf16.cpp). The weights are the halves' own layout
-// (cpu_int8act_linear.cpp's top comment): a panel's two half panels side by side, one 256-bit
-// load each, so batch-1 steps keep the halves' loops on the same bytes. The integer sums and the
-// float steps per lane are those of int4_half: the tests' one reference checks both. Measured
-// (Zen 5, 2 threads, a 3,072 x 576 layer, float32 activations): 4 tokens 554 against the halves'
-// 352 GOP/s, 16 tokens 868 against 425, 64 tokens 925 against 389.
+// (cpu_int8act_linear.cpp's top comment): a panel's two half panels side by side, one 256-bit load
+// each, so batch-1 steps keep the halves' loops on the same bytes. The integer sums and the float
+// steps per lane are those of the halves' loops (int4_half, int8_half): the tests' one reference
+// checks both. Measured (Zen 5, 2 threads, a 3,072 x 576 layer, float32 activations): 4 tokens 554
+// against the halves' 352 GOP/s, 16 tokens 868 against 425, 64 tokens 925 against 389.
 #pragma once
 
 #include "cpu_int8act_halves.h"

@@ -238,11 +238,27 @@ struct Attender {
             for (int r = r0; r < r0 + nrows; ++r) sc.lim[r] += n;
     }
 
-    // Row r's output: its accumulated values over its softmax sum.
+    // An output row: accumulated values acc [d] over their softmax sum l.
+    static void finish(const float* acc, float l, typename C::T* os, int64_t d) {
+        const float inv = 1.0f / l;
+        for (int64_t e = 0; e < d; ++e) os[e] = C::store(acc[e] * inv);
+    }
+
+    // Row r's output.
     void finish_row(int64_t r, typename C::T* os) const {
-        const float inv = 1.0f / sc.l[r];
-        const float* ar = sc.acc.data() + r * d;
-        for (int64_t e = 0; e < d; ++e) os[e] = C::store(ar[e] * inv);
+        finish(sc.acc.data() + r * d, sc.l[r], os, d);
+    }
+
+    // Row r's softmax state (m, l, acc: d + 2 floats) out into `state`, or in from it.
+    void save_state(int64_t r, float* state) const {
+        state[0] = sc.m[r];
+        state[1] = sc.l[r];
+        std::copy_n(sc.acc.data() + r * d, d, state + 2);
+    }
+    void load_state(int64_t r, const float* state) {
+        sc.m[r] = state[0];
+        sc.l[r] = state[1];
+        std::copy_n(state + 2, d, sc.acc.data() + r * d);
     }
 
     // Row r's state back to none (as start_row leaves it), its query kept.
@@ -261,10 +277,7 @@ struct Attender {
         fold_lim.resize(nrows);
         for (int i = 0; i < nrows; ++i) {
             fold_lim[i] = sc.lim[r0 + i];
-            float* f = folded.data() + i * (d + 2);
-            f[0] = sc.m[r0 + i];
-            f[1] = sc.l[r0 + i];
-            std::copy_n(sc.acc.data() + (r0 + i) * d, d, f + 2);
+            save_state(r0 + i, folded.data() + i * (d + 2));
         }
         for (int64_t p0 = 0; p0 < n; p0 += kPartKeys) {
             for (int i = 0; i < nrows; ++i) {
@@ -279,10 +292,7 @@ struct Attender {
             }
         }
         for (int i = 0; i < nrows; ++i) {
-            const float* f = folded.data() + i * (d + 2);
-            sc.m[r0 + i] = f[0];
-            sc.l[r0 + i] = f[1];
-            std::copy_n(f + 2, d, sc.acc.data() + (r0 + i) * d);
+            load_state(r0 + i, folded.data() + i * (d + 2));
             sc.lim[r0 + i] = fold_lim[i];
         }
     }

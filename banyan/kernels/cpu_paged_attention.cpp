@@ -74,13 +74,9 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
                                      n - e + t + 1 - p0);
                 at.segment(0, static_cast<int>(rows), slots + p0, len, true, h);
                 for (int64_t t = 0; t < e; ++t)
-                    for (int64_t gh = 0; gh < g; ++gh) {
-                        const int64_t r = t * g + gh;
-                        float* state = st + ((p * e + t) * heads + h * g + gh) * width;
-                        state[0] = at.sc.m[r];
-                        state[1] = at.sc.l[r];
-                        std::copy_n(at.sc.acc.data() + r * d, d, state + 2);
-                    }
+                    for (int64_t gh = 0; gh < g; ++gh)
+                        at.save_state(t * g + gh,
+                                      st + ((p * e + t) * heads + h * g + gh) * width);
             }
         }
 #pragma omp for schedule(static)
@@ -92,8 +88,7 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
                 const float* state = st + (p * e * heads + tr) * width;
                 fold(fm, fl, acc.data(), state[0], state[1], state + 2, d);
             }
-            const float inv = 1.0f / fl;  // (finish_row's steps)
-            for (int64_t x = 0; x < d; ++x) out[tr * d + x] = C::store(acc[x] * inv);
+            Attender<C, K>::finish(acc.data(), fl, out + tr * d, d);
         }
     }
 }
