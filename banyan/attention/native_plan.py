@@ -38,9 +38,10 @@ MAX_NATIVE_EXTEND = 256
 # tokens 0.15 -> 0.11 / 0.51 -> 0.38, 64 tokens 0.33 -> 0.22 / 1.16 -> 0.75; over int8 / fp8
 # e4m3 codes (2,048 cached, `--codes`), 8 tokens 0.17 -> 0.12 / 0.16 -> 0.13, 64 tokens 1.13 ->
 # 0.69 / 1.14 -> 0.71. The row kernel keeps up to 16, which covers a speculative check of k + 1
-# tokens (its grouping and thread split suit one short request); the layer stack runs both
-# kernels, so the split costs no Python.
-BF16_PAIRS_EXTEND = 16
+# tokens (its grouping and thread split suit one short request, and its rows get a decode's
+# bits: native.EXACT_STEP_TOKENS); the layer stack runs both kernels, so the split costs no
+# Python.
+BF16_PAIRS_EXTEND = native.EXACT_STEP_TOKENS
 # On AVX2 CPUs (attend256) extends of up to 16 tokens: whole steps over 2,048 cached tokens on
 # Zen 3 (f32 / gguf SmolLM2), SDPA -> kernel: 4 tokens 56 -> 43 / 54 -> 29 ms, 16 tokens 116 ->
 # 112 / 98 -> 87 ms, 64 tokens 346 -> 375 / 305 -> 307 ms. 16 is also the longest step the

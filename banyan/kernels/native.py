@@ -66,6 +66,11 @@ FLAGS = (
 ENV_SWITCH = "BANYAN_NATIVE_KERNELS"
 PLAIN_BF16_KIND = 4  # banyan_quant_gemm_bf16's kind for a plain [N, K] bf16 weight (kBf16)
 PAIRS_BF16_KIND = 5  # and for one stored in its pairs (kBf16Pairs: linear.pack_bf16_pairs)
+# The longest step whose tokens must each come out as in a step of one (a speculative check of
+# up to 15 guesses, a batch of up to 16 decodes): steps this short take the kernels a decode
+# takes (quant.BF16_GEMM_MIN_TOKENS, SkinnyBf16Method.SKINNY_ROWS, the row kernel's bf16
+# extends: native_plan.BF16_PAIRS_EXTEND), so speculation changes no greedy token.
+EXACT_STEP_TOKENS = 16
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Quantized KV codes the attention kernel reads (each row with a float32 scale).
 _KV_CODE_SUFFIX = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3",

@@ -239,7 +239,7 @@ class SkinnyBf16Method(PackedBf16Method):
     # near-ties). The price where the plain weight serves (AMX CPUs, odd widths), measured on
     # Zen 5 before: 16 requests decoded ~5% slower than with oneDNN's packed GEMM alone (median
     # of 5 alternating runs, 466 vs 491 tok/s); at 8 the two were even; at 1 the stack is 2x.
-    SKINNY_ROWS = 16
+    SKINNY_ROWS = native.EXACT_STEP_TOKENS
     # Up to 256 tokens (batched decodes, short chunks) the bf16 GEMM kernel on the pairs, which
     # the layer stack calls too; longer steps take oneDNN's. Over SmolLM2's 120 projections on
     # Zen 5 (2 threads) it matched the skinny kernel at 1 token and beat it from 2 (8 tokens:

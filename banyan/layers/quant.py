@@ -38,7 +38,7 @@ SLAB_BYTES = 8 << 20
 # GEMM's bits had parted the two at near-ties). The short kernels are the faster ones there
 # too: a 13-token check through SmolLM2's layer stack, Zen 4, int4 25.3 -> 18.8 ms, int8 17.8
 # -> 17.1 (9 tokens 16.9 -> 11.9 and 15.6 -> 13.3; at 24 tokens int4 breaks even, int8 loses).
-BF16_GEMM_MIN_TOKENS = 17
+BF16_GEMM_MIN_TOKENS = native.EXACT_STEP_TOKENS + 1
 # ... and from this many tokens (a long prefill chunk), a layer without bias multiplies its
 # weight dequantized to plain bf16 rows by torch's GEMM (oneDNN), the same values: there oneDNN
 # outruns that kernel by more than the dequantizing (0.2-0.3 ms a layer) and its reorder of the
