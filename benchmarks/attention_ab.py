@@ -1,8 +1,10 @@
 """Two builds of the paged-attention kernel alternated call by call in one process (a drift of
 these VMs' speed, 20-40% between runs, hits both alike), on SmolLM2-135M's heads (30 layers of
 9 query x 3 KV heads of 64, bf16, random K/V): the decode steps of benchmarks/decode_attention.py
-(random 64 x 192 keys, shared-prefix 8 x 8 over 1,024 + 100), and one request's lone decode and
-13-token speculative check over 100 / 300 / 1,000 keys (batch 1). Medians of --rounds calls.
+(random 64 x 192 keys, shared-prefix 8 x 8 over 1,024 + 100), one request's lone decode and
+13-token speculative check over 100 / 300 / 1,000 keys (batch 1), and one layer of the prefill
+kernel (benchmarks/prefill_attention.py: a fresh 2,048-token prefill, 256 tokens over 2,048
+cached). Medians of --rounds calls.
 
 Build the other checkout's kernels (any Banyan call that loads them writes the library into
 ~/.cache/banyan/kernels, named by a hash of the sources), then:
@@ -24,6 +26,7 @@ from banyan.attention.native_plan import plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
 from decode_attention import decode_step, workload_rows  # (this script's folder)
+from prefill_attention import case as prefill_case
 from two_builds import native_libraries, parse_args
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
@@ -54,6 +57,9 @@ def cases() -> dict[str, Callable[[], None]]:
     for keys in (100, 300, 1000):
         out[f"lone decode, {keys} keys"] = lone(keys, 1)
         out[f"13-token check, {keys} keys"] = lone(keys, 13)
+    for prefix, n in ((0, 2048), (2048, 256)):  # the prefill kernel, one layer
+        out[f"prefill {n} over {prefix}, 1 layer"] = prefill_case(
+            prefix, n, torch.bfloat16)["prefill_kernel"]
     return out
 
 

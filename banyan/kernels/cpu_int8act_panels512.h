@@ -172,7 +172,11 @@ void int8_panels(const QRows& a, int64_t t0, int64_t K, int64_t group, const int
         __m512i dot[NPAN][TB];
         for (int c = 0; c < NPAN; ++c)
             for (int i = 0; i < TB; ++i) dot[c][i] = _mm512_setzero_si512();
-        for (int64_t k = b * QB; k < (b + 1) * QB; k += 4) {
+        // (a count known at compile time, unrolled whole: over k from b QB, GCC copied every
+        // integer sum to another register and back each pass, two moves a vpdpbusd)
+#pragma GCC unroll 8
+        for (int step = 0; step < QB / 4; ++step) {
+            const int64_t k = b * QB + 4 * step;
             __m512i u[NPAN];
             for (int c = 0; c < NPAN; ++c) {
                 const auto* h0 = reinterpret_cast<const uint8_t*>(w0 + c * next + k * HALF);
