@@ -179,11 +179,14 @@ void int4_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const uint8
     for (int i = 0; i < TB; ++i) _mm256_storeu_ps(res + i * HALF, acc[i]);
 }
 
-// TB tokens x one int8 half panel (w: [K / 4][8 rows][4]; scale: its 8 lanes of group 0).
-template <int TB>
-void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_t* w,
-               const float* scale, float* res) {
-    const int64_t blocks = K / QB, chunk = std::min<int64_t>(group, QB);
+// TB tokens x one int8 half panel (w: [K / 4][8 rows][4]; scale: its 8 lanes of group 0), in
+// chunks of kChunk inputs (min(group, QB)): a count known at compile time, so the chunk's steps
+// unroll whole (counted at run time, GCC copied each integer sum to another register and back
+// every step, as in int8_panels).
+template <int TB, int kChunk>
+void int8_half_chunks(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_t* w,
+                      const float* scale, float* res) {
+    const int64_t blocks = K / QB, chunk = kChunk;
     __m256 acc[TB];
     for (int i = 0; i < TB; ++i) acc[i] = _mm256_setzero_ps();
     const int64_t chunks_per_group = group / chunk;  // 1, or K / 32 for a scale per row
@@ -192,7 +195,9 @@ void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_
         for (int64_t off = 0; off < chunk * HALF; off += 128) prefetch_ahead(w + c0 * HALF + off);
         __m256i s32[TB];
         for (int i = 0; i < TB; ++i) s32[i] = _mm256_setzero_si256();
-        for (int64_t k = c0; k < c0 + chunk; k += 4) {
+#pragma GCC unroll 8
+        for (int step = 0; step < kChunk / 4; ++step) {
+            const int64_t k = c0 + 4 * step;
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * HALF));
             const __m256i mag = _mm256_abs_epi8(v);
             for (int i = 0; i < TB; ++i) {
@@ -209,6 +214,17 @@ void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_
         }
     }
     for (int i = 0; i < TB; ++i) _mm256_storeu_ps(res + i * HALF, acc[i]);
+}
+
+template <int TB>
+void int8_half(const QRows& a, int64_t t0, int64_t K, int64_t group, const int8_t* w,
+               const float* scale, float* res) {
+    switch (std::min<int64_t>(group, QB)) {  // (groups divide QB or are a multiple of it)
+        case QB: return int8_half_chunks<TB, QB>(a, t0, K, group, w, scale, res);
+        case QB / 2: return int8_half_chunks<TB, QB / 2>(a, t0, K, group, w, scale, res);
+        case QB / 4: return int8_half_chunks<TB, QB / 4>(a, t0, K, group, w, scale, res);
+        default: return int8_half_chunks<TB, QB / 8>(a, t0, K, group, w, scale, res);
+    }
 }
 
 // TB (<= 2) tokens x one int5 half panel: GGUF's Q5_0, value = (q - 16) d with q in 0..31 taken
