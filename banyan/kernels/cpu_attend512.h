@@ -90,6 +90,50 @@ inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pair
 #endif
 }
 
+// add_pairs for R rows at once over the same pairs of keys, CW words (16 dims each) of them
+// from word c0: each word of values loaded once for the R rows (a row alone loads a word for
+// each vdpbf16ps). Every row's sums are add_pairs' own, in its order: the same bits.
+template <int R, int CW>
+inline void add_pairs_rows(float* const* ar, const __m512i* vi, int words, int c0,
+                           const uint32_t* const* pp, int pairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    __m512 a[R][CW], b[R][CW];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < CW; ++c) {
+            a[r][c] = _mm512_loadu_ps(ar[r] + (c0 + c) * 16);
+            b[r][c] = _mm512_setzero_ps();
+        }
+    int jp = 0;
+    for (; jp + 2 <= pairs; jp += 2) {
+        __m512bh v[CW];
+        for (int c = 0; c < CW; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vi + jp * words + c0 + c);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp]));
+            for (int c = 0; c < CW; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], p0);
+        }
+        for (int c = 0; c < CW; ++c)
+            v[c] = (__m512bh)_mm512_loadu_si512(vi + (jp + 1) * words + c0 + c);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp + 1]));
+            for (int c = 0; c < CW; ++c) b[r][c] = _mm512_dpbf16_ps(b[r][c], v[c], p1);
+        }
+    }
+    if (jp < pairs) {
+        __m512bh v[CW];
+        for (int c = 0; c < CW; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vi + jp * words + c0 + c);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp]));
+            for (int c = 0; c < CW; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], p0);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < CW; ++c)
+            _mm512_storeu_ps(ar[r] + (c0 + c) * 16, _mm512_add_ps(a[r][c], b[r][c]));
+#else
+    (void)ar, (void)vi, (void)words, (void)c0, (void)pp, (void)pairs;
+#endif
+}
+
 // Rows' raw scores against the 16 keys of kt (transposed: word i = dims 2i, 2i + 1 of the 16
 // keys) in the very arithmetic of scores_fixed + reduce16 for one row: lane l of its partial
 // sums holds pairs l, l + 16, ... of a key, added in that order by vdpbf16ps, then the 16 lanes
@@ -334,7 +378,25 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                                         _mm512_permutex2var_epi16(a, hi, b));
                 }
             }
-            for (int r = 0; r < rows; ++r) {
+            const int words = d / 16;
+            int r = 0;
+            // three rows at a time that see the same keys (all but a causal chunk's last rows),
+            // four words of them a pass (the head sizes add_pairs serves: the loop below for
+            // others sums their pairs in one chain)
+            for (; r + 3 <= rows && (d == 64 || d == 128); r += 3) {
+                if (sc.vis[r] == 0 || sc.vis[r + 1] != sc.vis[r] || sc.vis[r + 2] != sc.vis[r])
+                    break;
+                float* ar[3];
+                const uint32_t* pr[3];
+                for (int i = 0; i < 3; ++i) {
+                    ar[i] = sc.acc.data() + static_cast<size_t>(r0 + r + i) * d;
+                    pr[i] = sc.pp.data() + static_cast<size_t>(r + i) * (CHUNK / 2);
+                }
+                const int pairs = (sc.vis[r] + 1) / 2;
+                for (int c0 = 0; c0 < words; c0 += 4)
+                    add_pairs_rows<3, 4>(ar, vi, words, c0, pr, pairs);
+            }
+            for (; r < rows; ++r) {
                 if (sc.vis[r] == 0) continue;
                 float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
                 const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
