@@ -1,10 +1,13 @@
 """Whether speculation changes greedy text: each prompt alone (batch 1), greedy, with speculation
 off, then with `ngram` and with `draft` (the default model's GGUF file as the draft), on the
 chat and input-grounded prompts of banyan bench; for each prompt, the first output position
-where the speculated text parts from the plain one (None: equal throughout).
+where the speculated text parts from the plain one (None: equal throughout). --shared-prefix:
+every prompt after the first grounded one's tokens (a long common prefix, as a system prompt
+is) and all of them submitted at once, so that their decodes are grouped by the prefix while
+speculated requests' checks run alone.
 
     python benchmarks/spec_exactness.py [--model DIR_OR_GGUF] [--dtype bfloat16]
-        [--chat 6] [--grounded 4] [--output-len 160] [--out F]
+        [--chat 6] [--grounded 4] [--output-len 160] [--shared-prefix] [--out F]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> int:
     ap.add_argument("--chat", type=int, default=6)
     ap.add_argument("--grounded", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=160)
+    ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ns = ap.parse_args()
     base: dict[str, Any] = dict(model=ns.model, dtype=ns.dtype, kv_cache_memory="1GiB",
@@ -41,6 +45,9 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=ns.output_len, ignore_eos=True)
 
     def lone(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+        if ns.shared_prefix:  # all at once
+            return [o.outputs[0].output_ids for o in engine.generate(
+                input_ids=prompts, sampling_params=greedy, use_tqdm=False)]
         return [engine.generate(input_ids=[p], sampling_params=greedy,
                                 use_tqdm=False)[0].outputs[0].output_ids for p in prompts]
 
@@ -49,6 +56,8 @@ def main() -> int:
         reqs = (chat_workload(tok, ns.chat, ns.output_len).requests
                 + grounded_workload(tok, ns.grounded, ns.output_len).requests)
         prompts = [r.prompt_ids for r in reqs]
+        if ns.shared_prefix:
+            prompts = [prompts[ns.chat] + p for p in prompts]
         want = lone(plain, prompts)
     results: dict[str, Any] = {}
     for algorithm in ("ngram", "draft"):
@@ -65,6 +74,7 @@ def main() -> int:
     if ns.out:
         ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
                                       "machine": machine_info(), "dtype": ns.dtype,
+                                      "shared_prefix": ns.shared_prefix,
                                       "output_len": ns.output_len, "results": results},
                                      indent=2) + "\n")
     return 0

@@ -88,10 +88,9 @@ def test_a_group_bigger_than_a_work_slice(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dim", [64, 96, 128])
-def test_a_big_groups_shared_prefix_through_the_pair_tiles(dim: int) -> None:
-    """bf16, 8 members x 3 query heads over 150 shared keys (two blocks and a part): on
-    AVX512-BF16 CPUs the shared keys go through the prefill kernel's pair tiles (kPairRows),
-    their softmax state merged with each member's own keys."""
+def test_a_big_group_of_decodes_over_a_short_shared_prefix(dim: int) -> None:
+    """bf16, 8 members x 3 query heads over 150 shared keys (less than a part of the kernel's:
+    each member attends them as its own keys, the group's prefix taken down to whole parts)."""
     c = [1]
     system = fresh(c, 150)
     reqs = [Req(system + fresh(c, 1 + 9 * i)) for i in range(8)] + [Req(fresh(c, 90))]
@@ -281,3 +280,42 @@ def test_the_native_kernels_show_in_torch_profiles(llama_dir: Path) -> None:
         "banyan::paged_attention"
     assert kernel in ranges and ranges[kernel].count >= 3, sorted(ranges)
     assert ranges[kernel].cpu_time_total > 0
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (5, 5, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [300, 1061])
+def test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone(
+        heads: int, kv_heads: int, dim: int, dtype: torch.dtype, shared: int) -> None:
+    """Members of a decode group attend the shared prefix once for all of them, in whole parts
+    of the kernel's (kPartKeys) with the same arithmetic as a request alone, and their own keys
+    from there: each member's bits are those it has decoded alone (a lone request's check has
+    them too: the test above), so who shares a step with whom, and whether speculation turns
+    decodes into checks, changes no output. The pair tiles once took the shared part: other
+    bits, and concurrent requests with one system prompt could part with speculation on."""
+    from banyan.attention.native_plan import plan_native
+
+    gen = torch.Generator().manual_seed(shared + dim)
+    owns = [1, 40, 255, 256, 300, 700, 3, 90]
+    total = shared + sum(owns)
+    k, v = (torch.randn(total + 1, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(len(owns), heads, dim, generator=gen).to(dtype)
+    width = shared + max(owns)
+    table = torch.zeros(len(owns), width, dtype=torch.int32)
+    start = shared + 1
+    for i, own in enumerate(owns):
+        table[i, :shared] = torch.arange(1, shared + 1)
+        table[i, shared:shared + own] = torch.arange(start, start + own)
+        start += own
+    lens = [shared + own for own in owns]
+    plan = plan_native(table, list(range(len(owns))), [n - 1 for n in lens], [1] * len(owns),
+                       None)
+    assert plan.group_prefix.tolist()[0] == shared  # one group, over the whole shared prefix
+    grouped = torch.empty_like(q)
+    native.paged_attention(q, k, v, table, plan.req_row, plan.req_len, plan.q_start,
+                           plan.n_new, plan.order, plan.group_start, plan.group_prefix, 0.125,
+                           grouped)
+    for i, n in enumerate(lens):
+        alone = _attend(q[i:i + 1].contiguous(), k, v, table[i:i + 1, :n].contiguous(),
+                        [(n, 1)])
+        assert torch.equal(alone, grouped[i:i + 1]), f"member {i} ({n} keys)"

@@ -24,15 +24,20 @@ namespace {
 // Prefetch one KV head's rows of slots [j0, j1) of a pool: the block after next, while this one
 // is computed (one block ahead: 64 x 192-key decodes 1.1x slower on Zen 5; one line of a
 // 128-byte row instead of both: 1.3x slower).
-template <typename T>
+template <typename T, int kHint = _MM_HINT_T0>
 inline void prefetch_rows(const T* pool, const int32_t* slots, int64_t j0, int64_t j1,
                           int64_t kvh, int64_t h, int d) {
     const int64_t width = d * static_cast<int64_t>(sizeof(T));
     for (int64_t j = j0; j < j1; ++j) {
         const char* p = reinterpret_cast<const char*>(pool + (slots[j] * kvh + h) * d);
-        for (int64_t off = 0; off < width; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < width; off += 64)
+            _mm_prefetch(p + off, static_cast<_mm_hint>(kHint));
     }
 }
+
+// Rows from which the scores of a block of keys take long enough to cover the loads of the
+// chunk's values for that block, requested then (a decode group's shared prefix, a check).
+constexpr int kFarRows = 8;
 
 // acc += sum_j p[j] v[j] over the C 16-wide chunks of a row (D = 16 C), all chunks at once
 // and even and odd keys in separate sums: 2C independent chains (one chain a chunk waited on
@@ -308,9 +313,18 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         // 1. every row's raw scores for the chunk
         for (int b = 0; b < blocks; ++b) {
             const int j0 = b * VBLK, nb = std::min(VBLK, cn - j0);
-            prefetch_rows(kpool, slots, c0 + j0 + 2 * VBLK,
-                          std::min<int64_t>(n, c0 + j0 + 3 * VBLK), kvh, h, d);
-            if (b == blocks - 1)  // the chunk's first values, for step 3
+            if (rows >= kFarRows) {
+                prefetch_rows<P, _MM_HINT_T1>(kpool, slots, c0 + j0 + 4 * VBLK,
+                                              std::min<int64_t>(n, c0 + j0 + 5 * VBLK), kvh, h, d);
+                prefetch_rows(kpool, slots, c0 + j0 + VBLK,
+                              std::min<int64_t>(n, c0 + j0 + 2 * VBLK), kvh, h, d);
+            } else {
+                prefetch_rows(kpool, slots, c0 + j0 + 2 * VBLK,
+                              std::min<int64_t>(n, c0 + j0 + 3 * VBLK), kvh, h, d);
+            }
+            if (rows >= kFarRows)  // this block's values, for step 3
+                prefetch_rows<P, _MM_HINT_T1>(vpool, cs, j0, j0 + nb, kvh, h, d);
+            else if (b == blocks - 1)  // the chunk's first values, for step 3
                 prefetch_rows(vpool, cs, 0, std::min(cn, 2 * VBLK), kvh, h, d);
             for (int j = 0; j < VBLK; ++j) {  // padding keys repeat the last one (masked below)
                 const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;

@@ -1,7 +1,6 @@
 // One thread's state of the paged-attention kernel (cpu_paged_attention.cpp): query rows, their
 // online softmax, and the dispatch of a segment of keys to the loops of cpu_attend.h,
-// cpu_attend512.h and the prefill kernel's pair tiles (included before this header, their
-// vector-width pragma confined to them); a request's own keys in parts (kPartKeys).
+// cpu_attend512.h; a request's keys in parts (kPartKeys).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +11,11 @@
 
 #include "cpu_attend.h"
 #include "cpu_attend512.h"
+// exp_nonpos_fma and fmadd, which fold parts' states as the prefill kernel merges its blocks
+// (the vector-width pragma of that header confined to it)
+#pragma GCC push_options
+#include "cpu_prefill_common.h"
+#pragma GCC pop_options
 
 namespace {
 
@@ -20,14 +24,13 @@ namespace {
 // dozen KB per thread: they stay in cache). The portable loops convert codes as they load a
 // block instead (on Zen 3 an extra pass before them measured 1.4x slower).
 constexpr int64_t QCHUNK = 128;
-// Rows from which a segment all of them see whole takes the pair tiles (AVX512-BF16, bf16).
-constexpr int kPairRows = 12;
-// A request's own keys are attended in parts of this many from its first (one part up to
-// here), each part from a fresh softmax state, the parts' states folded in order: a row's bits
-// then depend on its query and keys alone, whether it is a lone request's (a decode or a
-// speculative check, whose parts the threads share: its KV heads are too few for them), or in
-// a step of many requests. A lone decode once split its keys into parts of its own length and
-// merged them another way, and its text parted from the same text speculated.
+// A request's keys are attended in parts of this many from its first (one part up to here),
+// each part from a fresh softmax state, the parts' states folded in order: a row's bits then
+// depend on its query and keys alone, whether it is a lone request's (a decode or a
+// speculative check, whose parts the threads share: its KV heads are too few for them), in a
+// step of many requests, or in a decode group (its shared prefix taken in whole parts, once
+// for all members). A lone decode once split its keys into parts of its own length and merged
+// them another way, and its text parted from the same text speculated.
 constexpr int64_t kPartKeys = 256;
 #if defined(__AVX512F__)
 constexpr bool has_wide_paths = true;
@@ -104,9 +107,6 @@ struct Attender {
     std::vector<typename C::T> kq, vq;
     std::vector<int32_t> iota;
     bool wide = false;
-#if defined(BANYAN_PREFILL_PAIRS)
-    Buffers pairs;  // a decode group's shared keys through the prefill kernel's pair tiles
-#endif
 
     // This call's pool and shape (the scratch keeps its capacity from call to call: see
     // thread_attender).
@@ -155,19 +155,6 @@ struct Attender {
     }
 
     void segment(int r0, int nrows, const int32_t* slots, int64_t n, bool causal, int64_t h) {
-#if defined(BANYAN_PREFILL_PAIRS)
-        // many rows over the same keys (a decode group's shared prefix): register tiles of 32
-        // rows x 8 keys and 6 rows x 64 dims, where the row loop takes 8 rows a pass
-        if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
-            if (wide && !causal && nrows >= kPairRows && n >= BK && pairs_fit(d)) {
-                const size_t at = static_cast<size_t>(r0);
-                shared_segment_pairs(pairs, qraw.data() + at * d, nrows, slots, n, kpool, vpool,
-                                     kvh, h, d, scale, sc.m.data() + at, sc.l.data() + at,
-                                     sc.acc.data() + at * d);
-                return;
-            }
-        }
-#endif
         if (!wide) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
             if constexpr (std::is_same<K, F32>::value) {
@@ -268,11 +255,11 @@ struct Attender {
         std::fill_n(sc.acc.data() + r * d, d, 0.0f);
     }
 
-    // Rows [r0, r0 + nrows) of KV head h over a request's own keys slots[0, n), causally up to
-    // their limits (start_row): part by part (kPartKeys), each from a fresh state, folded into
-    // the rows' states so far (none, or a group's shared prefix).
-    void own_keys(int r0, int nrows, const int32_t* slots, int64_t n, int64_t h) {
-        if (n <= kPartKeys) return segment(r0, nrows, slots, n, true, h);
+    // Rows [r0, r0 + nrows) of KV head h over keys slots[0, n) part by part (kPartKeys), each
+    // part from a fresh state, folded into the rows' states so far (none, or the parts of a
+    // group's shared prefix before); causal: up to the rows' limits (start_row, counted from
+    // slots[0]), else every row sees every key (a shared prefix).
+    void parts(int r0, int nrows, const int32_t* slots, int64_t n, bool causal, int64_t h) {
         folded.resize(static_cast<size_t>(nrows) * (d + 2));  // per row: m, l, acc
         fold_lim.resize(nrows);
         for (int i = 0; i < nrows; ++i) {
@@ -284,7 +271,7 @@ struct Attender {
                 reset_row(r0 + i);
                 sc.lim[r0 + i] = fold_lim[i] - p0;
             }
-            segment(r0, nrows, slots + p0, std::min(kPartKeys, n - p0), true, h);
+            segment(r0, nrows, slots + p0, std::min(kPartKeys, n - p0), causal, h);
             for (int i = 0; i < nrows; ++i) {
                 float* f = folded.data() + i * (d + 2);
                 fold(f[0], f[1], f + 2, sc.m[r0 + i], sc.l[r0 + i], sc.acc.data() + (r0 + i) * d,
@@ -295,6 +282,13 @@ struct Attender {
             load_state(r0 + i, folded.data() + i * (d + 2));
             sc.lim[r0 + i] = fold_lim[i];
         }
+    }
+
+    // The same over a request's own keys, causally; `fresh`: the rows have seen no key yet,
+    // so one part is attended as it is (a fold into nothing leaves it as it is).
+    void own_keys(int r0, int nrows, const int32_t* slots, int64_t n, int64_t h, bool fresh) {
+        if (fresh && n <= kPartKeys) return segment(r0, nrows, slots, n, true, h);
+        parts(r0, nrows, slots, n, true, h);
     }
 
     std::vector<float> folded;  // own_keys' states of the parts so far

@@ -8,12 +8,12 @@
 // an online softmax per query row, in float32 whatever the pool's dtype.
 //
 // Groups carry cascade attention: the members of a group share their first P slots (a cached
-// system prompt), so the prefix block is converted once and attended by all members' query rows
+// system prompt), so the prefix is read once and attended by all members' query rows
 // ([members x G] rows), then each member continues over its own slots [P, len) with its G rows.
-// A request alone is a group of one with P = 0. Exact either way: one softmax over the whole
-// context, computed online. A request's own keys go in parts (kPartKeys, cpu_paged_attender.h)
-// whose states are folded, so a row's bits depend on its query and keys alone: a decode alone,
-// among other decodes, or in a speculative check gets the same output.
+// A request alone is a group of one with P = 0. A request's keys go in parts (kPartKeys,
+// cpu_paged_attender.h) whose states are folded, and a group's P is taken down to whole parts,
+// so a row's bits depend on its query and keys alone: a decode alone, among other decodes, in a
+// group, or in a speculative check gets the same output.
 //
 // Built at run time by banyan/kernels/native.py (g++ -O3 -march=native -fopenmp) and called
 // through ctypes; it links the libgomp torch already loaded, so it shares torch's thread pool.
@@ -29,11 +29,6 @@
 #include "cpu_attend.h"
 #include "cpu_attend512.h"
 #include "cpu_paged_attention.h"
-// the prefill kernel's pair tiles, for a decode group's shared prefix (the vector-width pragma
-// of their header confined to them)
-#pragma GCC push_options
-#include "cpu_prefill_pairs.h"
-#pragma GCC pop_options
 #include "cpu_paged_attender.h"
 
 namespace {
@@ -146,7 +141,9 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
             const int64_t g = item_group[it];
             const int64_t first = item_first[it];
             const int64_t members = item_count[it];
-            const int64_t prefix = group_prefix[g];
+            // the shared part in whole parts, so that each member's parts are those it has
+            // alone: its bits do not depend on whom it shares a step with
+            const int64_t prefix = group_prefix[g] / kPartKeys * kPartKeys;
             offset.assign(1, 0);
             for (int64_t i = 0; i < members; ++i)
                 offset.push_back(offset.back() + n_new[order[first + i]] * g_heads);
@@ -166,9 +163,9 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                 }
             if (prefix > 0)  // the shared part, once for all members, seen whole by every row
                 for (int64_t hh = 0; hh < nh; ++hh)
-                    at.segment(static_cast<int>(hh * rows), static_cast<int>(rows),
-                               table + req_row[order[first]] * table_stride, prefix, false,
-                               h0 + hh);
+                    at.parts(static_cast<int>(hh * rows), static_cast<int>(rows),
+                             table + req_row[order[first]] * table_stride, prefix, false,
+                             h0 + hh);
             for (int64_t i = 0; i < members; ++i) {
                 const int64_t b = order[first + i];
                 const int32_t* slots = table + req_row[b] * table_stride;
@@ -177,7 +174,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                 for (int64_t hh = 0; hh < nh; ++hh) {
                     const int64_t r0 = hh * rows + offset[i];
                     at.own_keys(static_cast<int>(r0), static_cast<int>(offset[i + 1] - offset[i]),
-                                slots + prefix, req_len[b] - prefix, h0 + hh);
+                                slots + prefix, req_len[b] - prefix, h0 + hh, prefix == 0);
                     for (int64_t t = 0; t < n_new[b]; ++t)
                         for (int64_t gh = 0; gh < g_heads; ++gh)
                             at.finish_row(r0 + t * g_heads + gh,

@@ -1,6 +1,5 @@
-// What both paths of cpu_prefill_attention.cpp share (and the row kernel, through
-// cpu_prefill_pairs.h): the tile width, one thread's buffers and the online-softmax update of a
-// block of scores (float32, vectorised over rows).
+// What both paths of cpu_prefill_attention.cpp share: the tile width, one thread's buffers and
+// the online-softmax update of a block of scores (float32, vectorised over rows).
 #pragma once
 
 #include <algorithm>

@@ -197,7 +197,7 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = std::min<int64_t>(BK, kend - k0);
         // K rows copied (a memcpy call a row cost more than the copy), and the next block's
-        // K and V rows requested meanwhile, into L2: a decode group's few dozen rows do too
+        // K and V rows requested meanwhile, into L2: a few dozen rows (a short chunk) do too
         // little work a block to hide the loads of its slots, and a whole block requested at
         // once into L1 was evicted before its turn (perf: half the time on the K loads)
         const int64_t ahead = std::min<int64_t>(kend - k0 - nk, BK);
@@ -274,30 +274,6 @@ inline void attend_block_pairs(Buffers& b, const uint16_t* q, const P* kpool, co
             const float* src = &b.o[r * b.dv];
             for (int64_t e = 0; e < d; ++e) dst[e] = BF16::store(src[e] * inv);
         }
-}
-
-// The row kernel's shared segment of a decode group (cpu_paged_attention.cpp): `rows` query
-// rows (qraw [rows][d] bf16, unscaled) all see keys slots[0, n) of KV head h; their softmax
-// states there (m, l [rows], acc [rows][d], scores in scaled units as here) move on over those
-// keys, merged online. Each key block then serves every row of the group in register tiles
-// instead of a few rows at a time.
-inline void shared_segment_pairs(Buffers& b, const uint16_t* qraw, int64_t rows,
-                                 const int32_t* slots, int64_t n, const uint16_t* kpool,
-                                 const uint16_t* vpool, int64_t kvh, int64_t h, int64_t d,
-                                 float scale, float* m, float* l, float* acc) {
-    fit_pairs(b, rows, d);
-    std::fill(b.lim.begin(), b.lim.begin() + b.rp, static_cast<int32_t>(n));
-    for (int64_t r = 0; r < rows; ++r) set_query_pairs(b, r, qraw + r * d, d);
-    attend_pairs(b, rows, kpool, vpool, nullptr, nullptr, slots, n, n, kvh, h, d, scale);
-    for (int64_t r = 0; r < rows; ++r) {
-        const float top = std::max(m[r], b.m[r]);
-        // (a fresh state's m = -inf: its weight clamps to ~1e-38 and multiplies l = acc = 0)
-        const float wa = exp_nonpos_fma(m[r] - top), wb = exp_nonpos_fma(b.m[r] - top);
-        l[r] = fmadd(l[r], wa, b.l[r] * wb);
-        for (int64_t e = 0; e < d; ++e)
-            acc[r * d + e] = fmadd(acc[r * d + e], wa, b.o[r * b.dv + e] * wb);
-        m[r] = top;
-    }
 }
 
 }  // namespace
