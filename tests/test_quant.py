@@ -156,16 +156,21 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
 @needs_kernels
 @pytest.mark.parametrize("method", ["int8", "int4g32", "int8g32", "int8g16",
                                     "int4-float32-scales"])
-def test_a_bf16_step_short_of_the_gemm_gives_each_token_its_bits_alone(method: str) -> None:
-    """Steps of bf16 activations shorter than BF16_GEMM_MIN_TOKENS (a speculative check of up
-    to 16 tokens, a batch of up to 16 decodes) take the short kernels, whose tokens come out as
-    each would alone: speculation and batching change no output there."""
-    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_step_short_of_the_gemm_gives_each_token_its_bits_alone(method: str,
+                                                                  dtype: torch.dtype) -> None:
+    """Steps shorter than BF16_GEMM_MIN_TOKENS (a speculative check of up to 16 tokens, a batch
+    of up to 16 decodes) take the short kernels, whose tokens come out as each would alone:
+    speculation and batching change no output there. float32 activations show the kernels'
+    float32 sums unrounded: their count of partial sums once depended on the token block (a
+    GGUF model's Q8_0 head gave a check other logits than its decodes; bf16 outputs hid most
+    of it)."""
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
 
-    assert BF16_GEMM_MIN_TOKENS > 16
+    assert 16 < BF16_GEMM_MIN_TOKENS <= DEQUANT_MIN_TOKENS
     torch.manual_seed(3)
     layer = _quantized_layer(method, 70, 256, True)
-    x = torch.randn(16, 256).bfloat16()
+    x = torch.randn(16, 256).to(dtype)
     with torch.inference_mode():
         whole = layer(x)
         for t in range(16):

@@ -104,6 +104,16 @@ void int8g_panel(const float* x, int64_t K, int64_t group, const int8_t* w, cons
 
 #endif  // __AVX512F__, AVX2
 
+// Partial sums a token keeps per group and panel lane, the same for every token block: a
+// token's bits then do not depend on its step's size (a decode, a speculative check). The count
+// once shrank as blocks grew, and a GGUF model's Q8_0 head gave a check's tokens other logits
+// than their decodes (greedy text with a draft parted from the plain one).
+#if defined(__AVX512F__)
+constexpr int kGroupSums = 4;
+#else
+constexpr int kGroupSums = 2;  // (AVX2: half the registers)
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -120,16 +130,10 @@ void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group
         for_token_blocks(T, [&](int64_t t0, int64_t tb) {
             const float* xt = x + t0 * K;
             float* ot = out + t0 * N;
-            switch (tb) {
-                case 1: int8g_panel<1, 4>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                case 2: int8g_panel<2, 4>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                case 3: int8g_panel<3, 2>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                case 4: int8g_panel<4, 2>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                case 5: int8g_panel<5, 1>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                case 6: int8g_panel<6, 1>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                case 7: int8g_panel<7, 1>(xt, K, group, wp, scale, bias, ot, N, p); break;
-                default: int8g_panel<8, 1>(xt, K, group, wp, scale, bias, ot, N, p); break;
-            }
+            with_block(tb, [&](auto b) {  // (kGroupSums whatever the block)
+                int8g_panel<decltype(b)::value, kGroupSums>(xt, K, group, wp, scale, bias, ot, N,
+                                                            p);
+            });
         });
     }
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -15,7 +16,10 @@
 namespace {
 
 constexpr int PANEL = 16;  // output rows side by side per input (banyan/layers/quant.py packs)
-constexpr int MAX_TB = 8;  // tokens sharing one pass over a panel
+// Tokens sharing one pass over a panel: 4, so that a token's partial sums (kInt8Sums and the
+// like: their count must not depend on the block) fit the registers with a decode's 4 chains
+// (8 a pass had 4 sums for 1 token, 1 for 5+: a token's bits depended on its step's size).
+constexpr int MAX_TB = 4;
 
 // A decode step streams every weight from memory once, panel after panel on each thread. On its
 // own the hardware prefetcher left the int4 loop stalled on its loads (perf: a third of its
@@ -57,6 +61,16 @@ inline void store_rows(float* out_row, const float* vals, int64_t p, int64_t n_o
 template <typename Body>
 void for_token_blocks(int64_t T, Body body) {
     for (int64_t t0 = 0; t0 < T; t0 += MAX_TB) body(t0, std::min<int64_t>(MAX_TB, T - t0));
+}
+
+// body(std::integral_constant<int, tb>) for a block of tb (1..TB) tokens: the block size as a
+// template argument of the kernel body calls.
+template <int TB = MAX_TB, typename Body>
+inline void with_block(int64_t tb, Body&& body) {
+    if constexpr (TB > 1) {
+        if (tb < TB) return with_block<TB - 1>(tb, body);
+    }
+    body(std::integral_constant<int, TB>{});
 }
 
 // Each token's sums of x over each group of `group` inputs (the int4 kernels' minimum term),

@@ -230,6 +230,17 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
 
 #endif  // __AVX512F__, AVX2
 
+// Partial sums a token keeps per panel lane (int8: over all inputs; int4: per group, besides
+// its low and high nibbles' own): the same for every token block, so that a token's sums, and
+// its bits, are the same in a step of 1 as of 13 (a decode and a speculative check). The count
+// once shrank as blocks grew (4 sums for 1 token, 1 for 5+), and the same token came out of a
+// check with other last bits than decoded alone. AVX2 has half the registers.
+#if defined(__AVX512F__)
+constexpr int kInt8Sums = 4, kInt4Sums = 2;
+#else
+constexpr int kInt8Sums = 2, kInt4Sums = 1;
+#endif
+
 // The int4 driver over panels and token blocks, for float16 or float32 scales (S).
 template <typename S>
 void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint8_t* w,
@@ -245,16 +256,10 @@ void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint
             const float* xt = x + t0 * K;
             const float* st = xsum + t0 * groups;
             float* ot = out + t0 * N;
-            switch (tb) {
-                case 1: int4_panel<1, 4>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 2: int4_panel<2, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 3: int4_panel<3, 2>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 4: int4_panel<4, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 5: int4_panel<5, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 6: int4_panel<6, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                case 7: int4_panel<7, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-                default: int4_panel<8, 1>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
-            }
+            with_block(tb, [&](auto b) {  // (kInt4Sums whatever the block)
+                int4_panel<decltype(b)::value, kInt4Sums>(xt, st, K, group, wp, scale, mins, bias,
+                                                           ot, N, p);
+            });
         });
     }
 }
@@ -275,16 +280,9 @@ void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* 
         for_token_blocks(T, [&](int64_t t0, int64_t tb) {
             const float* xt = x + t0 * K;
             float* ot = out + t0 * N;
-            switch (tb) {
-                case 1: int8_panel<1, 4>(xt, K, wp, scale, bias, ot, N, p); break;
-                case 2: int8_panel<2, 4>(xt, K, wp, scale, bias, ot, N, p); break;
-                case 3: int8_panel<3, 2>(xt, K, wp, scale, bias, ot, N, p); break;
-                case 4: int8_panel<4, 2>(xt, K, wp, scale, bias, ot, N, p); break;
-                case 5: int8_panel<5, 1>(xt, K, wp, scale, bias, ot, N, p); break;
-                case 6: int8_panel<6, 1>(xt, K, wp, scale, bias, ot, N, p); break;
-                case 7: int8_panel<7, 1>(xt, K, wp, scale, bias, ot, N, p); break;
-                default: int8_panel<8, 1>(xt, K, wp, scale, bias, ot, N, p); break;
-            }
+            with_block(tb, [&](auto b) {  // (kInt8Sums whatever the block)
+                int8_panel<decltype(b)::value, kInt8Sums>(xt, K, wp, scale, bias, ot, N, p);
+            });
         });
     }
 }
