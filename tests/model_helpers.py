@@ -85,10 +85,14 @@ def run_step(
     batch.sample_indices = [
         i for i, (seq, _) in enumerate(work) if len(seq.slots) == len(seq.tokens)
     ]
-    with torch.inference_mode():
-        inputs = runner.prepare(batch)
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        every = runner.model.compute_logits(hidden)  # [T, vocab]
+    split, runner.split_mixed_steps = runner.split_mixed_steps, False  # one forward of all
+    try:
+        with torch.inference_mode():
+            inputs = runner.prepare(batch)
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_meta)
+            every = runner.model.compute_logits(hidden)  # [T, vocab]
+    finally:
+        runner.split_mixed_steps = split
     per_req = list(every.split(batch.extend_lens))
     sampled = runner.forward(batch)
     assert sampled.shape == (len(batch.sample_indices), runner.vocab_size)

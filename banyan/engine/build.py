@@ -70,6 +70,7 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
                             linear_kernel="auto" if quantization in ("int8", "int4")
                             else args.linear_kernel,
                             gguf_file=gguf_file if quantization in ("auto", "gguf") else None)
+        draft.split_mixed_steps = False  # (its guesses need no exact bits: the check decides)
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "
                            "tokenizer?", draft.vocab_size, target.vocab_size)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,41 +41,14 @@ from banyan.runner.kv_sizing import (
     warmup_batch,
 )
 from banyan.runner.linear_setup import convert_model_linears
-from banyan.runner.prompt_logprobs import (
-    PromptLogprobInputs,
-    compute_prompt_logprobs,
-    prompt_logprob_inputs,
-)
+from banyan.runner.mixed_step import split_mixed_step
+from banyan.runner.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_inputs
+from banyan.runner.step_inputs import DeferredInputs, LongPart, StepInputs, merge_parts
 
 if TYPE_CHECKING:
     from banyan.args import EngineArgs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class DeferredInputs:
-    """Input tokens sampled by the step before (overlap): fill input_ids[flat] from the
-    runner's per-row token buffer at rows, once that step has run."""
-
-    flat: torch.Tensor  # [D] int64 indices into input_ids
-    rows: torch.Tensor  # [D] int64 table rows
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """A step's tensors on the device, built once from the batch's lists."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    logit_tokens: torch.Tensor | None  # [L] int64 flat index of each token whose logits are needed
-    attn_meta: AttentionMetadata
-    deferred: DeferredInputs | None = None
-    prompt: PromptLogprobInputs | None = None  # prompt-logprob positions, when some request asks
-    # A decode step a captured CUDA graph may replay: its batch and out slots (the replay
-    # refills the static buffers when it runs, in step order, not when the step is prepared).
-    graph: tuple[ForwardBatch, torch.Tensor] | None = None
-    every_token: bool = False  # logit_tokens is every token in order: the head takes hidden
 
 
 class ModelRunner:
@@ -122,6 +94,7 @@ class ModelRunner:
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
+        self.split_mixed_steps = True  # mixed steps as two forwards (mixed_step.py)
         if self.device.type == "cpu":  # activations on the heap, not fresh pages per step
             keep_freed_memory()
         code_dtype = kv_code_dtype(kv_cache_dtype)
@@ -303,7 +276,13 @@ class ModelRunner:
     def compute(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
         """The model over a prepared step -> (logits at `inputs.logit_tokens`, float32; the
         prompt logprobs of each ForwardBatch.prompt_logprobs span, empty when none)."""
-        picked, prompt = self.compute_hidden(inputs)
+        if inputs.long_part is not None:  # each part whole, the LM head too
+            return merge_parts([self._logits(p) for p in inputs.parts()], inputs.long_part)
+        return self._logits(inputs)
+
+    def _logits(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
+        """compute for one forward (a step, or a part of a mixed one)."""
+        picked, prompt = self._hidden(inputs)
         if picked is None:
             return torch.empty((0, self.vocab_size), dtype=torch.float32,
                                device=self.device), prompt
@@ -315,6 +294,13 @@ class ModelRunner:
         """`compute` short of the LM head: the final-normed hidden states at
         `inputs.logit_tokens` (None when none) and the prompt logprobs (a draft picks its
         guesses from the hidden states itself: spec/draft_head.py)."""
+        if inputs.long_part is not None:
+            return merge_parts([self._hidden(p) for p in inputs.parts()], inputs.long_part)
+        return self._hidden(inputs)
+
+    def _hidden(self, inputs: StepInputs
+                ) -> tuple[torch.Tensor | None, list[list[TokenLogprobs]]]:
+        """compute_hidden for one forward."""
         with torch.inference_mode():
             hidden = None
             if inputs.graph is not None and self.graphs is not None:
@@ -333,12 +319,23 @@ class ModelRunner:
             return picked, prompt
 
     def prepare(self, batch: ForwardBatch) -> StepInputs:
-        """Validate the batch, build its tensors, write the table, plan attention.
+        """Validate the batch, build its tensors, write the table, plan attention; a mixed
+        step (runner/mixed_step.py) as its two parts.
 
         Logit rows, in order: per sampling request (batch.sample_indices order), its last new
         token, or with k proposals its last k + 1 new tokens (the logits that check each
         proposal, then the one after the last)."""
         self.validate(batch)
+        split = split_mixed_step(batch) if self.split_mixed_steps else None
+        if split is not None:
+            short, long = self._prepare(split.short), self._prepare(split.long)
+            order = to_device(int64_tensor(split.logit_order), self.device)
+            short.long_part = LongPart(long, order, split.prompt_order)
+            return short
+        return self._prepare(batch)
+
+    def _prepare(self, batch: ForwardBatch) -> StepInputs:
+        """prepare for one forward (validated)."""
         dev = self.device
         # Every extend is >= 1 and they sum to T (validated): T == B means all are decodes,
         # whose flat index, position and row come straight from the lists.

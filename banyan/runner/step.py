@@ -100,9 +100,10 @@ class ModelStepRunner:
     def _compute_step(self, batch: ForwardBatch, inputs: StepInputs,
                       prepare: float) -> StepOutput:
         t0 = time.perf_counter()
-        if inputs.deferred is not None:
-            d = inputs.deferred
-            inputs.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))
+        for part in inputs.parts():
+            if part.deferred is not None:
+                d = part.deferred
+                part.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))
         logits, prompt_logprobs = self.model_runner.compute(inputs)
         t1 = time.perf_counter()
         rows = self._logit_rows(batch)
