@@ -22,7 +22,8 @@ def test_decodes_and_checks_go_first_and_the_outputs_back_in_step_order() -> Non
         input_ids=list(range(50)), out_slots=list(range(100, 150)),
         sample_indices=[0, 1, 3], proposed=[[], [], [46, 47, 48]],
         deferred_inputs=[20, 46],  # the decode's token and the check's first
-        prompt_logprobs=[PromptLogprobSpan(2, 10, [1] * 25, 0), PromptLogprobSpan(0, 0, [2] * 20, 0)])
+        prompt_logprobs=[PromptLogprobSpan(2, 10, [1] * 25, 0),
+                         PromptLogprobSpan(0, 0, [2] * 20, 0)])
     split = split_mixed_step(batch)
     assert split is not None
     short, long = split.short, split.long
