@@ -96,3 +96,37 @@ def test_a_mixed_step_gives_each_request_the_logits_of_its_own_step(
                           proposed=[check[1:]]))]
     assert got.shape == (6, runner.vocab_size)
     assert torch.equal(got, torch.cat(alone))
+
+
+def test_prompt_logprobs_of_a_prefill_beside_a_decode(llama_dir: Path) -> None:
+    """Two prefills asking for prompt logprobs beside a decode, their spans named in another
+    order than the batch's: each span's logprobs are those its request's own step gives, in
+    the order the step names them."""
+    runner = make_runner(llama_dir, dtype="float32", max_rows=8, linear_kernel="native")
+    prompts = [random_ids(40, 6), random_ids(30, 7), random_ids(50, 8)]
+    slots = iter(range(1, 1024))
+
+    def compute(batch: ForwardBatch) -> list[list[float]]:
+        with torch.inference_mode():
+            _, prompt = runner.compute(runner.prepare(batch))
+        return [[lp.logprob for lp in span] for span in prompt]
+
+    def span(index: int, ids: list[int]) -> PromptLogprobSpan:
+        return PromptLogprobSpan(index, 0, ids[1:], 2)
+
+    for row in (0, 3):  # the decoding request, in the mixed step's row and alone
+        runner.forward(ForwardBatch(rows=[row], prefix_lens=[0], extend_lens=[40],
+                                    input_ids=prompts[0], out_slots=[next(slots) for _ in
+                                                                     range(40)],
+                                    sample_indices=[0]))
+    mixed = ForwardBatch(
+        rows=[1, 0, 2], prefix_lens=[0, 40, 0], extend_lens=[30, 1, 50],
+        input_ids=prompts[1] + [5] + prompts[2], out_slots=[next(slots) for _ in range(81)],
+        sample_indices=[0, 1, 2], prompt_logprobs=[span(2, prompts[2]), span(0, prompts[1])])
+    assert split_mixed_step(mixed) is not None
+    got = compute(mixed)
+    alone = [compute(ForwardBatch(rows=[5 + i], prefix_lens=[0], extend_lens=[len(ids)],
+                                  input_ids=ids, out_slots=[next(slots) for _ in ids],
+                                  sample_indices=[0], prompt_logprobs=[span(0, ids)]))[0]
+             for i, ids in enumerate((prompts[2], prompts[1]))]
+    assert got == alone
