@@ -201,3 +201,27 @@ def test_speculation_changes_no_greedy_token_in_the_default_precision(
         stats = fast.core.stats().spec
         assert stats is not None and stats.num_accepted_tokens > 0  # speculation did run
     assert got == want
+
+
+def test_speculation_changes_no_greedy_token_beside_other_requests(
+        prompts: list[list[int]]) -> None:
+    """Eight requests at once after one 600-token prefix, ngram speculation on and off: the
+    same greedy texts. Their decodes are grouped by the shared prefix while speculated ones
+    check alone, and the first decodes share steps with the others' prefill chunks: before
+    those were made exact (decode groups in whole parts, mixed steps run as two forwards, the
+    GGUF head's float32 kernel), 6-7 of 10 such texts parted."""
+    prefix = prompts[5]  # the 600-token cut of the reference text
+    batch = [prefix + p for p in prompts[6:]] + [prefix + prompts[0], prefix + prompts[2]]
+    greedy = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+    kw: dict[str, Any] = dict(model=None, kv_cache_memory="256MiB", max_model_len=2048,
+                              disable_tqdm=True)
+    texts = []
+    for spec in ({}, {"speculative_algorithm": "ngram"}):
+        with Engine(**kw, **spec) as engine:
+            outs = engine.generate(input_ids=batch, sampling_params=greedy, use_tqdm=False)
+            texts.append([o.outputs[0].output_ids for o in outs])
+            if spec:
+                stats = engine.core.stats().spec
+                assert stats is not None and stats.num_accepted_tokens > 0
+    assert texts[0] == texts[1]
+
