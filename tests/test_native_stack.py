@@ -145,6 +145,7 @@ def test_stack_equals_the_model_over_an_int8_pool(model_dirs: dict[str, Path], a
 
 
 @pytest.mark.parametrize("wtype,arch,dtype", [("Q8_0", "llama", "float32"),
+                                              ("Q8_0", "llama", "bfloat16"),
                                               ("Q4_1", "qwen2", "float32"),
                                               ("Q4_K", "llama", "float32"),
                                               ("Q4_K", "qwen2", "bfloat16")])

@@ -232,13 +232,15 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["int4g32", "int4g64", "int4g128", "int4-float32-scales"])
+@pytest.mark.parametrize("method", ["int4g32", "int4g64", "int4g128", "int4-float32-scales",
+                                    "int8g32", "int8g16"])
 @pytest.mark.parametrize("out_f,in_f,bias", [(70, 128, True), (16, 256, False), (33, 384, True)])
-def test_int4_short_bf16_steps(method: str, out_f: int, in_f: int, bias: bool) -> None:
-    """A bf16 model's steps of 1-8 tokens on int4 codes (cpu_int4_bf16_linear.cpp): each output
-    within one bf16 rounding of float64 (the bias added first), a token's row the same bits in
-    a step of any size (a speculative check gives what a decode would), and where the kernel
-    has no vector path, the float32 kernel's bits rounded."""
+def test_quantized_short_bf16_steps(method: str, out_f: int, in_f: int, bias: bool) -> None:
+    """A bf16 model's steps of 1-8 tokens on int4 codes (cpu_int4_bf16_linear.cpp) or int8
+    groups (GGUF's Q8_0, Q6_K: the float32 kernel on x widened): each output within one bf16
+    rounding of float64 (the bias added first), a token's row the same bits in a step of any
+    size (a speculative check gives what a decode would), and where no bf16 kernel serves, the
+    float32 kernel's bits rounded."""
     torch.manual_seed(out_f + in_f)
     layer = _quantized_layer(method, out_f, in_f, bias)
     x = torch.randn(8, in_f).bfloat16()
@@ -251,7 +253,7 @@ def test_int4_short_bf16_steps(method: str, out_f: int, in_f: int, bias: bool) -
     assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all()
     for size in (1, 3, 5):
         assert torch.equal(torch.cat([layer(x[i : i + size]) for i in range(0, 8, size)]), got)
-    if not native.int4_bf16_here():
+    if method.startswith("int8g") or not native.int4_bf16_here():  # the float32 kernel's
         flat = torch.empty(8, out_f)
         layer.method._kernel(layer, x.float(), flat)
         assert torch.equal(flat.bfloat16(), got)
