@@ -214,19 +214,18 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         // 1. every row's raw scores for the chunk
         for (int b = 0; b < blocks; ++b) {
             const int j0 = b * VBLK, nb = std::min(VBLK, cn - j0);
-            if (rows >= kFarRows) {
+            if (rows >= kFarRows) {  // keys 4 blocks ahead into L2, the next into L1, and
+                                     // this block's values (step 3) into L2
                 prefetch_rows<P, _MM_HINT_T1>(kpool, slots, c0 + j0 + 4 * VBLK,
                                               std::min<int64_t>(n, c0 + j0 + 5 * VBLK), kvh, h, d);
                 prefetch_rows(kpool, slots, c0 + j0 + VBLK,
                               std::min<int64_t>(n, c0 + j0 + 2 * VBLK), kvh, h, d);
-            } else {
+                prefetch_rows<P, _MM_HINT_T1>(vpool, cs, j0, j0 + nb, kvh, h, d);
+            } else {  // keys 2 blocks ahead; at the last block, the chunk's first values
                 prefetch_rows(kpool, slots, c0 + j0 + 2 * VBLK,
                               std::min<int64_t>(n, c0 + j0 + 3 * VBLK), kvh, h, d);
+                if (b == blocks - 1) prefetch_rows(vpool, cs, 0, std::min(cn, 2 * VBLK), kvh, h, d);
             }
-            if (rows >= kFarRows)  // this block's values, for step 3
-                prefetch_rows<P, _MM_HINT_T1>(vpool, cs, j0, j0 + nb, kvh, h, d);
-            else if (b == blocks - 1)  // the chunk's first values, for step 3
-                prefetch_rows(vpool, cs, 0, std::min(cn, 2 * VBLK), kvh, h, d);
             for (int j = 0; j < VBLK; ++j) {  // padding keys repeat the last one (masked below)
                 const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;
                 if constexpr (kCodes) {
@@ -296,8 +295,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             const int words = d / 16;
             int r = 0;
             // three rows at a time that see the same keys (all but a causal chunk's last rows),
-            // four words of them a pass (the head sizes add_pairs serves: the loop below for
-            // others sums their pairs in one chain)
+            // four words of them a pass (the head sizes add_pairs_rows serves: the loop below
+            // for others sums their pairs in one chain)
             for (; r + 3 <= rows && (d == 64 || d == 128); r += 3) {
                 if (sc.vis[r] == 0 || sc.vis[r + 1] != sc.vis[r] || sc.vis[r + 2] != sc.vis[r])
                     break;
@@ -317,9 +316,9 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
                 const int pairs = (sc.vis[r] + 1) / 2;
                 if (d == 64)
-                    add_pairs<4>(ar, vi, pp, pairs);
+                    add_pairs_rows<1, 4>(&ar, vi, words, 0, &pp, pairs);
                 else if (d == 128)
-                    add_pairs<8>(ar, vi, pp, pairs);
+                    add_pairs_rows<1, 8>(&ar, vi, words, 0, &pp, pairs);
                 else
                     for (int c = 0; c < d / 16; ++c) {
                         __m512 a = _mm512_loadu_ps(ar + c * 16);

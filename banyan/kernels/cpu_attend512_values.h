@@ -36,40 +36,12 @@ inline void add_values(float* ar, const float* vb, const float* p, int n) {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar + c * 16, _mm512_add_ps(a[c], b[c]));
 }
 
-// The same over bf16 values interleaved by key pairs (vi: [pairs][C] words) and probabilities
-// rounded to bf16 pairs (pp); called only where kPairsFor holds (AVX512-BF16).
-template <int C>
-inline void add_pairs(float* ar, const __m512i* vi, const uint32_t* pp, int pairs) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    __m512 a[C], b[C];
-    for (int c = 0; c < C; ++c) {
-        a[c] = _mm512_loadu_ps(ar + c * 16);
-        b[c] = _mm512_setzero_ps();
-    }
-    int jp = 0;
-    for (; jp + 2 <= pairs; jp += 2) {
-        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp]));
-        const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp + 1]));
-        for (int c = 0; c < C; ++c) {
-            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vi + jp * C + c), p0);
-            b[c] = _mm512_dpbf16_ps(b[c], (__m512bh)_mm512_loadu_si512(vi + (jp + 1) * C + c),
-                                    p1);
-        }
-    }
-    if (jp < pairs) {
-        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp]));
-        for (int c = 0; c < C; ++c)
-            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vi + jp * C + c), p0);
-    }
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar + c * 16, _mm512_add_ps(a[c], b[c]));
-#else
-    (void)ar, (void)vi, (void)pp, (void)pairs;
-#endif
-}
-
-// add_pairs for R rows at once over the same pairs of keys, CW words (16 dims each) of them
-// from word c0: each word of values loaded once for the R rows (a row alone loads a word for
-// each vdpbf16ps). Every row's sums are add_pairs' own, in its order: the same bits.
+// acc += sum_j p[j] v[j] over bf16 values interleaved by key pairs (vi: [pairs][words] words)
+// and probabilities rounded to bf16 pairs (pp), for R rows over the same keys, CW words (16
+// dims each) from word c0: even and odd pairs in separate sums (two chains a word), each word
+// of values loaded once for the R rows. A row's sums are the same for any R and any split of
+// its words into passes: the same bits alone (R = 1) as three at a time. Called only where
+// kPairsFor holds (AVX512-BF16).
 template <int R, int CW>
 inline void add_pairs_rows(float* const* ar, const __m512i* vi, int words, int c0,
                            const uint32_t* const* pp, int pairs) {

@@ -127,13 +127,9 @@ void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const int8_t* wp = w + p * K * PANEL;
-        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
-            const float* xt = x + t0 * K;
-            float* ot = out + t0 * N;
-            with_block(tb, [&](auto b) {  // (kGroupSums whatever the block)
-                int8g_panel<decltype(b)::value, kGroupSums>(xt, K, group, wp, scale, bias, ot, N,
-                                                            p);
-            });
+        for_token_blocks(T, [&](int64_t t0, auto b) {  // (kGroupSums whatever the block)
+            int8g_panel<decltype(b)::value, kGroupSums>(x + t0 * K, K, group, wp, scale, bias,
+                                                        out + t0 * N, N, p);
         });
     }
 }

@@ -56,13 +56,6 @@ inline void store_rows(float* out_row, const float* vals, int64_t p, int64_t n_o
     std::memcpy(out_row + base, vals, static_cast<size_t>(count) * sizeof(float));
 }
 
-// Run `body(t0, tb)` over the tokens in blocks of MAX_TB, dispatching the block size to a
-// template instance (a decode step is one block of 1).
-template <typename Body>
-void for_token_blocks(int64_t T, Body body) {
-    for (int64_t t0 = 0; t0 < T; t0 += MAX_TB) body(t0, std::min<int64_t>(MAX_TB, T - t0));
-}
-
 // body(std::integral_constant<int, tb>) for a block of tb (1..TB) tokens: the block size as a
 // template argument of the kernel body calls.
 template <int TB = MAX_TB, typename Body>
@@ -71,6 +64,14 @@ inline void with_block(int64_t tb, Body&& body) {
         if (tb < TB) return with_block<TB - 1>(tb, body);
     }
     body(std::integral_constant<int, TB>{});
+}
+
+// Run `body(t0, block)` over the tokens in blocks of MAX_TB, `block` the block's size as a
+// std::integral_constant (for a template instance; a decode step is one block of 1).
+template <typename Body>
+void for_token_blocks(int64_t T, Body body) {
+    for (int64_t t0 = 0; t0 < T; t0 += MAX_TB)
+        with_block(std::min<int64_t>(MAX_TB, T - t0), [&](auto block) { body(t0, block); });
 }
 
 // Each token's sums of x over each group of `group` inputs (the int4 kernels' minimum term),

@@ -252,14 +252,9 @@ void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const uint8_t* wp = w + p * (K / 2) * PANEL;
-        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
-            const float* xt = x + t0 * K;
-            const float* st = xsum + t0 * groups;
-            float* ot = out + t0 * N;
-            with_block(tb, [&](auto b) {  // (kInt4Sums whatever the block)
-                int4_panel<decltype(b)::value, kInt4Sums>(xt, st, K, group, wp, scale, mins, bias,
-                                                           ot, N, p);
-            });
+        for_token_blocks(T, [&](int64_t t0, auto b) {  // (kInt4Sums whatever the block)
+            int4_panel<decltype(b)::value, kInt4Sums>(x + t0 * K, xsum + t0 * groups, K, group,
+                                                       wp, scale, mins, bias, out + t0 * N, N, p);
         });
     }
 }
@@ -277,12 +272,9 @@ void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* 
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const int8_t* wp = w + p * K * PANEL;
-        for_token_blocks(T, [&](int64_t t0, int64_t tb) {
-            const float* xt = x + t0 * K;
-            float* ot = out + t0 * N;
-            with_block(tb, [&](auto b) {  // (kInt8Sums whatever the block)
-                int8_panel<decltype(b)::value, kInt8Sums>(xt, K, wp, scale, bias, ot, N, p);
-            });
+        for_token_blocks(T, [&](int64_t t0, auto b) {  // (kInt8Sums whatever the block)
+            int8_panel<decltype(b)::value, kInt8Sums>(x + t0 * K, K, wp, scale, bias,
+                                                       out + t0 * N, N, p);
         });
     }
 }
