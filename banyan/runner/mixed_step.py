@@ -38,9 +38,12 @@ class MixedSplit:
 def split_mixed_step(batch: ForwardBatch,
                      short_tokens: int = EXACT_STEP_TOKENS) -> MixedSplit | None:
     """The step's decodes and checks (sampling requests whose new tokens are their last token
-    and its proposals) apart from its prefill chunks, or None when it has not both, or its
-    decodes and checks are more than `short_tokens` tokens (then they take the long kernels
-    however they run: a step of that many decodes does too)."""
+    and its proposals) apart from its prefill chunks, or None when it has not both, when the
+    whole step is `short_tokens` tokens or fewer (its short kernels take it whole), or when its
+    decodes and checks are more than that (then they take the long kernels however they run: a
+    step of that many decodes does too)."""
+    if batch.num_tokens <= short_tokens or batch.num_tokens == batch.batch_size:
+        return None  # (the usual steps, answered without a loop over the batch)
     proposed = batch.proposed or [[] for _ in batch.sample_indices]
     is_short = [False] * batch.batch_size
     for i, guess in zip(batch.sample_indices, proposed, strict=True):
@@ -51,7 +54,11 @@ def split_mixed_step(batch: ForwardBatch,
     if sum(batch.extend_lens[i] for i in short) > short_tokens:
         return None
     long = [i for i in range(batch.batch_size) if not is_short[i]]
-    parts = (_part(batch, short, True), _part(batch, long, False))
+    starts, at = [], 0  # each request's first flat token
+    for n in batch.extend_lens:
+        starts.append(at)
+        at += n
+    parts = (_part(batch, starts, short, True), _part(batch, starts, long, False))
     logit_order = _merge_order([(is_short[i], len(guess) + 1)
                                 for i, guess in zip(batch.sample_indices, proposed, strict=True)])
     prompt_order = _merge_order([(is_short[s.index], 1) for s in batch.prompt_logprobs])
@@ -71,14 +78,11 @@ def _merge_order(entries: list[tuple[bool, int]]) -> list[int]:
     return order
 
 
-def _part(batch: ForwardBatch, members: list[int], first: bool) -> ForwardBatch:
-    """The sub-step of batch entries `members` (in order); the first part written also takes
-    the step's prefix-cache hits (table writes: order does not matter, both are prepared before
-    either runs)."""
-    starts, at = [], 0
-    for n in batch.extend_lens:
-        starts.append(at)
-        at += n
+def _part(batch: ForwardBatch, starts: list[int], members: list[int],
+          first: bool) -> ForwardBatch:
+    """The sub-step of batch entries `members` (in order; starts: each entry's first flat
+    token); the first part written also takes the step's prefix-cache hits (table writes:
+    order does not matter, both are prepared before either runs)."""
     index = {i: k for k, i in enumerate(members)}
     part = ForwardBatch(
         rows=[batch.rows[i] for i in members],
