@@ -85,6 +85,35 @@ def test_converted_folder_is_cached(tmp_path: Path, tokenizer_dir: Path) -> None
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
 
 
+def test_one_folder_per_content_and_stale_folders_removed(tmp_path: Path,
+                                                          tokenizer_dir: Path) -> None:
+    """A reinstall writes the same bytes with a new mtime: it reuses the folder (keyed by
+    content; keyed by mtime, every install had left a 517 MB folder behind). Building a new
+    folder removes those whose files are gone, and the old mtime-keyed kind."""
+    import os
+    import shutil
+
+    first_dir, second_dir = tmp_path / "a", tmp_path / "b"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    path = write_gguf(first_dir / "m.gguf", tokenizer_dir)
+    folder = resolve_model_dir(str(path), show_progress=False)
+    copy = shutil.copy(path, second_dir / "m.gguf")  # another install: same bytes, new mtime
+    os.utime(copy, ns=(1, 1))
+    assert resolve_model_dir(str(copy), show_progress=False) == folder
+    root = folder.parent
+    old_kind = root / f"m-{path.stat().st_size}-1796373430220332270-v1"  # mtime-keyed
+    old_kind.mkdir()
+    other = write_gguf(tmp_path / "other.gguf", tokenizer_dir, wtype="Q4_0")
+    other_folder = resolve_model_dir(str(other), show_progress=False)
+    assert other_folder != folder and not old_kind.exists() and folder.is_dir()
+    path.unlink()
+    Path(copy).unlink()  # both files of the first folder gone: the next build removes it
+    third = write_gguf(tmp_path / "third.gguf", tokenizer_dir, wtype="Q6_K")
+    resolve_model_dir(str(third), show_progress=False)
+    assert not folder.exists() and other_folder.is_dir()
+
+
 def test_clear_errors(tmp_path: Path, tokenizer_dir: Path) -> None:
     with pytest.raises(ValueError, match="ggml type IQ2_XXS"):
         check_supported(Q.IQ2_XXS, "blk.0.attn_q.weight")

@@ -2,7 +2,7 @@
 
 `--model file.gguf` (or a folder holding exactly one .gguf) resolves, through `gguf_model_dir`, to
 a folder with config.json, the tokenizer files (chat template included) and model.safetensors,
-built the first time and keyed by the file's name, size and mtime; later starts load it like any
+built the first time and keyed by the file's content (gguf_cache.py); later starts load it like any
 checkpoint, in seconds. Config and tokenizer come from transformers' own GGUF conversion
 (`from_pretrained(folder, gguf_file=...)`), so they equal what the reference implementation
 builds from the same file.
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from banyan.fs import build_dir_atomically
+from banyan.models.gguf_cache import conversion_dir, prune
 from banyan.models.gguf_dequant import check_supported, storage_dtype, to_storage
 from banyan.models.gguf_header import GGUFHeader
 
@@ -111,15 +112,15 @@ def gguf_model_dir(gguf_file: Path, show_progress: bool = True) -> Path:
     """The converted Hugging Face folder of `gguf_file`, built on first use."""
     from banyan.demo import cache_dir
 
-    stat = gguf_file.stat()
-    key = f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
-    target = cache_dir() / "gguf" / key
+    root = cache_dir() / "gguf"
+    target = conversion_dir(root, gguf_file, CONVERTER_VERSION)
     if (target / "model.safetensors").is_file():
         return target
     logger.info("Converting %s into %s (once; later starts reuse it)", gguf_file, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return build_dir_atomically(target, "convert-",
-                                lambda tmp: convert_gguf(gguf_file, tmp, show_progress))
+    build_dir_atomically(target, "convert-", lambda tmp: convert_gguf(gguf_file, tmp,
+                                                                      show_progress))
+    prune(root)
+    return target
 
 
 def open_gguf(gguf_file: Path) -> tuple[GGUFHeader, str]:
