@@ -183,6 +183,12 @@ class EngineArgs:
         "in the kernel cache's choices.json, so every process decides alike; bfloat16: native "
         "where the CPU has AVX512-BF16 and the second copy takes at most 1/8 of the memory).",
         choices=list(LINEAR_KERNELS)))
+    enable_deterministic_inference: bool = field(default=False, metadata=_doc(
+        "Batch-invariant kernels (SGLang's flag): a request's greedy tokens and logprobs are "
+        "bit for bit the same whatever else runs beside it, however its prompt is chunked, "
+        "with or without a prefix-cache hit, a retraction or speculation. Every step then runs "
+        "the kernels decodes use; long prompt chunks cost more (docs/performance.md). CPU with "
+        "the native kernels only (float32 or bf16, unquantized or quantized)."))
     disaggregation_mode: str = field(default="null", metadata=_doc(
         "Prefill/decode disaggregation role: null (serve both phases), prefill (compute prompts "
         "and keep their K/V for decode workers to fetch), decode (fetch a prompt's K/V from the "
@@ -248,6 +254,11 @@ class EngineArgs:
             raise ValueError(f"activation_quant {self.activation_quant} runs the quantized "
                              "linear kernels: it needs quantization int8, int4 or gguf")
         check_linear_kernel(self.linear_kernel)
+        if self.enable_deterministic_inference and (self.device.startswith("cuda")
+                                                    or self.linear_kernel == "torch"):
+            raise ValueError("enable_deterministic_inference runs the native CPU kernels: it "
+                             "needs device cpu (or auto without a GPU) and linear_kernel auto "
+                             "or native")
         self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("disaggregation_mode must be null, prefill or decode, got "

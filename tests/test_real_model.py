@@ -225,3 +225,22 @@ def test_speculation_changes_no_greedy_token_beside_other_requests(
                 assert stats is not None and stats.num_accepted_tokens > 0
     assert texts[0] == texts[1]
 
+
+
+def test_deterministic_inference_keeps_tokens_whatever_the_chunking(hf_tokenizer: Any) -> None:
+    """--enable-deterministic-inference on the default model (its GGUF blocks, bf16 where the
+    CPU computes in it): the prompts in one step, then in 64-token chunks with ngram
+    speculation: the same greedy tokens. Without the flag they part (the first text at its
+    48th token; over 200 tokens 9 of 12 such texts parted, as many with a pool small enough to
+    retract: docs/performance.md)."""
+    text_ids = hf_tokenizer.encode(REFERENCE_TEXT + "\n" + REFERENCE_TEXT)
+    prompts = [text_ids[i * 37:i * 37 + 200 + 13 * i] for i in range(10)]
+    greedy = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+    kw: dict[str, Any] = dict(model=None, kv_cache_memory="256MiB", max_model_len=1024,
+                              disable_tqdm=True, enable_deterministic_inference=True)
+    texts = []
+    for extra in ({}, {"chunked_prefill_size": 64, "speculative_algorithm": "ngram"}):
+        with Engine(**kw, **extra) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)
+            texts.append([o.outputs[0].output_ids for o in outs])
+    assert texts[0] == texts[1]

@@ -17,6 +17,7 @@ GFLOP/s), 512 tokens in 3.2 ms against 6 (docs/performance.md).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,12 @@ class CpuNativeBackend(SdpaBackend):
                 self.fresh_on_sdpa = not kernel_takes_prefills(
                     pool.kv_heads, pool.head_dim, pool.dtype, pool.code_dtype)
         self.prefill_kernel = prefill_kernel
+
+    def take_every_extend(self) -> None:
+        """Every extend to the row kernel, whatever its length (runner/batch_invariant.py): a
+        token's attention then has the bits it gets decoded, checked or in any chunk."""
+        self.max_extend = sys.maxsize
+        self.fresh_on_sdpa = False
 
     @classmethod
     def supports(cls, pool: KVPool) -> bool:

@@ -69,7 +69,9 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
                             quantization=quantization,
                             linear_kernel="auto" if quantization in ("int8", "int4")
                             else args.linear_kernel,
-                            gguf_file=gguf_file if quantization in ("auto", "gguf") else None)
+                            gguf_file=gguf_file if quantization in ("auto", "gguf") else None,
+                            # (its guesses decide no token, but seeded sampling's draws do)
+                            batch_invariant=args.enable_deterministic_inference)
         draft.split_mixed_steps = False  # (its guesses need no exact bits: the check decides)
         if draft.vocab_size != target.vocab_size:
             logger.warning("draft vocabulary %d differs from the target's %d: is it the same "

@@ -57,6 +57,12 @@ def dense_weight_loader(param: nn.Parameter, loaded: torch.Tensor, start: int = 
 class LinearMethod(ABC):
     """How a Linear stores its weight and computes x @ W^T + b."""
 
+    # Whether `apply` has, for every step size, a kernel whose bits for a token do not depend
+    # on the step's other tokens; and whether it is told to use only that one
+    # (runner/batch_invariant.py, --enable-deterministic-inference).
+    can_be_batch_invariant = False
+    batch_invariant = False
+
     @abstractmethod
     def create_weights(self, layer: Linear) -> None:
         """Register the layer's parameters (on whatever device is current: meta at build)."""
@@ -166,6 +172,7 @@ class SkinnyF32Method(DenseMethod):
     """
 
     SKINNY_ROWS = 16
+    can_be_batch_invariant = True  # (the skinny kernel: passes of 8 tokens, each alone's bits)
     WIDE_ROWS = 128  # the bucket edge between decode batches and prefill chunks
     BUCKET_PROBES = (64, 512)  # rows each bucket is measured at
 
@@ -187,7 +194,7 @@ class SkinnyF32Method(DenseMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
-            if rows <= self.SKINNY_ROWS:
+            if rows <= self.SKINNY_ROWS or self.batch_invariant:
                 return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
             if self._onednn[rows > self.WIDE_ROWS]:
                 return onednn_linear(x, layer.weight, layer.bias)
@@ -247,6 +254,7 @@ class SkinnyBf16Method(PackedBf16Method):
     # by ~7% at 64 tokens.
     GEMM_ROWS = 256
     MEMORY_SHARE = 8  # the second copies may take up to 1/8 of the machine's memory
+    can_be_batch_invariant = True  # (either kernel, at every step size)
 
     def adopt(self, layer: Linear) -> None:
         plain = layer.weight.detach().contiguous()
@@ -262,10 +270,11 @@ class SkinnyBf16Method(PackedBf16Method):
         return NativeLinear("skinny_bf16", layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and hasattr(layer, "pairs") and x.shape[0] <= self.GEMM_ROWS:
+        short = self.batch_invariant or x.shape[0] <= self.GEMM_ROWS
+        if x.dim() == 2 and hasattr(layer, "pairs") and short:
             return native.bf16_pairs_gemm(x.contiguous(), layer.pairs, layer.out_features,
                                           layer.pairs_bias)
-        if x.dim() == 2 and x.shape[0] <= self.SKINNY_ROWS:  # (a layer with pairs took them)
+        if x.dim() == 2 and (self.batch_invariant or x.shape[0] <= self.SKINNY_ROWS):
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
         return super().apply(layer, x)
 
@@ -305,6 +314,8 @@ class PairsBf16Method(LinearMethod):
     SmolLM2's head (49,152 x 576) on Zen 4 (benchmarks/bf16_head.py): 0.8x oneDNN's time at 1 and
     8 tokens, 0.84-0.88x at 16-32, even at 64-128, 2% slower at 256 (batch-1 decode 1.12x in one
     process beside the packed head); and each row's sum is the same whatever the step's size."""
+
+    can_be_batch_invariant = True
 
     def create_weights(self, layer: Linear) -> None:
         raise NotImplementedError("pairs are made from a loaded dense layer (adopt)")

@@ -117,6 +117,10 @@ class _QuantMethod(LinearMethod):
     """Shared by the int8/int4 methods: no weights of their own at build (they adopt a loaded
     dense layer), float32 activations into the kernel, the input's dtype out."""
 
+    # the short kernels at every step size: tokens in blocks of 4 with one count of partial
+    # sums (the float32 ones on x widened), or int4's bf16 kernel
+    can_be_batch_invariant = True
+
     def create_weights(self, layer: Linear) -> None:
         raise NotImplementedError("quantized weights are made from a loaded dense layer (adopt)")
 
@@ -132,7 +136,7 @@ class _QuantMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             if x.numel() >= BF16_GEMM_MIN_TOKENS * layer.in_features \
-                    and bf16_gemm_applies(layer.in_features):
+                    and bf16_gemm_applies(layer.in_features) and not self.batch_invariant:
                 return self._bf16_gemm(layer, x)
             short = self._bf16_short(layer, x)
             if short is not None:
@@ -141,7 +145,7 @@ class _QuantMethod(LinearMethod):
         # skips the conversions, whose dispatches cost as much as a small layer's kernel.
         plain = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
         flat = x if plain else x.reshape(-1, layer.in_features).to(torch.float32).contiguous()
-        if flat.shape[0] >= DEQUANT_MIN_TOKENS:
+        if flat.shape[0] >= DEQUANT_MIN_TOKENS and not self.batch_invariant:
             out = self._through_gemm(layer, flat)
         else:
             out = torch.empty(flat.shape[0], layer.out_features)
@@ -290,7 +294,8 @@ class Int4Method(_QuantMethod):
             torch.get_num_threads())
 
     def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        if not native.int4_bf16_here() or x.numel() >= DEQUANT_MIN_TOKENS * layer.in_features:
+        long_step = x.numel() >= DEQUANT_MIN_TOKENS * layer.in_features
+        if not native.int4_bf16_here() or (long_step and not self.batch_invariant):
             return None
         flat = x.reshape(-1, layer.in_features).contiguous()
         out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)

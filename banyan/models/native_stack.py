@@ -183,10 +183,12 @@ class NativeLayerStack:
             if not all(t.is_contiguous() for t in parts):
                 return None
             keep.extend(parts)
-            # a bf16 stack's long steps: the bf16 GEMM where the per-op path takes it
+            # a bf16 stack's long steps: the bf16 GEMM where the per-op path takes it (not
+            # where the method keeps its short kernel at every size: batch_invariant)
             gemm, gemm_from = -1, 0
             if dtype == torch.bfloat16 and spec.kind in BF16_GEMM_KINDS and \
-                    native.bf16_gemm_applies(layer.in_features):
+                    native.bf16_gemm_applies(layer.in_features) and \
+                    not layer.method.batch_invariant:
                 gemm, gemm_from = BF16_GEMM_KINDS[spec.kind], BF16_GEMM_MIN_TOKENS
             elif spec.kind == "pairs_bf16":  # every step, as SkinnyBf16Method.apply does
                 gemm, gemm_from = native.PAIRS_BF16_KIND, 1

@@ -11,8 +11,9 @@ import torch
 
 from banyan.args import check_linear_kernel
 from banyan.layers.gguf_linear import repack_gguf_linears
-from banyan.layers.linear import (Linear, LinearMethod, PackedBf16Method, PairsBf16Method,
-                                  SkinnyBf16Method, SkinnyF32Method, convert_linears)
+from banyan.layers.linear import (DenseMethod, Linear, LinearMethod, PackedBf16Method,
+                                  PairsBf16Method, SkinnyBf16Method, SkinnyF32Method,
+                                  convert_linears)
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.models.llama import LlamaForCausalLM
 
@@ -22,13 +23,22 @@ _NATIVE_NEEDS = ("linear_kernel native needs float32 or bfloat16 on CPU, unquant
 
 
 def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                          quantization: str, linear_kernel: str, gguf_file: Path | None) -> None:
+                          quantization: str, linear_kernel: str, gguf_file: Path | None,
+                          batch_invariant: bool = False) -> None:
     """Quantize the linears (the tied head too: a quantized copy beside the embedding,
     which lookups keep reading), or else pick their kernel: oneDNN-prepacked bf16 where it
-    can, the native skinny float32 kernel where asked or measured faster here."""
+    can, the native skinny float32 kernel where asked or measured faster here.
+    batch_invariant: unquantized linears only on native kernels, which have a
+    batch-invariant path (runner/batch_invariant.py), never a library GEMM."""
     check_quantization(quantization, device, dtype,
                        [m.in_features for m in model.modules() if isinstance(m, Linear)])
     check_linear_kernel(linear_kernel)
+    if batch_invariant:
+        if linear_kernel == "torch":
+            raise ValueError("enable_deterministic_inference needs the native linear kernels: "
+                             "linear_kernel auto or native, not torch")
+        if quantization == "none":
+            linear_kernel = "native"
     if quantization == "gguf":
         if gguf_file is None:
             raise ValueError("--quantization gguf computes with a GGUF file's blocks: "
@@ -37,7 +47,12 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
         repacked, dense = repack_gguf_linears(model, gguf_file)
         logger.info("%d linear layers compute from %s's blocks (%d stay dense)", repacked,
                     gguf_file.name, len(dense))
-        if dense and linear_kernel != "auto":
+        if batch_invariant:  # the types without a kernel of their own: the skinny one
+            skinny = _dense_method(model, device, dtype, "native")
+            for layer in model.modules():
+                if isinstance(layer, Linear) and type(layer.method) is DenseMethod:
+                    layer.convert(skinny())
+        elif dense and linear_kernel != "auto":
             logger.info("--linear-kernel %s does not apply to them", linear_kernel)
         return
     method = quantized_method(quantization)
@@ -51,7 +66,7 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     if method is SkinnyBf16Method:  # the layer stack stops before the LM head: one copy
         head = model.lm_head if model.lm_head is not None else model.tied_head
         head.convert(PairsBf16Method() if SkinnyBf16Method.takes_gemm(head)
-                     else PackedBf16Method())
+                     else SkinnyBf16Method() if batch_invariant else PackedBf16Method())
         skip = (head,)
     converted = convert_linears(model, method, skip=skip)
     logger.info("%d linear weights converted to %s", converted, method.__name__)

