@@ -5,7 +5,9 @@ swapped every round), so the machine's drift hits both alike. Medians of --round
 Workloads: batch-1 128/128 (decode tok/s), random 64 x 128/128 (output tok/s), shared-prefix
 8 x 8 (S=1,024, Q=64, O=64: seconds) and one fresh 2,048-token prefill (seconds); each engine's
 prefix cache flushed before each. Also whether each engine's texts depend on the schedule:
-the random workload's greedy texts again in 64-token chunks, counted against the first run.
+twelve 200-343-token cuts of the fixed English text (bench/quality.py), 200 greedy tokens each,
+all in one step, then in 64-token chunks, then with a pool small enough to retract: how many
+texts part from the first run.
 
     python benchmarks/deterministic_cost.py [--model DIR_OR_GGUF] [--dtype bfloat16]
         [--rounds 3] [--out F]
@@ -24,6 +26,7 @@ from typing import Any
 
 from banyan import Engine, SamplingParams
 from banyan.bench.offline import batch1, machine_info, run_workload
+from banyan.bench.quality import REFERENCE_TEXT
 from banyan.bench.workloads import random_workload, shared_prefix_workload
 
 
@@ -36,10 +39,25 @@ def fresh_prefill(engine: Engine, tokens: int, vocab: int) -> float:
     return time.perf_counter() - start
 
 
-def texts(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    greedy = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)
-    return [o.outputs[0].output_ids for o in outs]
+def parted_texts(kw: dict[str, Any]) -> dict[str, int]:
+    """Texts (of 12) that part from the one-step run's: 64-token chunks, a 24 MiB pool."""
+    runs: dict[str, list[list[int]]] = {}
+    greedy = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    for name, extra in (("one_step", {}), ("chunks_64", {"chunked_prefill_size": 64}),
+                        ("pool_24MiB", {"kv_cache_memory": "24MiB"})):
+        with Engine(**{**kw, "max_model_len": 1024, "kv_cache_memory": "256MiB", **extra}) \
+                as engine:
+            ids = engine.tokenizer.encode(REFERENCE_TEXT + "\n" + REFERENCE_TEXT)
+            prompts = [ids[i * 37:i * 37 + 200 + 13 * i] for i in range(12)]
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)
+            runs[name] = [o.outputs[0].output_ids for o in outs]
+            if name == "pool_24MiB":
+                runs["retractions"] = [[engine.core.stats().retractions]]
+    first = runs.pop("one_step")
+    retractions = runs.pop("retractions")[0][0]
+    parted = {name: sum(a != b for a, b in zip(first, got, strict=True))
+              for name, got in runs.items()}
+    return dict(parted, retractions_with_24MiB=retractions)
 
 
 def main() -> int:
@@ -76,15 +94,10 @@ def main() -> int:
                     samples[name][case].append(value)
                     print(f"round {r} {case} {name}: {value:.3f}", file=sys.stderr)
     medians = {n: {c: statistics.median(v) for c, v in s.items()} for n, s in samples.items()}
-    # the schedule's hold on the texts: the random prompts in one step, then in 64-token chunks
-    prompts = [req.prompt_ids for req in random64.requests[:16]]
-    parted = {}
-    for name, engine in engines.items():
-        engine.core.flush_cache()
-        first = texts(engine, prompts)
-        engine.core.scheduler.builder.config.chunked_prefill_size = 64
-        engine.core.flush_cache()
-        parted[name] = sum(a != b for a, b in zip(first, texts(engine, prompts), strict=True))
+    for engine in engines.values():
+        engine.close()
+    parted = {"default": parted_texts(kw),
+              "deterministic": parted_texts(dict(kw, enable_deterministic_inference=True))}
     result = {
         "command": "python " + " ".join(sys.argv),
         "machine": machine_info(),
@@ -95,14 +108,12 @@ def main() -> int:
         "medians": medians,
         "deterministic_over_default": {
             c: medians["deterministic"][c] / medians["default"][c] for c in cases},
-        "texts_parted_by_64_token_chunks_of_16": parted,
+        "texts_parted_of_12": parted,
     }
     text = json.dumps(result, indent=1)
     print(text)
     if ns.out:
         ns.out.write_text(text + "\n")
-    for engine in engines.values():
-        engine.close()
     return 0
 
 

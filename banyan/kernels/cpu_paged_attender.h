@@ -267,12 +267,16 @@ struct Attender {
             save_state(r0 + i, folded.data() + i * (d + 2));
         }
         for (int64_t p0 = 0; p0 < n; p0 += kPartKeys) {
-            for (int i = 0; i < nrows; ++i) {
+            // causal rows before the part (a long chunk's first tokens) see none of its keys:
+            // left out, not folded (as a decode of that token has no such part)
+            int i0 = 0;
+            while (causal && i0 < nrows && fold_lim[i0] <= p0) ++i0;
+            for (int i = i0; i < nrows; ++i) {
                 reset_row(r0 + i);
                 sc.lim[r0 + i] = fold_lim[i] - p0;
             }
-            segment(r0, nrows, slots + p0, std::min(kPartKeys, n - p0), causal, h);
-            for (int i = 0; i < nrows; ++i) {
+            segment(r0 + i0, nrows - i0, slots + p0, std::min(kPartKeys, n - p0), causal, h);
+            for (int i = i0; i < nrows; ++i) {
                 float* f = folded.data() + i * (d + 2);
                 fold(f[0], f[1], f + 2, sc.m[r0 + i], sc.l[r0 + i], sc.acc.data() + (r0 + i) * d,
                      d);

@@ -61,14 +61,17 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
         for (int64_t it = 0; it < items; ++it) {
             const int64_t p = it * per / kvh, h0 = it * per % kvh, p0 = p * kPartKeys;
             const int64_t len = std::min(kPartKeys, n - p0);
+            // tokens before the part see none of its keys (a long chunk's first ones)
+            const int64_t t0 = std::max<int64_t>(0, p0 - (n - e));
             if (per == kvh) stream_in(kpool, vpool, slots + p0, len, kvh * d);
             for (int64_t h = h0; h < h0 + per; ++h) {
-                for (int64_t t = 0; t < e; ++t)
+                for (int64_t t = t0; t < e; ++t)
                     for (int64_t gh = 0; gh < g; ++gh)  // causal: up to its position
                         at.start_row(t * g + gh, q + (t * heads + h * g + gh) * d,
                                      n - e + t + 1 - p0);
-                at.segment(0, static_cast<int>(rows), slots + p0, len, true, h);
-                for (int64_t t = 0; t < e; ++t)
+                at.segment(static_cast<int>(t0 * g), static_cast<int>(rows - t0 * g),
+                           slots + p0, len, true, h);
+                for (int64_t t = t0; t < e; ++t)
                     for (int64_t gh = 0; gh < g; ++gh)
                         at.save_state(t * g + gh,
                                       st + ((p * e + t) * heads + h * g + gh) * width);
@@ -79,7 +82,8 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
             static thread_local std::vector<float> acc;  // (this thread's)
             acc.assign(d, 0.0f);
             float fm = -INFINITY, fl = 0.0f;
-            for (int64_t p = 0; p < parts; ++p) {
+            const int64_t seen = n - e + tr / heads + 1;  // its keys: the parts it has alone
+            for (int64_t p = 0; p * kPartKeys < seen; ++p) {
                 const float* state = st + (p * e * heads + tr) * width;
                 fold(fm, fl, acc.data(), state[0], state[1], state + 2, d);
             }

@@ -95,7 +95,8 @@ class ModelRunner:
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
             raise ValueError("give num_slots, kv_cache_bytes or mem_fraction to size the KV cache")
         self.device = resolve_device(device)
-        self.split_mixed_steps = True  # mixed steps as two forwards (mixed_step.py)
+        # mixed steps as two forwards (mixed_step.py), needless where every kernel is invariant
+        self.split_mixed_steps = not batch_invariant
         if self.device.type == "cpu":  # activations on the heap, not fresh pages per step
             keep_freed_memory()
         code_dtype = kv_code_dtype(kv_cache_dtype)
@@ -158,10 +159,8 @@ class ModelRunner:
                     useful,
                 )
                 num_slots = useful
-        self.pool = KVPool(
-            cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype, self.device,
-            code_dtype,
-        )
+        self.pool = KVPool(cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype,
+                           self.device, code_dtype)
         self.backend = create_backend(attention_backend, self.pool, self.table)
         if batch_invariant:  # (before the stack reads its projections' kernels)
             make_batch_invariant(self.model, self.backend)
