@@ -16,7 +16,6 @@ texts part from the first run.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 from banyan import Engine, SamplingParams
 from banyan.bench.offline import batch1, machine_info, run_workload
 from banyan.bench.quality import REFERENCE_TEXT
+from banyan.bench.report import write_json
 from banyan.bench.workloads import random_workload, shared_prefix_workload
 
 
@@ -110,10 +110,7 @@ def main() -> int:
             c: medians["deterministic"][c] / medians["default"][c] for c in cases},
         "texts_parted_of_12": parted,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if ns.out:
-        ns.out.write_text(text + "\n")
+    write_json(result, str(ns.out) if ns.out else None, echo=True)  # (its command kept)
     return 0
 
 
