@@ -109,6 +109,25 @@ def test_tokens_and_logprobs_do_not_depend_on_the_schedule(wide_dir: Path, dtype
     assert alone == want[:3]
 
 
+@needs_kernels
+def test_an_amx_cpu_computes_what_others_do(wide_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX CPUs dense bf16 layers keep plain weights for oneDNN (`takes_gemm`); the mode
+    stores the bf16 GEMM's pairs beside them, so every step runs that kernel there too, and the
+    tokens and logprobs are those of any other CPU with the kernels."""
+    if not SkinnyBf16Method.suits_here():
+        pytest.skip("no AVX512-BF16 here")
+    prompts = prompts_1_to_300(4, seed=9)
+    want = _runs(wide_dir, prompts, "bfloat16", **SETTINGS["chunked"])
+    monkeypatch.setattr(native, "amx_here", lambda: True)
+    with Engine(str(wide_dir), dtype="bfloat16", device="cpu", disable_tqdm=True,
+                enable_deterministic_inference=True) as engine:
+        layers = [m for m in engine.core.scheduler.runner.model_runner.model.modules()
+                  if isinstance(m, Linear)]
+        assert all(hasattr(m, "pairs") for m in layers)
+    assert _runs(wide_dir, prompts, "bfloat16", **SETTINGS["chunked"]) == want
+
+
 def test_clear_errors(llama_dir: Path) -> None:
     for bad in (dict(device="cuda"), dict(linear_kernel="torch")):
         with pytest.raises(ValueError, match="enable_deterministic_inference"):

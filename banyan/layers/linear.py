@@ -278,6 +278,13 @@ class SkinnyBf16Method(PackedBf16Method):
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
         return super().apply(layer, x)
 
+    def use_pairs(self, layer: Linear) -> None:
+        """Store the GEMM's pairs beside a plain weight where that kernel applies, so every
+        step takes it (the deterministic mode on AMX CPUs, where `takes_gemm` leaves the long
+        steps to oneDNN: its one alternative would be the skinny kernel at every size)."""
+        if not hasattr(layer, "pairs") and native.bf16_gemm_applies(layer.in_features):
+            _store_pairs(layer, layer.weight.detach(), layer.bias)
+
     @classmethod
     def takes_gemm(cls, layer: Linear) -> bool:
         """Whether the layer's steps of up to GEMM_ROWS tokens go through the bf16 GEMM kernel
