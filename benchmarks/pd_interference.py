@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,50 +36,17 @@ from typing import Any
 
 import httpx
 
+from banyan.bench.local_server import start_server, stop_server
 from banyan.bench.offline import machine_info
 
 SETUPS = {"colocated": [], "dp2": ["--dp", "2"], "pd": ["--pd", "1:1"],
           "pd-mooncake": ["--pd", "1:1", "--disaggregation-transfer-backend", "mooncake"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(setup: str, ns: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), "--dtype",
-           ns.dtype, "--num-threads", "2", "--kv-cache-memory", ns.kv, "--disable-tqdm",
-           "--log-level", "warning", *SETUPS[setup]]
-    if ns.model:
-        cmd += ["--model", ns.model]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{setup} exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{setup} not up in 300 s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    args = ["--dtype", ns.dtype, "--num-threads", "2", "--kv-cache-memory", ns.kv,
+            "--disable-tqdm", "--log-level", "warning", *SETUPS[setup]]
+    return start_server(args + (["--model", ns.model] if ns.model else []), log)
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int],
@@ -177,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             if setup == "pd":
                 results[setup]["server_info"] = _pd_info(url)
         finally:
-            stop(proc)
+            stop_server(proc)
         r = results[setup]
         print(f"{setup:10s} quiet p50/p99/p99.9 {r['quiet']['itl_p50_ms']:.1f}/"
               f"{r['quiet']['itl_p99_ms']:.1f}/{r['quiet']['itl_p999_ms']:.1f} ms | with long "

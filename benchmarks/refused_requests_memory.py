@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
+
+from banyan.bench.local_server import start_server, stop_server
 
 LONE = "\\ud800"
 REFUSED: list[tuple[str, str]] = [  # (path, raw JSON body): each must be refused with a 4xx
@@ -38,12 +35,6 @@ REFUSED: list[tuple[str, str]] = [  # (path, raw JSON body): each must be refuse
     ("/v1/completions", '{"prompt": "a", "model": "nope"}'),
     ("/v1/completions", '{"prompt": "' + "word " * 5000 + '"}'),  # longer than the context
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def send_all(url: str, count: int, threads: int) -> dict[int, int]:
@@ -73,24 +64,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), "--log-level",
-           "warning", "--max-model-len", "512", "--kv-cache-memory", "32MiB"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    serve = ["--log-level", "warning", "--max-model-len", "512", "--kv-cache-memory", "32MiB"]
+    proc, url = start_server(serve + (["--model", args.model] if args.model else []))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.5)
         send_all(url, args.warmup, args.threads)
         before = rss(proc.pid)
         t0 = time.monotonic()
@@ -114,9 +90,7 @@ def main() -> int:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
         return 0 if result["flat_within_5_percent"] else 1
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
+        stop_server(proc, 30)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""A `banyan serve` process on a free localhost port for a benchmark: started the real way (a
+subprocess in its own session), waited for until /health answers, stopped with its children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from banyan.router.launch import free_port
+
+
+def start_server(serve_args: list[str], log: Path | None = None,
+                 timeout: float = 300.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`banyan serve --port <free> *serve_args` -> (the process, its base URL) once /health
+    answers 200; RuntimeError (with the log's tail) if it exits or is not up in `timeout`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), *serve_args]
+    with open(log if log is not None else os.devnull, "wb") as out:  # (the child keeps its own)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None else ""
+            raise RuntimeError(f"banyan serve {' '.join(serve_args)} exited: {tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"banyan serve {' '.join(serve_args)} not up in {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM to the server's session, SIGKILL if it outlives `timeout`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
