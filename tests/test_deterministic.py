@@ -128,6 +128,19 @@ def test_an_amx_cpu_computes_what_others_do(wide_dir: Path,
     assert _runs(wide_dir, prompts, "bfloat16", **SETTINGS["chunked"]) == want
 
 
+@needs_kernels
+def test_its_kv_is_not_shared_with_default_servers(wide_dir: Path) -> None:
+    """The K/V a deterministic runner computes has other bits than a default one's: the KV
+    tier and P/D transfers key them apart, so neither takes the other's for its own."""
+    from banyan.engine.build import kv_identity
+    from banyan.runner.model_runner import ModelRunner
+
+    ids = {kv_identity(ModelRunner(wide_dir, dtype="bfloat16", num_slots=64, max_rows=2,
+                                   show_progress=False, batch_invariant=flag))
+           for flag in (False, True)}
+    assert len(ids) == 2
+
+
 def test_clear_errors(llama_dir: Path) -> None:
     for bad in (dict(device="cuda"), dict(linear_kernel="torch")):
         with pytest.raises(ValueError, match="enable_deterministic_inference"):

@@ -84,8 +84,11 @@ def make_proposer(args: EngineArgs, target: ModelRunner) -> Proposer | None:
 def kv_identity(runner: ModelRunner) -> str:
     """What K/V computed by this runner depends on besides the tokens (model_identity)."""
     pool = runner.pool
-    # K/V computed with int8 activations differ from the float path's: not to be shared
+    # K/V computed with int8 activations, or by the batch-invariant kernels, differ from the
+    # default path's in their bits: not to be shared (a deterministic server would take
+    # another server's bits for its own)
     act = "" if runner.activation_quant == "none" else f"|act-{runner.activation_quant}"
+    act += "|batch-invariant" if runner.batch_invariant else ""
     return model_identity(runner.model, pool.dtype,
                           f"{runner.quantization}|{pool.kv_cache_dtype}{act}")
 

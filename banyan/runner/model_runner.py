@@ -118,7 +118,7 @@ class ModelRunner:
         self.quantization = quantization
         convert_model_linears(self.model, self.device, self.dtype, quantization, linear_kernel,
                               gguf_file, batch_invariant)
-        self.activation_quant = activation_quant
+        self.activation_quant, self.batch_invariant = activation_quant, batch_invariant
         if activation_quant == "int8":
             enable_int8_activations(self.model)
         self.max_rows = max_rows
