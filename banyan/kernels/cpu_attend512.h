@@ -99,11 +99,11 @@ inline void transposed_rows(int nr, const __m512i* kt, const uint16_t* qraw, int
     transposed_scores<W, NR>(kt, qraw, r, d, s);
 }
 
-// Raw scores of rows [0, rows) against the 16 keys kr (the block at j0 of the chunk):
+// Raw scores of rows [lo, rows) against the 16 keys kr (the block at j0 of the chunk):
 // s[r * CHUNK + j0 + j].
 template <typename T>
-inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* kr, int d,
-                         int j0) {
+inline void block_scores(Scratch& sc, const T* qraw, int lo, int rows, const T* const* kr,
+                         int d, int j0) {
     float* s = sc.s.data() + j0;
     if constexpr (kPairsFor<T>) {
         // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
@@ -111,7 +111,7 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
         // row; transposed 16 words at a time with shuffles (gathers, 16 lanes each, took a
         // fifth of the loop's time on Zen 5). Each row's scores those of the per-row loop
         // below (transposed_scores).
-        if (rows >= 4) {
+        if (rows - lo >= 4) {
             __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());  // [D/2] words
             for (int w0 = 0; w0 < d / 2; w0 += 16) {
                 __m512i r[VBLK];
@@ -119,7 +119,7 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
                 transpose16(r);
                 for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + w0 + i, r[i]);
             }
-            for (int r = 0; r < rows; r += 4) {
+            for (int r = lo; r < rows; r += 4) {
                 const int nr = std::min(4, rows - r);
                 if (d == 64)
                     transposed_rows<2>(nr, kt, qraw, r, d, s);
@@ -131,7 +131,7 @@ inline void block_scores(Scratch& sc, const T* qraw, int rows, const T* const* k
             return;
         }
     }
-    for (int r = 0; r < rows; ++r) {
+    for (int r = lo; r < rows; ++r) {
         const T* qr = qraw + static_cast<size_t>(r) * d;
         __m512 part[VBLK];
         if (d == 64)  // the common head sizes with q held in registers
@@ -192,6 +192,29 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Row r's values of the chunk (vi: bf16 pairs of keys, `words` 16-lane words a pair) added
+// into its accumulator, weighted by its probabilities as bf16 pairs (sc.pp): alone.
+inline void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r, int d, int words) {
+    float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
+    const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
+    const int pairs = (sc.vis[r] + 1) / 2;
+    if (d == 64) {
+        add_pairs_rows<1, 4>(&ar, vi, words, 0, &pp, pairs);
+    } else if (d == 128) {
+        add_pairs_rows<1, 8>(&ar, vi, words, 0, &pp, pairs);
+    } else {
+        for (int c = 0; c < d / 16; ++c) {
+            __m512 a = _mm512_loadu_ps(ar + c * 16);
+            for (int jp = 0; jp < pairs; ++jp)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(vi + jp * (d / 16) + c),
+                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp])));
+            _mm512_storeu_ps(ar + c * 16, a);
+        }
+    }
+}
+#endif
+
 // T: the queries' type; P: the pool's, T itself or (bf16 queries with AVX512-BF16) the codes
 // of a quantized pool (Codes: I8, E4M3 or E5M2) with a float32 scale per (slot, head) row
 // (kscale, vscale), read in place: the codes are exact in bf16, each key's scale multiplies
@@ -211,6 +234,10 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         const int cn = static_cast<int>(std::min<int64_t>(CHUNK, n - c0));
         const int32_t* cs = slots + c0;
         const int blocks = (cn + VBLK - 1) / VBLK;
+        // a causal chunk's first rows that see none of these keys (a long extend's, before
+        // its diagonal) are not scored: step 2 gives them no keys either way
+        int first = 0;
+        while (causal && first < rows && sc.lim[r0 + first] <= c0) ++first;
         // 1. every row's raw scores for the chunk
         for (int b = 0; b < blocks; ++b) {
             const int j0 = b * VBLK, nb = std::min(VBLK, cn - j0);
@@ -241,10 +268,10 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                     kr[j] = kpool + row * d;
                 }
             }
-            block_scores(sc, qraw, rows, kr, d, j0);
+            block_scores(sc, qraw, first, rows, kr, d, j0);
             if constexpr (kCodes) {  // the keys' scales
                 const __m512 kv = _mm512_load_ps(ks);
-                for (int r = 0; r < rows; ++r) {
+                for (int r = first; r < rows; ++r) {
                     float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK + j0;
                     _mm512_storeu_ps(sr, _mm512_mul_ps(_mm512_loadu_ps(sr), kv));
                 }
@@ -294,9 +321,12 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             }
             const int words = d / 16;
             int r = 0;
-            // three rows at a time that see the same keys (all but a causal chunk's last rows),
-            // four words of them a pass (the head sizes add_pairs_rows serves: the loop below
-            // for others sums their pairs in one chain)
+            // past the rows that see none of the chunk, three rows at a time while they see the
+            // same keys (all but a causal chunk's last rows), four words of them a pass, for the
+            // head sizes add_pairs_rows serves; the rest one by one (add_row_pairs): each row's
+            // sums the same either way. (Threes taken further, per token of a causal chunk's
+            // diagonal, ran 13-token checks 2-5% slower.)
+            while (r < rows && sc.vis[r] == 0) ++r;
             for (; r + 3 <= rows && (d == 64 || d == 128); r += 3) {
                 if (sc.vis[r] == 0 || sc.vis[r + 1] != sc.vis[r] || sc.vis[r + 2] != sc.vis[r])
                     break;
@@ -310,25 +340,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 for (int c0 = 0; c0 < words; c0 += 4)
                     add_pairs_rows<3, 4>(ar, vi, words, c0, pr, pairs);
             }
-            for (; r < rows; ++r) {
-                if (sc.vis[r] == 0) continue;
-                float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
-                const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
-                const int pairs = (sc.vis[r] + 1) / 2;
-                if (d == 64)
-                    add_pairs_rows<1, 4>(&ar, vi, words, 0, &pp, pairs);
-                else if (d == 128)
-                    add_pairs_rows<1, 8>(&ar, vi, words, 0, &pp, pairs);
-                else
-                    for (int c = 0; c < d / 16; ++c) {
-                        __m512 a = _mm512_loadu_ps(ar + c * 16);
-                        for (int jp = 0; jp < pairs; ++jp)
-                            a = _mm512_dpbf16_ps(
-                                a, (__m512bh)_mm512_loadu_si512(vi + jp * (d / 16) + c),
-                                (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp])));
-                        _mm512_storeu_ps(ar + c * 16, a);
-                    }
-            }
+            for (; r < rows; ++r)
+                if (sc.vis[r] != 0) add_row_pairs(sc, vi, r0, r, d, words);
 #endif
         } else {
             float* vb = sc.vb.data();  // [cn][D] float32
