@@ -85,6 +85,9 @@ def _runs(model: Path, prompts: list[list[int]], dtype: str,
         assert [o.logprobs for o in again] == [o.logprobs for o in outs]
         if kwargs.get("kv_cache_memory"):
             assert engine.core.scheduler.total_retractions > 0
+        if kwargs.get("speculative_algorithm"):  # guesses were made and some accepted
+            stats = engine.core.stats().spec
+            assert stats is not None and stats.num_accepted_tokens > 0
         check_pool_empty(engine)
     return [(o.output_ids, [(lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs)
                             for lp in o.logprobs]) for o in outs]
@@ -93,8 +96,8 @@ def _runs(model: Path, prompts: list[list[int]], dtype: str,
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tokens_and_logprobs_do_not_depend_on_the_schedule(wide_dir: Path, dtype: str) -> None:
-    """One big step, 37-token chunks, a pool small enough to retract, ngram speculation (4
-    guesses), and each prompt alone: the same greedy tokens and logprobs, bit for bit. (In bf16
+    """One big step, 37-token chunks, a pool small enough to retract, ngram and draft
+    speculation (4 guesses), and each prompt alone: the same greedy tokens and logprobs, bit for bit. (In bf16
     without the flag the chunked run's second text parts from the big step's by its 2nd token.)"""
     prompts = prompts_1_to_300(8, seed=5)
     want = _runs(wide_dir, prompts, dtype, **SETTINGS["one-big-step"])
@@ -104,6 +107,10 @@ def test_tokens_and_logprobs_do_not_depend_on_the_schedule(wide_dir: Path, dtype
     small = dict(SETTINGS["retraction"], kv_cache_memory=str(400 * token_bytes))
     assert _runs(wide_dir, prompts, dtype, **small) == want
     assert _runs(wide_dir, prompts, dtype, speculative_algorithm="ngram", spec_ngram_min=1,
+                 speculative_num_tokens=4, **SETTINGS["chunked"]) == want
+    # the model as its own draft: every guess right, checked in steps of up to 5 tokens
+    assert _runs(wide_dir, prompts, dtype, speculative_algorithm="draft",
+                 spec_draft_model=str(wide_dir), spec_draft_min_confidence=0.0,
                  speculative_num_tokens=4, **SETTINGS["chunked"]) == want
     alone = [_runs(wide_dir, [p], dtype)[0] for p in prompts[:3]]
     assert alone == want[:3]
