@@ -42,6 +42,7 @@ def fresh_prefill(engine: Engine, tokens: int, vocab: int) -> float:
 def parted_texts(kw: dict[str, Any]) -> dict[str, int]:
     """Texts (of 12) that part from the one-step run's: 64-token chunks, a 24 MiB pool."""
     runs: dict[str, list[list[int]]] = {}
+    retractions = 0
     greedy = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
     for name, extra in (("one_step", {}), ("chunks_64", {"chunked_prefill_size": 64}),
                         ("pool_24MiB", {"kv_cache_memory": "24MiB"})):
@@ -52,9 +53,8 @@ def parted_texts(kw: dict[str, Any]) -> dict[str, int]:
             outs = engine.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)
             runs[name] = [o.outputs[0].output_ids for o in outs]
             if name == "pool_24MiB":
-                runs["retractions"] = [[engine.core.stats().retractions]]
+                retractions = engine.core.stats().retractions
     first = runs.pop("one_step")
-    retractions = runs.pop("retractions")[0][0]
     parted = {name: sum(a != b for a, b in zip(first, got, strict=True))
               for name, got in runs.items()}
     return dict(parted, retractions_with_24MiB=retractions)

@@ -79,6 +79,10 @@ class LinearMethod(ABC):
         """Take over a layer loaded with another method (its dense weight), in place."""
         raise NotImplementedError(f"{type(self).__name__} cannot convert a loaded layer")
 
+    def make_batch_invariant(self, layer: Linear) -> None:
+        """From now on every step on the step-size-invariant kernel (can_be_batch_invariant)."""
+        self.batch_invariant = True
+
     def native(self, layer: Linear) -> NativeLinear | None:
         """The native kernel `apply` runs for steps of a few tokens (up to the layer stack's
         MAX_TOKENS), or None (a library GEMM, which the layer stack cannot call)."""
@@ -278,12 +282,13 @@ class SkinnyBf16Method(PackedBf16Method):
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
         return super().apply(layer, x)
 
-    def use_pairs(self, layer: Linear) -> None:
-        """Store the GEMM's pairs beside a plain weight where that kernel applies, so every
-        step takes it (the deterministic mode on AMX CPUs, where `takes_gemm` leaves the long
-        steps to oneDNN: its one alternative would be the skinny kernel at every size)."""
+    def make_batch_invariant(self, layer: Linear) -> None:
+        """Also store the GEMM's pairs beside a plain weight where that kernel applies, so
+        every step takes it (on AMX CPUs `takes_gemm` leaves long steps to oneDNN: the other
+        invariant kernel would be the skinny one at every size)."""
         if not hasattr(layer, "pairs") and native.bf16_gemm_applies(layer.in_features):
             _store_pairs(layer, layer.weight.detach(), layer.bias)
+        super().make_batch_invariant(layer)
 
     @classmethod
     def takes_gemm(cls, layer: Linear) -> bool:

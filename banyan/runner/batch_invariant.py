@@ -26,7 +26,7 @@ from torch import nn
 
 from banyan.attention.base import AttentionBackend
 from banyan.attention.cpu_native import CpuNativeBackend
-from banyan.layers.linear import Linear, SkinnyBf16Method
+from banyan.layers.linear import Linear
 
 FLAG = "enable_deterministic_inference"
 
@@ -45,7 +45,5 @@ def make_batch_invariant(model: nn.Module, backend: AttentionBackend) -> None:
                          "GEMM, whose sums depend on the step's size) have no batch-invariant "
                          "kernel; it needs the native kernels (float32 or bf16 on CPU)")
     for layer in linears:  # (before the layer stack is built: it reads them once)
-        if isinstance(layer.method, SkinnyBf16Method):
-            layer.method.use_pairs(layer)
-        layer.method.batch_invariant = True
+        layer.method.make_batch_invariant(layer)
     backend.take_every_extend()

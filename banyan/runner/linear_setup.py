@@ -33,12 +33,8 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     check_quantization(quantization, device, dtype,
                        [m.in_features for m in model.modules() if isinstance(m, Linear)])
     check_linear_kernel(linear_kernel)
-    if batch_invariant:
-        if linear_kernel == "torch":
-            raise ValueError("enable_deterministic_inference needs the native linear kernels: "
-                             "linear_kernel auto or native, not torch")
-        if quantization == "none":
-            linear_kernel = "native"
+    if batch_invariant and quantization == "none" and linear_kernel == "auto":
+        linear_kernel = "native"  # (torch's GEMMs: make_batch_invariant refuses them)
     if quantization == "gguf":
         if gguf_file is None:
             raise ValueError("--quantization gguf computes with a GGUF file's blocks: "
