@@ -26,6 +26,8 @@ class FakeMachine:
 
     def __init__(self) -> None:
         self.now, self.machine, self.own = 100.0, 5_000.0, 40.0
+        self.sleeps: list[float] = []
+        self.others_while_asleep = 0.0  # what the other processes do in the governor's sleep
 
     def run(self, seconds: float, others: float, own: float = 1.0) -> None:
         self.now += seconds
@@ -34,7 +36,12 @@ class FakeMachine:
 
     def governor(self, max_threads: int, cores: int) -> ThreadGovernor:
         return ThreadGovernor(max_threads, cores, machine_busy=lambda: self.machine,
-                              own_busy=lambda: self.own, clock=lambda: self.now)
+                              own_busy=lambda: self.own, clock=lambda: self.now,
+                              sleep=self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.run(seconds, others=self.others_while_asleep, own=0.0)
 
 
 def test_other_processes_take_cores_and_give_them_back() -> None:
@@ -55,6 +62,24 @@ def test_other_processes_take_cores_and_give_them_back() -> None:
     assert gov.threads() == 2
     m.run(INTERVAL_S, others=3.0)  # more than all cores: still one thread
     assert gov.threads() == 1
+
+
+def test_load_seen_while_idle_gives_up_cores_only_if_it_still_runs() -> None:
+    """The engine idled while another process computed (another engine's run in a benchmark
+    that alternates them): that load may have just ended, so a fresh look decides."""
+    m = FakeMachine()
+    gov = m.governor(max_threads=2, cores=2)
+    m.run(20.0, others=2.0, own=0.0)  # it has ended: the fresh look sees the machine quiet
+    assert gov.threads() == 2 and len(m.sleeps) == 1
+    m.run(20.0, others=2.0, own=0.0)
+    m.others_while_asleep = 1.9  # it still runs
+    assert gov.threads() == 1 and len(m.sleeps) == 2
+    assert gov.others == pytest.approx(1.9)
+    m.others_while_asleep = 0.0
+    m.run(INTERVAL_S, others=0.0, own=1.0)
+    assert gov.threads() == 2, "taking cores back needs no second look"
+    m.run(INTERVAL_S, others=1.0, own=2.0)  # busy itself: the window is current
+    assert gov.threads() == 1 and len(m.sleeps) == 2
 
 
 def test_a_big_machine_gives_up_only_what_others_use() -> None:
@@ -90,7 +115,9 @@ class Alternating(ThreadGovernor):
     def __init__(self) -> None:
         self.calls, self.now, self.machine = 0, 0.0, 0.0
         self.chosen: set[int] = set()
-        super().__init__(2, 2, machine_busy=self.busy, own_busy=lambda: 0.0, clock=self.clock)
+        # busy itself (a core's worth: its windows are current, taken as they are)
+        super().__init__(2, 2, machine_busy=self.busy, own_busy=lambda: self.now,
+                         clock=self.clock)
 
     def threads(self) -> int:
         n = super().threads()
@@ -104,7 +131,7 @@ class Alternating(ThreadGovernor):
     def busy(self) -> float:
         self.calls += 1
         self.machine += 2.0 * INTERVAL_S if self.calls % 2 else 0.0
-        return self.machine
+        return self.machine + self.now
 
 
 def _generate(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
