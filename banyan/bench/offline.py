@@ -73,6 +73,16 @@ def machine_info() -> dict[str, Any]:
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+def cpu_label(machine: dict[str, Any]) -> str:
+    """machine_info()'s CPU in one line, for reports: "AMD EPYC (family 25 model 17; avx2,
+    avx512f, ...; no AMX)" (its model name alone does not tell Zen 4 from Zen 5)."""
+    family, _, model = str(machine.get("cpu_family_model", "")).partition("/")
+    isa = list(machine.get("isa", []))
+    amx = "AMX" if any(f.startswith("amx") for f in isa) else "no AMX"
+    return (f"{machine['cpu']} (family {family} model {model}; "
+            f"{', '.join(f for f in isa if not f.startswith('amx')) or 'no AVX2'}; {amx})")
+
+
 @dataclass(slots=True)
 class StepSplit:
     """Seconds summed over the engine's loop turns, by phase (the scheduler's StepStats).

