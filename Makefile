@@ -41,7 +41,7 @@ serve: install
 	$(VENV)/bin/banyan serve $(if $(MODEL),--model $(MODEL),) --port $(PORT)
 
 test: install-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,7 +19,7 @@ import time
 import torch
 
 from banyan.bench.offline import machine_info
-from banyan.layers.linear import pack_bf16_pairs
+from banyan.layers.panels import pack_bf16_pairs
 from two_builds import gemm_libraries, parse_args  # (this script's folder)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate/up, down (out, in)

@@ -208,7 +208,7 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
     tokens): float32 sums and one rounding of each output, the same bits, and each token's the
     same as alone (9, 12 and 21 tokens: token blocks of unequal sizes)."""
     from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm
-    from banyan.layers.linear import pack_bf16_pairs
+    from banyan.layers.panels import pack_bf16_pairs
 
     torch.manual_seed(out_f + in_f + tokens)
     weight = torch.randn(out_f, in_f).bfloat16()

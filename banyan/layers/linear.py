@@ -18,13 +18,14 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
 
 from banyan.kernels import native
 from banyan.layers.linear_choice import CHOICE_RULE, beats_linear
-from banyan.layers.panels import from_panels, pad_rows, to_panels
+from banyan.layers.panels import from_panels, pack_bf16_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -133,25 +134,30 @@ class PackedBf16Method(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
     def weight_bytes(self, layer: Linear) -> int:
-        return layer.out_features * layer.in_features * layer.packed.element_size()
+        return layer.out_features * layer.in_features * 2  # (bf16, packed or plain)
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether this torch build packs weights of this dtype on this device (checked once on
-        a tiny weight against F.linear)."""
-        if (device.type != "cpu" or dtype != torch.bfloat16
-                or not torch.backends.mkldnn.is_available()):
-            return False
-        try:
-            with torch.inference_mode():
-                layer = Linear.from_weight(torch.randn(24, 16).to(dtype))
-                x = torch.randn(3, 16).to(dtype)
-                want = layer(x)
-                layer.convert(PackedBf16Method())
-                return bool(torch.equal(layer(x), want))
-        except (RuntimeError, AttributeError) as exc:
-            logger.info("oneDNN weight packing unavailable (%s): plain linears", exc)
-            return False
+        """Whether this torch build packs weights of this dtype on this device."""
+        return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@cache
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights here, checked once on a tiny weight against F.linear
+    (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not on Zen 1-3)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.inference_mode():
+            layer = Linear.from_weight(torch.randn(24, 16).bfloat16())
+            x = torch.randn(3, 16).bfloat16()
+            want = layer(x)
+            layer.convert(PackedBf16Method())
+            return bool(torch.equal(layer(x), want))
+    except (RuntimeError, AttributeError) as exc:
+        logger.info("oneDNN weight packing unavailable (%s): plain linears", exc)
+        return False
 
 
 class SkinnyF32Method(DenseMethod):
@@ -240,9 +246,10 @@ class SkinnyBf16Method(PackedBf16Method):
     (`takes_gemm`), that copy is in the GEMM's pairs (pack_bf16_pairs) and every step of
     up to GEMM_ROWS tokens runs it; elsewhere (an odd width, AMX) it is the plain weight, and
     steps of up to SKINNY_ROWS tokens run the skinny bf16 kernel. Both sum in float32 and
-    round each output once, like oneDNN; wider steps take oneDNN's GEMM on the packed copy. The
-    runner picks this method only where the second copy is affordable (`affordable`) and the
-    CPU has the instruction the kernels are built on (`suits_here`)."""
+    round each output once, like oneDNN; wider steps take oneDNN's GEMM on the packed copy
+    (F.linear on the plain one where oneDNN packs no bf16: Zen 1-3, asked for by name). `auto`
+    picks this method only where the second copy is affordable (`affordable`) and the CPU has
+    the instruction the kernels are built on (`suits_here`)."""
 
     # Up to 16 tokens on a plain weight (passes of 8 over the weights), each token's outputs the
     # bits it gets alone: a speculative check of up to 16 tokens then computes every token as
@@ -262,10 +269,13 @@ class SkinnyBf16Method(PackedBf16Method):
 
     def adopt(self, layer: Linear) -> None:
         plain = layer.weight.detach().contiguous()
-        super().adopt(layer)  # packs a copy and drops the parameter
+        if _onednn_packs_bf16():
+            super().adopt(layer)  # packs a copy and drops the parameter
+        else:  # (Zen 1-3) long steps on F.linear over the plain weight, which stays
+            layer.packed = None
         if self.takes_gemm(layer):
             _store_pairs(layer, plain, layer.bias)
-        else:
+        if not self.takes_gemm(layer) or layer.packed is None:
             layer.weight = nn.Parameter(plain, requires_grad=False)
 
     def native(self, layer: Linear) -> NativeLinear | None:
@@ -280,6 +290,8 @@ class SkinnyBf16Method(PackedBf16Method):
                                           layer.pairs_bias)
         if x.dim() == 2 and (self.batch_invariant or x.shape[0] <= self.SKINNY_ROWS):
             return native.skinny_linear(x.contiguous(), layer.weight, layer.bias)
+        if layer.packed is None:
+            return nn.functional.linear(x, layer.weight, layer.bias)
         return super().apply(layer, x)
 
     def make_batch_invariant(self, layer: Linear) -> None:
@@ -301,8 +313,7 @@ class SkinnyBf16Method(PackedBf16Method):
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        return (device.type == "cpu" and dtype == torch.bfloat16 and native.load() is not None
-                and PackedBf16Method.available(device, dtype))
+        return device.type == "cpu" and dtype == torch.bfloat16 and native.load() is not None
 
     @classmethod
     def affordable(cls, plain_bytes: int) -> bool:
@@ -359,13 +370,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x @ weight.T + bias through oneDNN (the op PackedBf16Method calls, given the plain
     weight: oneDNN reads the row-major matrix as it is)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-
-
-def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [N, K] weight (K even) in the panels the bf16 GEMM's vdpbf16ps reads (kBf16Pairs):
-    lane i of word j = row i's inputs 2j, 2j + 1 -> int32 [ceil(N / 16), K / 2, 16], a fresh
-    tensor (torch's CPU allocator aligns it to 64 bytes, as the kernel's aligned loads need)."""
-    return to_panels(pad_rows(weight.detach().contiguous().view(torch.int32)))
 
 
 def _store_pairs(layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

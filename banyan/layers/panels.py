@@ -30,3 +30,10 @@ def to_panels(per_row: torch.Tensor) -> torch.Tensor:
 def from_panels(packed: torch.Tensor, rows: int) -> torch.Tensor:
     """to_panels undone -> [rows, ...cols] (the padding rows dropped)."""
     return packed.movedim(-1, 1).reshape(-1, *packed.shape[1:-1])[:rows]
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight (K even) in the panels the bf16 GEMM's vdpbf16ps reads (kBf16Pairs):
+    lane i of word j = row i's inputs 2j, 2j + 1 -> int32 [ceil(N / 16), K / 2, 16], a fresh
+    tensor (torch's CPU allocator aligns it to 64 bytes, as the kernel's aligned loads need)."""
+    return to_panels(pad_rows(weight.detach().contiguous().view(torch.int32)))

@@ -61,8 +61,10 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     skip: tuple[Linear, ...] = ()
     if method is SkinnyBf16Method:  # the layer stack stops before the LM head: one copy
         head = model.lm_head if model.lm_head is not None else model.tied_head
+        packs = PackedBf16Method.available(device, dtype)
         head.convert(PairsBf16Method() if SkinnyBf16Method.takes_gemm(head)
-                     else SkinnyBf16Method() if batch_invariant else PackedBf16Method())
+                     else SkinnyBf16Method() if batch_invariant or not packs
+                     else PackedBf16Method())
         skip = (head,)
     converted = convert_linears(model, method, skip=skip)
     logger.info("%d linear weights converted to %s", converted, method.__name__)
@@ -75,7 +77,7 @@ def _dense_method(model: LlamaForCausalLM, device: torch.device, dtype: torch.dt
     beside the packed one is affordable); else oneDNN-packed bf16, or F.linear on the
     weights as loaded (None)."""
     packed = PackedBf16Method.available(device, dtype)
-    skinny = SkinnyBf16Method if packed else SkinnyF32Method
+    skinny = SkinnyBf16Method if dtype == torch.bfloat16 else SkinnyF32Method
     runs = skinny.available(device, dtype)
     if linear_kernel == "native":
         if not runs:
@@ -83,7 +85,7 @@ def _dense_method(model: LlamaForCausalLM, device: torch.device, dtype: torch.dt
         return skinny
     if linear_kernel != "auto" or not runs:
         chosen = False
-    elif packed:
+    elif skinny is SkinnyBf16Method:
         chosen = (SkinnyBf16Method.suits_here() and
                   SkinnyBf16Method.affordable(_layer_weight_bytes(model)))
     else:
