@@ -176,31 +176,40 @@ def test_perplexity_equals_transformers(hf_model: Any, hf_tokenizer: Any) -> Non
     assert abs(ours.ppl / ref.ppl - 1) < 1e-3, (ours.ppl, ref.ppl)
 
 
+DEFAULT_PRECISION: dict[str, Any] = dict(model=None, kv_cache_memory="256MiB",
+                                         max_model_len=1024, disable_tqdm=True)
+
+
+def _lone(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return [engine.generate(input_ids=[p], sampling_params=GREEDY,
+                            use_tqdm=False)[0].outputs[0].output_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def lone_greedy(prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy text alone in the default precision, speculation off (once for
+    both proposers: ~25 s on a Zen 1)."""
+    with Engine(**DEFAULT_PRECISION) as plain:
+        return _lone(plain, prompts)
+
+
 @pytest.mark.parametrize("algorithm", ["ngram", "draft"])
 def test_speculation_changes_no_greedy_token_in_the_default_precision(
-        algorithm: str, prompts: list[list[int]]) -> None:
+        algorithm: str, prompts: list[list[int]], lone_greedy: list[list[int]]) -> None:
     """The default model at the dtype `banyan serve` picks here (bf16 where the CPU computes in
     it), each prompt alone (batch 1, contexts past 128 keys): greedy text with speculation
     equals greedy text without it, token for token. A check computes up to 13 tokens in one
     step, a decode one: only kernels whose bits for a token do not depend on its step's size
     keep them equal (bf16 rounds every layer's output, so any other difference in the last
     bits soon moves a near-tie: before, 7 of 10 chat and grounded prompts parted)."""
-    def lone(engine: Engine) -> list[list[int]]:
-        return [engine.generate(input_ids=[p], sampling_params=GREEDY,
-                                use_tqdm=False)[0].outputs[0].output_ids for p in prompts]
-
-    kw: dict[str, Any] = dict(model=None, kv_cache_memory="256MiB", max_model_len=1024,
-                              disable_tqdm=True)
-    with Engine(**kw) as plain:
-        want = lone(plain)
     spec: dict[str, Any] = {"speculative_algorithm": algorithm}
     if algorithm == "draft":  # the same file as a draft: its own guesses, checked as any
         spec["spec_draft_model"] = str(resolve_model_dir(None, show_progress=False))
-    with Engine(**kw, **spec) as fast:
-        got = lone(fast)
+    with Engine(**DEFAULT_PRECISION, **spec) as fast:
+        got = _lone(fast, prompts)
         stats = fast.core.stats().spec
         assert stats is not None and stats.num_accepted_tokens > 0  # speculation did run
-    assert got == want
+    assert got == lone_greedy
 
 
 def test_speculation_changes_no_greedy_token_beside_other_requests(
