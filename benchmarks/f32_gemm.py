@@ -1,6 +1,6 @@
 """float32 GEMMs at SmolLM2-135M's shapes: F.linear (MKL's sgemm in torch's CPU build) beside
-oneDNN on the same plain weight (`banyan.layers.linear.onednn_linear`), for decode-sized and
-prefill-sized steps; the choice `SkinnyF32Method` makes per shape rests on the same comparison.
+oneDNN on the same plain weight (`banyan.layers.f32_linear.onednn_linear`), for decode-sized
+and prefill-sized steps; the choice `SkinnyF32Method` makes per shape rests on the same comparison.
 Beside them, the bf16 path's GEMM (oneDNN on a weight packed once, `PackedBf16Method`), to see
 which dtype computes faster on this CPU.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from banyan.bench.offline import machine_info
-from banyan.layers.linear import onednn_linear
+from banyan.layers.f32_linear import onednn_linear
 
 # fused qkv, o, fused gate-up, down, the tied LM head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]

@@ -14,7 +14,8 @@ from banyan import Engine, SamplingParams
 from banyan.args import EngineArgs
 from banyan.demo import build_random_model
 from banyan.kernels import native
-from banyan.layers.linear import Linear, SkinnyBf16Method, SkinnyF32Method
+from banyan.layers.f32_linear import SkinnyF32Method
+from banyan.layers.linear import Linear, SkinnyBf16Method
 from tests.test_engine import SETTINGS, check_pool_empty, prompts_1_to_300
 from tests.test_quant import _quantized_layer
 
@@ -97,8 +98,9 @@ def _runs(model: Path, prompts: list[list[int]], dtype: str,
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tokens_and_logprobs_do_not_depend_on_the_schedule(wide_dir: Path, dtype: str) -> None:
     """One big step, 37-token chunks, a pool small enough to retract, ngram and draft
-    speculation (4 guesses), and each prompt alone: the same greedy tokens and logprobs, bit for bit. (In bf16
-    without the flag the chunked run's second text parts from the big step's by its 2nd token.)"""
+    speculation (4 guesses), and each prompt alone: the same greedy tokens and logprobs, bit for
+    bit. (In bf16 without the flag the chunked run's second text parts from the big step's by its
+    2nd token.)"""
     prompts = prompts_1_to_300(8, seed=5)
     want = _runs(wide_dir, prompts, dtype, **SETTINGS["one-big-step"])
     assert _runs(wide_dir, prompts, dtype, **SETTINGS["chunked"]) == want

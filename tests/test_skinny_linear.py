@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from banyan.kernels import native
-from banyan.layers.linear import (CHOICE_RULE, Linear, PackedBf16Method, PairsBf16Method,
-                                  SkinnyBf16Method, SkinnyF32Method, pack_bf16_pairs)
+from banyan.layers.f32_linear import SkinnyF32Method
+from banyan.layers.linear import Linear, PackedBf16Method, PairsBf16Method, SkinnyBf16Method
+from banyan.layers.linear_choice import CHOICE_RULE
+from banyan.layers.panels import pack_bf16_pairs
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels do not build here")
 

@@ -1,5 +1,6 @@
 """Whether a native kernel replaces F.linear for a weight shape: measured on this machine, with
-a margin (the methods of layers/linear.py ask, and remember the answer per machine and build).
+a margin (SkinnyF32Method in layers/f32_linear.py asks, and remembers the answer per machine
+and build).
 """
 
 from __future__ import annotations

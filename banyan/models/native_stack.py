@@ -35,8 +35,8 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
-from banyan.layers.linear import (Linear, LinearMethod, NativeLinear, SkinnyBf16Method,
-                                  SkinnyF32Method)
+from banyan.layers.f32_linear import SkinnyF32Method
+from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyBf16Method
 from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
 from banyan.mem.kv_pool import KVPool
 from banyan.models.llama import LlamaForCausalLM

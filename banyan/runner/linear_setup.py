@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from banyan.args import check_linear_kernel
+from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.gguf_linear import repack_gguf_linears
 from banyan.layers.linear import (DenseMethod, Linear, LinearMethod, PackedBf16Method,
-                                  PairsBf16Method, SkinnyBf16Method, SkinnyF32Method,
-                                  convert_linears)
+                                  PairsBf16Method, SkinnyBf16Method, convert_linears)
 from banyan.layers.quant import check_quantization, quantized_method
 from banyan.models.llama import LlamaForCausalLM
 
