@@ -27,24 +27,27 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 PEERS_DIR=${BANYAN_PEERS_DIR:-$HOME/.cache/banyan-peers}
 QUICK=${QUICK:-}
-cpu_tag() {  # amx / avx512bf16 / avx512 / avx2, and the vendor's family and model
-  local f=/proc/cpuinfo isa=avx2
-  grep -qw avx512f $f && isa=avx512
-  grep -qw avx512_bf16 $f && isa=avx512bf16
-  grep -qw amx_bf16 $f && isa=amx
-  local fam model
-  fam=$(awk -F': ' '/^cpu family/{print $2; exit}' $f)
-  model=$(awk -F': ' '/^model\t/{print $2; exit}' $f)
-  echo "$isa-f${fam}m${model}"
-}
-TAG=${TAG:-$(cpu_tag)-$(date +%m%d-%H%M)${QUICK:+-quick}}
-# The issues' figures are bf16; a CPU without bf16 units emulates it ~50x slower, so float32.
-DTYPE=${DTYPE:-$(grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && echo bfloat16 || echo float32)}
+# The CPU as the reports name it (bench/offline.py's cpu_label), a file tag of its family, model
+# and AMX, and the dtype `--dtype auto` computes a bf16 checkpoint in here (runner/cpu_dtype.py:
+# bf16 where the CPU has bf16 units; elsewhere float32, bf16 being emulated ~50x slower).
+{ read -r CPU_TAG; read -r AUTO_DTYPE; read -r CPU; } < <($PY - <<'PY'
+import torch
+from banyan.bench.offline import cpu_label, machine_info
+from banyan.runner.cpu_dtype import cpu_computes
+m = machine_info()
+family, _, model = m["cpu_family_model"].partition("/")
+amx = "-amx" if any(f.startswith("amx") for f in m["isa"]) else ""
+print(f"f{family}m{model}{amx}")
+print("bfloat16" if cpu_computes(torch.bfloat16) else "float32")
+print(cpu_label(m))
+PY
+)
+TAG=${TAG:-$CPU_TAG-$(date +%m%d-%H%M)${QUICK:+-quick}}
+DTYPE=${DTYPE:-$AUTO_DTYPE}
 STEPS=${STEPS:-"info sbs roofline contention lowprec spec exact det attn"}
 RESULTS=benchmarks/results
 DENSE=$($PY -c "from banyan.model_files import resolve_model_dir as r; print(r(None))")
 GGUF=$($PY -c "from banyan.models.gguf_loader import default_model_file as f; print(f())")
-CPU=$(lscpu | awk -F': +' '/^Model name/{print $2; exit}')
 echo "TAG=$TAG  CPU=$CPU  dtype: $DTYPE  steps: $STEPS"
 LOWPREC_CONFIGS=none-bf16,int8-bf16,int4-bf16,int4-bf16-q8act
 [ "$DTYPE" = float32 ] && LOWPREC_CONFIGS=none-f32,int8-f32,int4-f32,int4-q8act
@@ -59,7 +62,7 @@ for s in $STEPS; do
   info)
     step info
     lscpu > "$RESULTS/cpu-$TAG.txt"
-    port=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    port=$($PY -c "from banyan.router.launch import free_port; print(free_port())")
     log="$RESULTS/serve-start-$TAG.log"
     t0=$(date +%s%N)
     : > "$log"  # (appended to: the line this script adds after it is not overwritten)
@@ -85,7 +88,8 @@ for s in $STEPS; do
     step roofline
     for m in "$DENSE:dense" "$GGUF:gguf"; do
       $PY benchmarks/prefill_roofline.py --model "${m%:*}" --dtype "$DTYPE" \
-        --tokens $(q 256 2048) --rounds $(q 1 3) --out "$RESULTS/prefill-roofline-${m##*:}-$TAG.json"
+        --tokens $(q 256 2048) --rounds $(q 1 3) \
+        --out "$RESULTS/prefill-roofline-${m##*:}-$TAG.json"
     done
     ;;
   contention)
@@ -112,7 +116,8 @@ for s in $STEPS; do
     step exact
     for m in "$DENSE:dense" "$GGUF:gguf"; do
       for shared in "" --shared-prefix; do
-        $PY benchmarks/spec_exactness.py --model "${m%:*}" --dtype "$DTYPE" $shared $(q "--output-len 16" "") \
+        $PY benchmarks/spec_exactness.py --model "${m%:*}" --dtype "$DTYPE" $shared \
+          $(q "--output-len 16" "") \
           --out "$RESULTS/spec-exactness${shared:+-shared}-${m##*:}-$TAG.json"
       done
     done
@@ -130,5 +135,5 @@ for s in $STEPS; do
   *) echo "unknown step $s" >&2; exit 2 ;;
   esac
 done
-scrub "$RESULTS"/*"$TAG"*.json 2> /dev/null || true
+scrub "$RESULTS"/*"$TAG"* 2> /dev/null || true  # (its .md too: the harness scrubs its JSON only)
 echo "done: $RESULTS/*$TAG*"

@@ -41,7 +41,8 @@ def gguf_parsed_once() -> Iterator[None]:
     (~11 s each on a Zen 1: the 49k-token vocabulary read field by field) and builds gguf's
     tensor-name map once per module of the model (397 times, 12 s). Both memoized for this
     module: the same objects, read only, so nothing transformers computes changes."""
-    gguf = pytest.importorskip("gguf")
+    import gguf
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
         mp.setattr(gguf, "get_tensor_name_map",

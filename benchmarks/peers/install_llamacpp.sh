@@ -29,7 +29,8 @@ if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
   "$VENV/bin/python" -m pip install numpy
   CMAKE_ARGS="$args" "$VENV/bin/python" -m pip install --no-cache-dir "$SPEC"
 fi
-SOURCE=$(.venv/bin/python -c "from banyan.models.gguf_loader import default_model_file as f; print(f())")
+SOURCE=$(.venv/bin/python -c \
+  "from banyan.models.gguf_loader import default_model_file as f; print(f())")
 # Requantizing from Q4_1 (allow_requantize) keeps the weights the shipped file holds: the same
 # values Banyan's int8 / int4 quantize at load from its dense conversion of that file.
 "$VENV/bin/python" - "$SOURCE" "$PEERS_DIR" <<'PY'
