@@ -168,11 +168,12 @@ def test_kv_budget_sizes_pool(model_dirs: dict[str, Path]) -> None:
     assert runner.bytes_per_token == per_slot
 
 
-def test_plain_llama_configs_read_without_autoconfig(model_dirs: dict[str, Path],
-                                                     tmp_path: Path) -> None:
-    """A llama config.json that spells out every field read, RoPE unscaled, is read as it is
-    (no AutoConfig): the same ModelConfig and EOS ids as through AutoConfig. A field left to
-    its class default, a scaled RoPE or another family goes through AutoConfig."""
+def test_plain_configs_read_without_autoconfig(model_dirs: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    """A config.json that names every field read whose class default matters, its RoPE
+    unscaled, linear or llama3, is read as it is (no AutoConfig), for every family: the same
+    ModelConfig and EOS ids as through AutoConfig. A field left to a class default that
+    matters, or YaRN, goes through AutoConfig."""
     from transformers import AutoConfig
 
     from banyan.models import config as config_module
@@ -185,22 +186,36 @@ def test_plain_llama_configs_read_without_autoconfig(model_dirs: dict[str, Path]
     def fields(cfg: ModelConfig) -> dict[str, object]:
         return {k: getattr(cfg, k) for k in ModelConfig.__slots__ if k != "hf_config"}
 
-    raw = json.loads((model_dirs["llama"] / "config.json").read_text())
-
-    def variant(change: dict[str, object]) -> Path:
+    def variant(arch: str, change: dict[str, object], drop: str = "") -> Path:
+        raw = json.loads((model_dirs[arch] / "config.json").read_text())
         path = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(model_dirs["llama"], path)
-        (path / "config.json").write_text(json.dumps({**raw, **change}))
+        shutil.copytree(model_dirs[arch], path)
+        raw = {k: v for k, v in {**raw, **change}.items() if k != drop}
+        (path / "config.json").write_text(json.dumps(raw))
         return path
 
-    plain = variant({"rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}})
-    fast, slow = both(plain)
-    assert not hasattr(fast.hf_config, "to_dict")  # the plain path was taken
-    assert fields(fast) == fields(slow) and fast.rope_theta == 50000.0
-    assert fast.hf_config.eos_token_id == slow.hf_config.eos_token_id
-    fast, slow = both(model_dirs["llama"])  # llama3-scaled RoPE: through AutoConfig
+    legacy = {"rope_parameters": None, "rope_theta": 50000.0,
+              "rope_scaling": {"type": "linear", "factor": 2.0}}
+    cases = [model_dirs[arch] for arch in ("llama", "mistral", "qwen2", "qwen3")] + [
+        variant("llama", {"rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}}),
+        variant("qwen2", legacy), variant("mistral", {"sliding_window": 4096}),
+        variant("qwen3", {"use_sliding_window": True, "sliding_window": 512}),
+    ]
+    for folder in cases:
+        fast, slow = both(folder)
+        assert not hasattr(fast.hf_config, "to_dict"), folder  # the plain path was taken
+        assert fields(fast) == fields(slow), folder
+        assert fast.hf_config.eos_token_id == slow.hf_config.eos_token_id
+    assert fast.sliding_window == 512 and both(cases[-3])[0].rope_theta == 50000.0
+    yarn = variant("llama", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0}})
+    fast, slow = both(yarn)
     assert hasattr(fast.hf_config, "to_dict") and fields(fast) == fields(slow)
-    assert config_module._plain_llama_config(variant({"rms_norm_eps": None}) /
-                                             "config.json") is None
-    for arch in ("mistral", "qwen2", "qwen3"):
-        assert config_module._plain_llama_config(model_dirs[arch] / "config.json") is None
+    for arch, key in [("llama", "rms_norm_eps"), ("llama", "num_key_value_heads"),
+                      ("mistral", "sliding_window"), ("qwen2", "use_sliding_window"),
+                      ("qwen3", "head_dim"), ("qwen2", "eos_token_id")]:
+        folder = variant(arch, {}, drop=key)
+        assert config_module._plain_config(folder / "config.json") is None, (arch, key)
+        fast, slow = both(folder)
+        assert fields(fast) == fields(slow), (arch, key)

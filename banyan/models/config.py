@@ -3,9 +3,11 @@
 Parsed through `transformers.AutoConfig` (local folder only, never a download) so that every
 default and legacy spelling (e.g. `rope_scaling` vs `rope_parameters`) is resolved exactly as
 the reference implementation resolves it. The HF config object is kept for the RoPE init
-functions, which take it as their argument. Except for the plain case: a llama config.json
-with unscaled RoPE that spells out every field read here is read as it is (AutoConfig's import
-costs ~2.6 s of each engine start; tested to give the same ModelConfig).
+function of YaRN, which takes it as its argument. Except for the plain case: a config.json
+that spells out every field read here whose class default matters, with RoPE unscaled, linear
+or llama3 (computed in rotary.py, tested equal to transformers'), is read as it is:
+AutoConfig's import costs ~4 s of each engine start on a slow CPU (tested to give the same
+ModelConfig for every family).
 
 Sliding-window attention (Mistral's `sliding_window`, Qwen's `use_sliding_window`) is ignored:
 every layer attends to the full context. This equals the reference as long as sequences stay
@@ -30,10 +32,18 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A llama config.json naming all of these (no class default then matters) is read directly.
-_PLAIN_LLAMA_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers",
-                     "intermediate_size", "vocab_size", "rms_norm_eps",
-                     "max_position_embeddings", "eos_token_id")
+# A config.json giving all of these (not null) is read without AutoConfig: their class
+# defaults differ between the families, or from the fallbacks of `from_hf_config`.
+_PLAIN_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+               "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+               "eos_token_id")
+# Per family, more keys it must name (null allowed): Qwen3's head_dim defaults to 128, not
+# hidden / heads; Mistral's window to 4096; Qwen's windows count only with use_sliding_window,
+# which `_sliding_window` takes as true when a config does not name it.
+_PLAIN_FAMILY_KEYS = {"llama": (), "mistral": ("sliding_window",),
+                      "qwen2": ("use_sliding_window",), "qwen3": ("head_dim", "use_sliding_window")}
+# RoPE kinds rotary.py computes itself; YaRN's parameters are standardised by transformers.
+_PLAIN_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(slots=True)
@@ -56,8 +66,11 @@ class ModelConfig:
     torch_dtype: torch.dtype  # the checkpoint's dtype (float32 when the config names none)
     rope_type: str
     rope_theta: float
+    rope_parameters: dict[str, Any]  # rope_type, rope_theta and the scaled kinds' parameters
     sliding_window: int | None  # recorded, not applied (see module doc)
-    hf_config: Any  # transformers PreTrainedConfig, for the RoPE init functions
+    # transformers' PreTrainedConfig (YaRN's RoPE init takes it), or config.json's fields as
+    # attributes where it was read without AutoConfig
+    hf_config: Any
 
     @property
     def q_size(self) -> int:
@@ -74,7 +87,7 @@ class ModelConfig:
             raise FileNotFoundError(
                 f"no config.json in {folder} (a local Hugging Face model folder)"
             )
-        plain = _plain_llama_config(folder / "config.json")
+        plain = _plain_config(folder / "config.json")
         if plain is not None:
             return cls.from_hf_config(plain)
         from transformers import AutoConfig
@@ -130,6 +143,7 @@ class ModelConfig:
             torch_dtype=_config_dtype(hf),
             rope_type=rope["rope_type"],
             rope_theta=float(rope["rope_theta"]),
+            rope_parameters=rope,
             sliding_window=sliding,
             hf_config=hf,
         )
@@ -156,20 +170,22 @@ def _config_dtype(hf: Any) -> torch.dtype:
     return value if value in _DTYPES.values() else torch.float32
 
 
-def _plain_llama_config(path: Path) -> SimpleNamespace | None:
-    """config.json as attributes when AutoConfig would add nothing Banyan reads: a llama
-    model, every field of _PLAIN_LLAMA_KEYS given, RoPE unscaled (the RoPE init functions of
-    the scaled kinds take transformers' config object)."""
+def _plain_config(path: Path) -> SimpleNamespace | None:
+    """config.json as attributes when AutoConfig would add nothing Banyan reads: a supported
+    family naming every key of _PLAIN_KEYS and of its _PLAIN_FAMILY_KEYS, with a RoPE kind
+    computed here."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(raw, dict) or raw.get("model_type") != "llama" or \
-            any(raw.get(key) is None for key in _PLAIN_LLAMA_KEYS):
+    if not isinstance(raw, dict) or raw.get("model_type") not in _PLAIN_FAMILY_KEYS:
+        return None
+    if any(raw.get(key) is None for key in _PLAIN_KEYS) or \
+            any(key not in raw for key in _PLAIN_FAMILY_KEYS[raw["model_type"]]):
         return None
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type") or "default") \
-            != "default":
+    if not isinstance(rope, dict) or \
+            (rope.get("rope_type") or rope.get("type") or "default") not in _PLAIN_ROPE_TYPES:
         return None
     return SimpleNamespace(**raw)
 
@@ -178,7 +194,6 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
     params = getattr(hf, "rope_parameters", None)
     if params is None:  # transformers < 5: rope_theta + rope_scaling
         params = dict(getattr(hf, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
     if "full_attention" in params:  # per-layer-type parameters: not used by this family
         raise ValueError("per-layer-type rope_parameters are not supported")
     params = dict(params)
@@ -195,7 +210,8 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported for the Llama family")
     params["rope_type"] = rope_type
-    params.setdefault("rope_theta", 10000.0)
+    # (every family's class default is 10,000; a config.json may name it beside the parameters)
+    params.setdefault("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
     return params
 
 

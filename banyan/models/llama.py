@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab, cfg.hidden))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.rope_type, cfg.rope_theta, cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope_parameters, cfg.head_dim, cfg.hf_config)
         self.lm_head: Linear | None = None  # tied: logits use embed_tokens.weight
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from tqdm import tqdm
 
 from banyan.args import EngineArgs
 from banyan.scheduler import RequestUpdate
@@ -364,6 +366,10 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
         os.nice(args.disaggregation_prefill_nice)
     from banyan.engine.build import build_engine_core
 
+    # tqdm's default lock (the loader's progress bar) is a multiprocessing semaphore, which the
+    # os._exit below would leave to the server's resource tracker ("leaked semaphore" at every
+    # stop); a process drawing one bar needs a thread lock only.
+    tqdm.set_lock(threading.RLock())
     try:
         try:
             core = build_engine_core(args)

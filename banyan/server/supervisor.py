@@ -151,3 +151,20 @@ class EngineSupervisor:
         if self.client is not None:
             await self.client.shutdown(timeout)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    """Stops and reaps the helper process that the spawn start method runs beside the server,
+    once no engine is left: otherwise it outlives the server and, orphaned, waits as a zombie
+    until init reaps it (1-2 s seen in a container), holding the process group a supervisor
+    waits on. (A private function of multiprocessing, present since Python 3.8: skipped where
+    it is gone.)"""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if callable(stop):
+        try:
+            stop()
+        except (OSError, RuntimeError) as exc:  # the server is exiting: not worth failing it
+            logger.debug("resource tracker not stopped: %s", exc)
