@@ -202,8 +202,10 @@ def test_engine_greedy_matches_sdpa(llama_dir: Path) -> None:
 def test_decode_graphs_replay_the_eager_step(dtype: torch.dtype) -> None:
     """The backend's CUDA-graph hooks under runner/cuda_graph.py, with the fake device of
     tests/test_cuda_graph.py (a replay re-runs what was captured over the static buffers):
-    decode steps of 1 to 5 requests through captured buckets of up to 8 give the eager step's
-    attention (split counts differ: a bucket's is fixed for the longest possible context)."""
+    decode steps of 1 and 3 requests through captured buckets of up to 4 (3 padded to 4) give
+    the eager step's attention (split counts differ: a bucket's is fixed for the longest
+    possible context). Buckets of 8 doubled its time in Triton's interpreter (~14 s on a Zen 1)
+    for nothing more: the padding is the same code at any size."""
     from banyan.runner.cuda_graph import DecodeGraphs
     from tests.test_cuda_graph import FakeGraphs
 
@@ -218,10 +220,10 @@ def test_decode_graphs_replay_the_eager_step(dtype: torch.dtype) -> None:
         return backend.forward(q, k, v, 0, meta)  # type: ignore[arg-type]
 
     api = FakeGraphs()
-    graphs = DecodeGraphs(forward, backend, 8, torch.device(DEVICE), api)
+    graphs = DecodeGraphs(forward, backend, 4, torch.device(DEVICE), api)
     graphs.capture()
-    assert graphs.captured == [1, 2, 4, 8]
-    for b in (1, 3, 5):
+    assert graphs.captured == [1, 2, 4]
+    for b in (1, 3):
         batch = dataclasses.replace(scene.batch, rows=scene.batch.rows[:b],
                                     prefix_lens=scene.batch.prefix_lens[:b],
                                     extend_lens=[1] * b, input_ids=list(range(1, b + 1)),
