@@ -45,7 +45,11 @@ def test_inv_freq_equals_transformers(params: dict[str, object]) -> None:
         assert torch.equal(ours, theirs.float()), (full, head_dim)
 
 
-def test_a_missing_parameter_is_named() -> None:
+def test_a_missing_or_impossible_parameter_is_named() -> None:
     with pytest.raises(ValueError, match="low_freq_factor"):
         rope_inv_freq({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 64)
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        rope_inv_freq({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                       "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}, 64)

@@ -40,6 +40,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     factor = _parameter(params, "factor")
     low, high = _parameter(params, "low_freq_factor"), _parameter(params, "high_freq_factor")
     old_context = _parameter(params, "original_max_position_embeddings")
+    if high <= low:  # (transformers only warns, then divides by zero)
+        raise ValueError(f"rope_parameters: high_freq_factor ({high}) must exceed "
+                         f"low_freq_factor ({low})")
     low_wavelen, high_wavelen = old_context / low, old_context / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
