@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.server_helpers import START_TIMEOUT, ServerProcess, free_port
+from tests.http_client import HTTP
 
 # Two running requests at most: the tiny model decodes a token in about a millisecond, so
 # without a queue no request would stay in flight long enough to be seen (load, failover).
@@ -37,7 +38,7 @@ def _wait(procs: Sequence[ServerProcess], path: str, timeout: float = START_TIME
             if p.proc.poll() is not None:
                 raise RuntimeError(f"process exited with {p.proc.returncode}:\n{p.log()}")
             try:
-                if httpx.get(f"{p.url}{path}", timeout=1.0).status_code == 200:
+                if HTTP.get(f"{p.url}{path}", timeout=1.0).status_code == 200:
                     pending.remove(p)
             except httpx.HTTPError:
                 pass
@@ -91,7 +92,7 @@ def start_router(workers: Sequence[str], log_dir: Path, *extra: str) -> ServerPr
 
 
 def worker_states(router_url: str) -> dict[str, dict]:
-    return {w["url"]: w for w in httpx.get(f"{router_url}/workers").json()["workers"]}
+    return {w["url"]: w for w in HTTP.get(f"{router_url}/workers").json()["workers"]}
 
 
 def wait_for(predicate: object, timeout: float = 10.0, what: str = "condition") -> None:

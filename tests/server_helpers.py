@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.http_client import HTTP
+
 START_TIMEOUT = 120.0
 
 
@@ -78,11 +80,11 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+            if HTTP.get(f"{server.url}/health", timeout=1.0).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"server did not become healthy:\n{server.log()}")
 
@@ -104,7 +106,7 @@ def sse_events(lines: Iterator[str]) -> list[str]:
 
 
 def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -118,7 +120,7 @@ def wait_idle_and_free(url: str, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     info: dict = {}
     while time.monotonic() < deadline:
-        info = httpx.get(f"{url}/server_info").json()
+        info = HTTP.get(f"{url}/server_info").json()
         if (info["num_requests"] == 0 and info["kv_protected"] == 0
                 and info["kv_free"] + info["kv_evictable"] == info["kv_capacity"]):
             return info

@@ -16,6 +16,7 @@ from banyan.models.loader import load_model
 
 gguf = pytest.importorskip("gguf")
 from tests.gguf_helpers import write_gguf  # noqa: E402  (needs gguf)
+from tests.http_client import HTTP  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -170,14 +171,12 @@ def test_header_reader_gives_what_ggufs_reader_gives(tmp_path: Path, tokenizer_d
 def test_a_served_gguf_file_computes_from_its_blocks(tmp_path: Path, tokenizer_dir: Path) -> None:
     """`banyan serve --model file.gguf`: the engine process computes from the file's blocks
     (it was handed the dequantized folder once, and ran float32 weights)."""
-    import httpx
-
     from tests.server_helpers import start_server
 
     path = write_gguf(tmp_path / "served.gguf", tokenizer_dir, wtype="Q4_0")
     server = start_server(path, tmp_path)
     try:
-        info = httpx.get(f"{server.url}/server_info", timeout=30).json()
+        info = HTTP.get(f"{server.url}/server_info", timeout=30).json()
         assert info["quantization"] == "gguf" and info["engine_args"]["model"] == str(path)
     finally:
         server.stop()

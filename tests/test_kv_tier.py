@@ -21,6 +21,7 @@ from banyan.scheduler import Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
 from tests.fake_runner import FakeRunner, reference
 from tests.test_scheduler import make_request
+from tests.http_client import HTTP
 
 # ---- block keys and the file store ---------------------------------------------------------
 
@@ -303,8 +304,6 @@ def test_server_reports_the_tier(llama_dir: Path, tmp_path: Path) -> None:
     (same text) and the counters reach /metrics and /server_info. (Restarts: the engine test
     above; a server builds its engine the same way.) The pool is int8 (codes and scales go to
     the tier as they are): 50 KiB hold the 320 tokens 160 KiB of float32 would."""
-    import httpx
-
     from tests.server_helpers import metric_values, running_server, wait_idle_and_free
 
     rng = random.Random(5)
@@ -315,7 +314,7 @@ def test_server_reports_the_tier(llama_dir: Path, tmp_path: Path) -> None:
              "--kv-cache-dtype", "int8")
 
     def complete(url: str, ids: list[int]) -> str:
-        reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        reply = HTTP.post(f"{url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0.0,
             "ignore_eos": True})
         reply.raise_for_status()

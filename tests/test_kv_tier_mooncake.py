@@ -17,6 +17,7 @@ import pytest
 
 from banyan import Engine, SamplingParams
 from tests.server_helpers import free_port, start_server, wait_idle_and_free
+from tests.http_client import HTTP
 
 mooncake_store = pytest.importorskip(
     "mooncake.store", reason="mooncake-transfer-engine-non-cuda (and libibverbs1) not installed")
@@ -39,7 +40,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         while True:
             assert proc.poll() is None, f"mooncake_master exited:\n{log.read_text()}"
             try:
-                if httpx.get(f"http://127.0.0.1:{metrics}/health", timeout=1).status_code == 200:
+                if HTTP.get(f"http://127.0.0.1:{metrics}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -83,7 +84,7 @@ def test_two_replicas_share_the_store(llama_dir: Path, master: str, tmp_path: Pa
              "--hicache-size", "64MiB", "--hicache-block-tokens", "16")
 
     def complete(url: str) -> str:
-        reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        reply = HTTP.post(f"{url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
             "ignore_eos": True})
         reply.raise_for_status()

@@ -9,7 +9,6 @@ import random
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from banyan import Engine, SamplingParams
@@ -17,6 +16,7 @@ from banyan.bench import netns
 from tests.disagg_helpers import BACKENDS
 from tests.router_helpers import REPLICA_ARGS, start_processes, start_router, stop_all
 from tests.server_helpers import wait_idle_and_free
+from tests.http_client import HTTP
 
 WHY_NOT = netns.available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -48,7 +48,7 @@ def test_pd_across_network_namespaces(llama_dir: Path, tmp_path: Path, backend: 
                                   workers[0].url)
             try:
                 for prompt, expected in zip(prompts, want):
-                    r = httpx.post(f"{router.url}/generate", timeout=120, json={
+                    r = HTTP.post(f"{router.url}/generate", timeout=120, json={
                         "input_ids": prompt, "sampling_params": {
                             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
                     assert r.status_code == 200, r.text

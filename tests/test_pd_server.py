@@ -24,6 +24,7 @@ import pytest
 from tests.disagg_helpers import has_mooncake
 from tests.router_helpers import REPLICA_ARGS, start_processes, start_router, stop_all, wait_for
 from tests.server_helpers import ServerProcess, free_port, wait_idle_and_free
+from tests.http_client import HTTP
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def router(workers: dict[str, ServerProcess], log_dir: Path) -> Iterator[ServerP
     proc = start_router([workers["decode"].url], log_dir, "--pd", "--prefill",
                         workers["prefill"].url)
     try:
-        wait_for(lambda: httpx.get(f"{proc.url}/health").status_code == 200, what="router")
+        wait_for(lambda: HTTP.get(f"{proc.url}/health").status_code == 200, what="router")
         yield proc
     finally:
         assert proc.stop() == 0, proc.log()
@@ -113,11 +114,11 @@ def test_pd_answers_equal_the_colocated_server(workers: dict[str, ServerProcess]
     assert decode["received_tokens"] > 900 and decode["received_tokens"] == \
         prefill["sent_tokens"]
     assert prefill["mode"] == "prefill" and prefill["kv_addr"].startswith("tcp://127.0.0.1:")
-    metrics = httpx.get(f"{router.url}/metrics").text
+    metrics = HTTP.get(f"{router.url}/metrics").text
     assert re.search(r"banyan:router_pd_prefills_total \d+", metrics)
-    flushed = httpx.post(f"{router.url}/flush_cache").json()["workers"]
+    flushed = HTTP.post(f"{router.url}/flush_cache").json()["workers"]
     assert {w["url"] for w in flushed} == {workers["decode"].url, workers["prefill"].url}
-    worker_metrics = httpx.get(f"{workers['decode'].url}/metrics").text
+    worker_metrics = HTTP.get(f"{workers['decode'].url}/metrics").text
     received = re.search(r'banyan:disagg_received_tokens(?:_total)?{[^}]*} ([0-9.e+]+)',
                          worker_metrics)
     assert received and float(received.group(1)) == decode["received_tokens"], worker_metrics
@@ -157,11 +158,11 @@ def test_bench_serve_splits_the_ttft(router: ServerProcess, llama_dir: Path, tmp
 
 def test_kv_transfer_params_are_refused_by_a_plain_server(
         workers: dict[str, ServerProcess]) -> None:
-    r = httpx.post(f"{workers['colocated'].url}/v1/completions",
+    r = HTTP.post(f"{workers['colocated'].url}/v1/completions",
                    json={"prompt": [5, 6, 7], "max_tokens": 2,
                          "kv_transfer_params": {"remote_addr": "tcp://127.0.0.1:1"}})
     assert r.status_code == 400 and "not a decode worker" in r.json()["error"]["message"]
-    r = httpx.post(f"{workers['decode'].url}/v1/completions",
+    r = HTTP.post(f"{workers['decode'].url}/v1/completions",
                    json={"prompt": [5, 6, 7], "max_tokens": 2,
                          "kv_transfer_params": {"remote_addr": "http://nowhere"}})
     assert r.status_code == 400
@@ -178,9 +179,9 @@ def test_a_killed_prefill_worker_loses_no_request(workers: dict[str, ServerProce
     got, _ = _post(router.url, "/v1/completions", body)
     assert _normal(got) == _normal(want)
     wait_idle_and_free(workers["decode"].url)
-    metrics = httpx.get(f"{router.url}/metrics").text
+    metrics = HTTP.get(f"{router.url}/metrics").text
     assert re.search(r"banyan:router_pd_fallbacks_total [1-9]", metrics), metrics
-    assert json.loads(httpx.get(f"{router.url}/health").text or "{}") is not None
+    assert json.loads(HTTP.get(f"{router.url}/health").text or "{}") is not None
 
 
 def test_serve_pd_starts_both_roles_behind_a_router(llama_dir: Path, log_dir: Path,

@@ -28,6 +28,7 @@ from tests.router_helpers import (
     worker_states,
 )
 from tests.server_helpers import ServerProcess, metric_values, sse_events, wait_idle_and_free
+from tests.http_client import HTTP
 
 WORKER = "x-banyan-worker"
 
@@ -51,7 +52,7 @@ def router(replicas: list[ServerProcess], log_dir: Path) -> Iterator[ServerProce
     """The main router: cache_aware with default thresholds, over replicas 0 and 1."""
     proc = start_router([replicas[0].url, replicas[1].url], log_dir)
     try:
-        wait_for(lambda: httpx.get(f"{proc.url}/health").status_code == 200, what="router")
+        wait_for(lambda: HTTP.get(f"{proc.url}/health").status_code == 200, what="router")
         yield proc
     finally:
         code = proc.stop()
@@ -93,7 +94,7 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def _raw_stream(url: str, path: str, body: dict) -> tuple[bytes, str | None]:
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         return b"".join(r.iter_raw()), r.headers.get(WORKER)
@@ -131,11 +132,11 @@ def test_stream_is_unbuffered(router: ServerProcess) -> None:
     worker is still generating (four samples of 400 tokens, two at a time: 800 steps)."""
     body = {"prompt": "a long one", "max_tokens": 400, "n": 4, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(lines)
         worker = r.headers[WORKER]
-        assert httpx.get(f"{worker}/server_info").json()["num_requests"] >= 1
+        assert HTTP.get(f"{worker}/server_info").json()["num_requests"] >= 1
         assert worker_states(router.url)[worker]["in_flight"] == 1
         events = sse_events(itertools_chain(first, lines))
     assert events[-1] == "[DONE]" and len(events) > 400
@@ -145,7 +146,7 @@ def test_stream_is_unbuffered(router: ServerProcess) -> None:
 
 def test_client_disconnect_aborts_on_the_worker(router: ServerProcess) -> None:
     body = {"prompt": "abort me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
         worker = r.headers[WORKER]
         aborts = ("banyan:request_success_total", (("finished_reason", "abort"),))
         before = metric_values(worker).get(aborts, 0.0)
@@ -157,12 +158,12 @@ def test_client_disconnect_aborts_on_the_worker(router: ServerProcess) -> None:
 
 
 def test_models_tokenize_health(router: ServerProcess) -> None:
-    models = httpx.get(f"{router.url}/v1/models").json()
+    models = HTTP.get(f"{router.url}/v1/models").json()
     assert models["object"] == "list" and len(models["data"]) == 1
-    tok = httpx.post(f"{router.url}/tokenize", json={"prompt": "hello"}).json()
+    tok = HTTP.post(f"{router.url}/tokenize", json={"prompt": "hello"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0
-    assert httpx.get(f"{router.url}/health").json() == {"status": "ok", "healthy_workers": 2}
-    bad = httpx.post(f"{router.url}/v1/completions", content=b"{not json")
+    assert HTTP.get(f"{router.url}/health").json() == {"status": "ok", "healthy_workers": 2}
+    bad = HTTP.post(f"{router.url}/v1/completions", content=b"{not json")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == 400  # the worker's answer
     assert bad.headers[WORKER]
 
@@ -211,11 +212,11 @@ def test_imbalance_falls_back_to_load(replicas: list[ServerProcess], log_dir: Pa
                       "--balance-rel-threshold", "1.5", "--max-tree-size", "150",
                       "--eviction-interval", "0.2")
     try:
-        assert httpx.get(f"{r2.url}/health").status_code == 503
-        nobody = httpx.post(f"{r2.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert HTTP.get(f"{r2.url}/health").status_code == 503
+        nobody = HTTP.post(f"{r2.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert nobody.status_code == 503 and "no worker" in nobody.json()["error"]["message"]
         for rep in replicas[:2]:
-            added = httpx.post(f"{r2.url}/workers", json={"url": rep.url}).json()
+            added = HTTP.post(f"{r2.url}/workers", json={"url": rep.url}).json()
             assert added["state"] == "healthy"
         prefix = ids_prompt(20, 100)
         # Long enough to queue on the workers (two run at a time): the burst is all in flight.
@@ -247,23 +248,23 @@ def test_imbalance_falls_back_to_load(replicas: list[ServerProcess], log_dir: Pa
 
 def test_add_and_remove_workers(router: ServerProcess, replicas: list[ServerProcess]) -> None:
     new = replicas[2].url
-    added = httpx.post(f"{router.url}/workers", json={"url": new.removeprefix("http://")})
+    added = HTTP.post(f"{router.url}/workers", json={"url": new.removeprefix("http://")})
     assert added.status_code == 200 and added.json()["url"] == new
     assert added.json()["state"] == "healthy"
     served = {complete(router.url, f"fresh group {g} " * 10).headers[WORKER] for g in range(3)}
     assert new in served  # misses go to the idle worker that holds the least
-    assert httpx.get(f"{router.url}/health").json()["healthy_workers"] == 3
+    assert HTTP.get(f"{router.url}/health").json()["healthy_workers"] == 3
 
     # Removing a worker with a stream open: it drains (the stream completes), takes no new work.
     # Twelve samples, two at a time (--max-running-requests 2): the stream lasts for 6,000 steps
     # (~2.8 s here). At 800 steps (~0.4 s) it once ended between the DELETE and the next GET on a
     # busy CI machine, and the drained worker was gone before the test could see it draining.
     body = {"prompt": "drain me", "max_tokens": 1000, "n": 12, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(lines)
         victim = r.headers[WORKER]
-        gone = httpx.request("DELETE", f"{router.url}/workers", params={"url": victim}).json()
+        gone = HTTP.request("DELETE", f"{router.url}/workers", params={"url": victim}).json()
         assert gone["state"] == "draining" and gone["in_flight"] == 1
         assert worker_states(router.url)[victim]["state"] == "draining"
         for i in range(4):
@@ -274,11 +275,11 @@ def test_add_and_remove_workers(router: ServerProcess, replicas: list[ServerProc
     assert sum(c["finish_reason"] == "length" for c in chunks) == 12
     wait_for(lambda: victim not in worker_states(router.url), what="drained worker removed")
     # Unknown workers and bad bodies.
-    assert httpx.request("DELETE", f"{router.url}/workers",
+    assert HTTP.request("DELETE", f"{router.url}/workers",
                          params={"url": "http://127.0.0.1:1"}).status_code == 404
-    assert httpx.post(f"{router.url}/workers", json={"nope": 1}).status_code == 400
+    assert HTTP.post(f"{router.url}/workers", json={"nope": 1}).status_code == 400
     # Back in for the next test (an idle worker is removed at once).
-    assert httpx.post(f"{router.url}/workers", json={"url": victim}).json()["state"] == "healthy"
+    assert HTTP.post(f"{router.url}/workers", json={"url": victim}).json()["state"] == "healthy"
     assert len(worker_states(router.url)) == 3
 
 
@@ -342,6 +343,6 @@ def test_killing_a_replica_under_load(router: ServerProcess,
              what="victim taken out")
     assert metric_values(router.url)[("banyan:router_worker_healthy",
                                       (("worker", victim),))] == 0
-    assert httpx.get(f"{router.url}/health").json()["healthy_workers"] == 2
+    assert HTTP.get(f"{router.url}/health").json()["healthy_workers"] == 2
     after_kill = complete(router.url, chat("after"), path="/v1/chat/completions")
     assert after_kill.headers[WORKER] != victim

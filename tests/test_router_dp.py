@@ -11,6 +11,7 @@ from openai import OpenAI
 
 from tests.router_helpers import start_processes, worker_states
 from tests.server_helpers import free_port
+from tests.http_client import HTTP
 
 
 def test_serve_dp(llama_dir: Path, tmp_path: Path) -> None:
@@ -25,10 +26,10 @@ def test_serve_dp(llama_dir: Path, tmp_path: Path) -> None:
         assert len(workers) == 2 and all(w["state"] == "healthy" for w in workers.values())
         assert all(url.startswith("http://127.0.0.1:") for url in workers)
         for url in workers:  # each replica got half the threads, and the model's name
-            info = httpx.get(f"{url}/server_info").json()
+            info = HTTP.get(f"{url}/server_info").json()
             assert info["engine_args"]["num_threads"] == 1
             assert info["model"] == "tiny-dp"
-        assert httpx.get(f"{proc.url}/workers").json()["policy"] == "round_robin"
+        assert HTTP.get(f"{proc.url}/workers").json()["policy"] == "round_robin"
         client = OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny-dp"]
         served = set()
@@ -43,7 +44,7 @@ def test_serve_dp(llama_dir: Path, tmp_path: Path) -> None:
     assert code == 0, proc.log()
     for url in workers:
         try:
-            httpx.get(f"{url}/health", timeout=1.0)
+            HTTP.get(f"{url}/health", timeout=1.0)
             raise AssertionError(f"replica {url} still answers")
         except httpx.ConnectError:
             pass

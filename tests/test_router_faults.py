@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
@@ -28,6 +27,7 @@ from tests.router_helpers import (
     worker_states,
 )
 from tests.server_helpers import ServerProcess, free_port
+from tests.http_client import HTTP
 
 USER, ADMIN = "sk-user", "sk-admin"
 WORKER_TIMEOUT = 5.0
@@ -83,9 +83,9 @@ def test_registration_refused_without_admin_key_configured(replicas: list[Server
                                                            log_dir: Path) -> None:
     proc = router_process([replicas[0].url], log_dir)
     try:
-        r = httpx.post(f"{proc.url}/workers", json={"url": replicas[1].url})
+        r = HTTP.post(f"{proc.url}/workers", json={"url": replicas[1].url})
         assert r.status_code == 403 and r.json()["error"]["code"] == 403
-        r = httpx.request("DELETE", f"{proc.url}/workers", params={"url": replicas[0].url})
+        r = HTTP.request("DELETE", f"{proc.url}/workers", params={"url": replicas[0].url})
         assert r.status_code == 403
         assert list(worker_states(proc.url)) == [replicas[0].url]
     finally:
@@ -98,15 +98,15 @@ def test_open_admin_refuses_browsers_and_plain_text(replicas: list[ServerProcess
     new = {"url": replicas[1].url}
     try:
         # What a page in the user's browser can send without a preflight: text/plain.
-        r = httpx.post(f"{proc.url}/workers", content=f'{{"url": "{replicas[1].url}"}}',
+        r = HTTP.post(f"{proc.url}/workers", content=f'{{"url": "{replicas[1].url}"}}',
                        headers={"Content-Type": "text/plain"})
         assert r.status_code == 415 and r.json()["error"]["code"] == 415
         for headers in ({"Origin": "https://evil.example"}, {"Origin": proc.url},
                         {"Sec-Fetch-Site": "cross-site"}):
-            r = httpx.post(f"{proc.url}/workers", json=new, headers=headers)
+            r = HTTP.post(f"{proc.url}/workers", json=new, headers=headers)
             assert r.status_code == 403, (headers, r.text)
         assert list(worker_states(proc.url)) == [replicas[0].url]
-        assert httpx.post(f"{proc.url}/workers", json=new).status_code == 200  # a script
+        assert HTTP.post(f"{proc.url}/workers", json=new).status_code == 200  # a script
     finally:
         assert proc.stop() == 0
 
@@ -115,12 +115,12 @@ def test_admin_key_separate_from_api_key(keyed: ServerProcess,
                                          replicas: list[ServerProcess]) -> None:
     victim = replicas[1].url
     for headers in ({}, bearer(USER), bearer("wrong")):
-        r = httpx.request("DELETE", f"{keyed.url}/workers", params={"url": victim},
+        r = HTTP.request("DELETE", f"{keyed.url}/workers", params={"url": victim},
                           headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
-    assert httpx.get(f"{keyed.url}/workers").status_code == 401
-    assert len(httpx.get(f"{keyed.url}/workers", headers=bearer(USER)).json()["workers"]) == 2
-    r = httpx.post(f"{keyed.url}/workers", json={"url": victim},
+    assert HTTP.get(f"{keyed.url}/workers").status_code == 401
+    assert len(HTTP.get(f"{keyed.url}/workers", headers=bearer(USER)).json()["workers"]) == 2
+    r = HTTP.post(f"{keyed.url}/workers", json={"url": victim},
                    headers={"Authorization": f"bearer {ADMIN}"})  # any case of the scheme
     assert r.status_code == 200 and r.json()["state"] == "healthy"
 
@@ -141,7 +141,7 @@ def test_router_errors_are_json(keyed: ServerProcess) -> None:
         ("DELETE", "/v1/completions", b""),
     ]
     for method, path, body in cases:
-        r = httpx.request(method, f"{keyed.url}{path}", content=body, timeout=30,
+        r = HTTP.request(method, f"{keyed.url}{path}", content=body, timeout=30,
                           headers={**auth, "Content-Type": "application/json"})
         assert 400 <= r.status_code < 500, (path, body[:40], r.status_code, r.text)
         assert r.json()["error"]["code"] == r.status_code
@@ -161,7 +161,7 @@ def test_sigstopped_replica_dropped_fast(keyed: ServerProcess,
 
     def timed(i: int) -> tuple[int, float]:
         t0 = time.monotonic()
-        r = httpx.post(f"{keyed.url}/v1/completions", json={**body, "prompt": f"hi {i}"},
+        r = HTTP.post(f"{keyed.url}/v1/completions", json={**body, "prompt": f"hi {i}"},
                        headers=auth, timeout=60)
         return r.status_code, time.monotonic() - t0
 
@@ -172,7 +172,7 @@ def test_sigstopped_replica_dropped_fast(keyed: ServerProcess,
             sent = [pool.submit(timed, i) for i in range(6)]
 
             def out() -> bool:
-                states = httpx.get(f"{keyed.url}/workers", headers=auth).json()["workers"]
+                states = HTTP.get(f"{keyed.url}/workers", headers=auth).json()["workers"]
                 return any(w["url"] == hung.url and not w["healthy"] for w in states)
 
             # (polled while the requests run: the time is the router's, not the requests')
@@ -189,7 +189,7 @@ def test_sigstopped_replica_dropped_fast(keyed: ServerProcess,
 
 
 def worker_states_auth(url: str) -> dict[str, dict]:
-    workers = httpx.get(f"{url}/workers", headers=bearer(USER)).json()["workers"]
+    workers = HTTP.get(f"{url}/workers", headers=bearer(USER)).json()["workers"]
     return {w["url"]: w for w in workers}
 
 
@@ -213,7 +213,7 @@ def test_dp_replica_restarted(llama_dir: Path, tmp_path: Path) -> None:
                  what="dead replica out")
         wait_for(lambda: worker_states(proc.url)[victim_url]["healthy"], timeout=90,
                  what="replica restarted")
-        r = httpx.post(f"{victim_url}/v1/completions", timeout=30,
+        r = HTTP.post(f"{victim_url}/v1/completions", timeout=30,
                        json={"prompt": "a", "max_tokens": 2})
         assert r.status_code == 200, r.text
     finally:

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.router_helpers import start_processes
 from tests.server_helpers import ServerProcess, free_port, running_server
+from tests.http_client import HTTP
 
 pytest.importorskip("schemathesis")
 
@@ -74,7 +74,7 @@ def fuzz(schema: Path, base_url: str, seed: int) -> str:
 @pytest.fixture(scope="module")
 def schema(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("schema") / "openapi.json"
-    r = httpx.get(f"{server.url}/openapi.json")
+    r = HTTP.get(f"{server.url}/openapi.json")
     assert r.status_code == 200
     path.write_bytes(r.content)
     return path
@@ -82,9 +82,9 @@ def schema(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> P
 
 def test_fuzz_server(schema: Path, server: ServerProcess) -> None:
     fuzz(schema, server.url, seed=1)
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert HTTP.get(f"{server.url}/health").status_code == 200
 
 
 def test_fuzz_router(schema: Path, router: ServerProcess, server: ServerProcess) -> None:
     fuzz(schema, router.url, seed=2)
-    assert httpx.get(f"{router.url}/health").status_code == 200
+    assert HTTP.get(f"{router.url}/health").status_code == 200

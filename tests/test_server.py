@@ -23,6 +23,7 @@ from tests.server_helpers import (
     sse_events,
     wait_idle_and_free,
 )
+from tests.http_client import HTTP
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def test_chat_streamed_equals_non_streamed(client: OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     # The chat template was applied: the prompt is the rendered conversation.
-    tokenized = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+    tokenized = HTTP.post(str(client.base_url).replace("/v1/", "/tokenize"),
                            json={"messages": messages}).json()
     assert tokenized["count"] == full.usage.prompt_tokens
 
@@ -90,7 +91,7 @@ def test_n_samples(client: OpenAI) -> None:
                                     temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 16
-    assert out.usage.prompt_tokens == len(httpx.post(
+    assert out.usage.prompt_tokens == len(HTTP.post(
         str(client.base_url).replace("/v1/", "/tokenize"), json={"prompt": "import os"}
     ).json()["tokens"])
     chat = client.chat.completions.create(
@@ -107,7 +108,7 @@ def test_n_samples(client: OpenAI) -> None:
 
 
 def test_list_prompts_and_token_ids(client: OpenAI) -> None:
-    ids = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+    ids = HTTP.post(str(client.base_url).replace("/v1/", "/tokenize"),
                      json={"prompt": "class A:"}).json()["tokens"]
     by_text = client.completions.create(model="tiny", prompt=["class A:", "x = 1"],
                                         max_tokens=5, **GREEDY)
@@ -187,7 +188,7 @@ def test_sse_format_and_usage(server: ServerProcess) -> None:
         req = dict(body)
         if include is not None:
             req["stream_options"] = {"include_usage": include}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=req) as r:
+        with HTTP.stream("POST", f"{server.url}/v1/completions", json=req) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             events = sse_events(r.iter_lines())
@@ -224,12 +225,12 @@ def test_cached_tokens_counted(client: OpenAI) -> None:
 
 
 def test_native_endpoints(server: ServerProcess, client: OpenAI) -> None:
-    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT,
+    tok = HTTP.post(f"{server.url}/tokenize", json={"prompt": PROMPT,
                                                      "return_token_strs": True}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 1024
-    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    detok = HTTP.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
     assert detok["prompt"] == PROMPT
-    gen = httpx.post(f"{server.url}/generate", json={
+    gen = HTTP.post(f"{server.url}/generate", json={
         "text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
                                             "ignore_eos": True}}).json()
     expected = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, **GREEDY)
@@ -239,18 +240,18 @@ def test_native_endpoints(server: ServerProcess, client: OpenAI) -> None:
     assert meta["finish_reason"]["type"] == "length"
     assert meta["prompt_tokens"] == tok["count"] and meta["completion_tokens"] == 6
     assert meta["cached_tokens"] > 0
-    with httpx.stream("POST", f"{server.url}/generate", json={
+    with HTTP.stream("POST", f"{server.url}/generate", json={
             "input_ids": tok["tokens"], "stream": True,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}) as r:
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["text"] == gen["text"] and last["output_ids"] == gen["output_ids"]
-    info = httpx.get(f"{server.url}/server_info").json()
+    info = HTTP.get(f"{server.url}/server_info").json()
     assert info["model"] == "tiny" and info["kv_capacity"] > 0 and "step_times" in info
-    flushed = httpx.post(f"{server.url}/flush_cache")
+    flushed = HTTP.post(f"{server.url}/flush_cache")
     assert flushed.status_code == 200
-    assert httpx.get(f"{server.url}/server_info").json()["kv_evictable"] == 0
+    assert HTTP.get(f"{server.url}/server_info").json()["kv_evictable"] == 0
 
 
 # ---- load, disconnects, metrics ---------------------------------------------------------------
@@ -282,13 +283,13 @@ def test_client_disconnect_aborts_and_frees_kv(server: ServerProcess) -> None:
                                         (("finished_reason", "abort"),))]
     long = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "ignore_eos": True}
     # Streamed: read two events, then hang up.
-    with httpx.stream("POST", f"{server.url}/v1/completions",
+    with HTTP.stream("POST", f"{server.url}/v1/completions",
                       json={**long, "stream": True}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
     # Not streamed: the client gives up waiting (8 x 1000 tokens take well over the timeout).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/chat/completions", timeout=0.25, json={
+        HTTP.post(f"{server.url}/v1/chat/completions", timeout=0.25, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}],
             "max_tokens": 1000, "ignore_eos": True, "n": 8})
     info = wait_idle_and_free(server.url)

@@ -17,6 +17,7 @@ from openai import OpenAI
 
 from tests.hf_reference import hf_model
 from tests.server_helpers import ServerProcess, metric_values, running_server
+from tests.http_client import HTTP
 
 TOLERANCE = 1e-4
 
@@ -71,7 +72,7 @@ def test_vllm_prompt_logprobs_and_echo_with_generation(client: OpenAI, llama_dir
     want = reference(llama_dir, prompt)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0,
             "prompt_logprobs": 1, "ignore_eos": True}
-    out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    out = HTTP.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     entries = out["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(prompt)
     for i, entry in enumerate(entries[1:]):
@@ -95,7 +96,7 @@ def test_vllm_prompt_logprobs_and_echo_with_generation(client: OpenAI, llama_dir
 
 
 def test_prompt_logprobs_out_of_range_is_a_400(server: ServerProcess) -> None:
-    r = httpx.post(f"{server.url}/v1/completions", json={
+    r = HTTP.post(f"{server.url}/v1/completions", json={
         "model": "tiny", "prompt": "hi", "prompt_logprobs": 21}, timeout=30)
     assert r.status_code == 400 and "prompt_logprobs" in r.text
 
@@ -146,7 +147,7 @@ def test_responses_refuses_what_it_cannot_do(server: ServerProcess) -> None:
                          ({"input": [{"role": "user", "content": [
                              {"type": "input_image", "image_url": "x"}]}]}, "input")]:
         body = {"model": "tiny", "input": "hi", **extra}
-        r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+        r = HTTP.post(f"{server.url}/v1/responses", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
@@ -158,7 +159,7 @@ def test_chat_role_chunk_comes_with_each_choices_first_token(server: ServerProce
     each choice's role chunk is directly followed by that choice's first content."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2,
             "max_tokens": 4, "stream": True, "ignore_eos": True, "seed": 1}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     seen: set[int] = set()
@@ -177,7 +178,7 @@ def test_chat_role_chunk_comes_with_each_choices_first_token(server: ServerProce
 
 def test_head_on_get_endpoints(server: ServerProcess) -> None:
     for path in ("/health", "/metrics", "/v1/models", "/v1/models/tiny", "/server_info"):
-        get = httpx.get(f"{server.url}{path}", timeout=30)
+        get = HTTP.get(f"{server.url}{path}", timeout=30)
         head = httpx.head(f"{server.url}{path}", timeout=30)
         assert head.status_code == get.status_code == 200, path
         assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]

@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 
 from tests.server_helpers import ServerProcess, start_server
+from tests.http_client import HTTP
 
 MAX_BYTES = 64 * 1024
 MAX_N = 4
@@ -45,7 +46,7 @@ def check_error(response: httpx.Response, status: int, param: str | None = None,
 
 
 def still_serving(url: str) -> None:
-    r = httpx.post(f"{url}/v1/completions",
+    r = HTTP.post(f"{url}/v1/completions",
                    json={"model": "tiny", "prompt": "ok", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
@@ -92,7 +93,7 @@ def test_completion_errors(server: ServerProcess, case: str) -> None:
     body, status, param, contains = COMPLETION_CASES[case]
     body = {"model": "tiny", **body} if "model" not in body else body
     for stream in (False, True):  # validation happens before a stream starts: same answer
-        r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream}
+        r = HTTP.post(f"{server.url}/v1/completions", json={**body, "stream": stream}
                        if case != "stream_options without stream" else body)
         check_error(r, status, param, contains)
     still_serving(server.url)
@@ -117,18 +118,18 @@ CHAT_CASES: dict[str, tuple[dict[str, Any], int, str | None]] = {
 def test_chat_errors(server: ServerProcess, case: str) -> None:
     body, status, param = CHAT_CASES[case]
     request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body}
-    check_error(httpx.post(f"{server.url}/v1/chat/completions", json=request), status, param)
+    check_error(HTTP.post(f"{server.url}/v1/chat/completions", json=request), status, param)
     still_serving(server.url)
 
 
 def test_malformed_bodies(server: ServerProcess) -> None:
     url = f"{server.url}/v1/completions"
-    check_error(httpx.post(url, content=b"{not json", headers={"content-type":
+    check_error(HTTP.post(url, content=b"{not json", headers={"content-type":
                                                                 "application/json"}), 400)
-    check_error(httpx.post(url, content=b"[1, 2]"), 400)
-    check_error(httpx.post(url, content=b"\xff\xfe"), 400)
+    check_error(HTTP.post(url, content=b"[1, 2]"), 400)
+    check_error(HTTP.post(url, content=b"\xff\xfe"), 400)
     big = {"model": "tiny", "prompt": "x" * (MAX_BYTES + 1)}
-    check_error(httpx.post(url, json=big), 413)
+    check_error(HTTP.post(url, json=big), 413)
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
         yield b'{"prompt": "'
@@ -136,15 +137,15 @@ def test_malformed_bodies(server: ServerProcess) -> None:
             yield b"y" * 1024
         yield b'"}'
 
-    check_error(httpx.post(url, content=chunked()), 413)
-    check_error(httpx.get(f"{server.url}/no/such/path"), 404)
-    check_error(httpx.get(url), 405)
-    check_error(httpx.post(f"{server.url}/detokenize", json={"tokens": [99999]}), 400, "tokens")
-    check_error(httpx.post(f"{server.url}/tokenize", json={}), 400)
-    check_error(httpx.post(f"{server.url}/generate", json={"sampling_params": {}}), 400)
-    check_error(httpx.post(f"{server.url}/generate", json={
+    check_error(HTTP.post(url, content=chunked()), 413)
+    check_error(HTTP.get(f"{server.url}/no/such/path"), 404)
+    check_error(HTTP.get(url), 405)
+    check_error(HTTP.post(f"{server.url}/detokenize", json={"tokens": [99999]}), 400, "tokens")
+    check_error(HTTP.post(f"{server.url}/tokenize", json={}), 400)
+    check_error(HTTP.post(f"{server.url}/generate", json={"sampling_params": {}}), 400)
+    check_error(HTTP.post(f"{server.url}/generate", json={
         "text": "a", "sampling_params": {"temperature": -2}}), 400, "sampling_params")
-    check_error(httpx.get(f"{server.url}/v1/models/gpt-9"), 404)
+    check_error(HTTP.get(f"{server.url}/v1/models/gpt-9"), 404)
     still_serving(server.url)
 
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.server_helpers import ServerProcess, running_server
+from tests.http_client import HTTP
 
 HEALTH_BOUND = 0.1  # seconds: the issue's bound for /health under attack
 
@@ -34,7 +35,7 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def still_serving(url: str) -> None:
-    r = httpx.post(f"{url}/v1/completions", timeout=30,
+    r = HTTP.post(f"{url}/v1/completions", timeout=30,
                    json={"prompt": "ok", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, r.text
 
@@ -47,7 +48,7 @@ def assert_error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
 
 
 def post_raw(url: str, body: bytes, path: str = "/v1/completions") -> httpx.Response:
-    return httpx.post(f"{url}{path}", content=body, timeout=60,
+    return HTTP.post(f"{url}{path}", content=body, timeout=60,
                       headers={"Content-Type": "application/json"})
 
 
@@ -98,7 +99,7 @@ RAW_CASES: dict[str, tuple[str, str]] = {
 def test_unencodable_values_are_400(server: ServerProcess, case: str) -> None:
     path, body = RAW_CASES[case]
     data = body.encode("latin-1") if case == "invalid UTF-8" else body.encode()
-    r = httpx.post(f"{server.url}{path}", content=data, timeout=30,
+    r = HTTP.post(f"{server.url}{path}", content=data, timeout=30,
                    headers={"Content-Type": "application/json"})
     assert_error(r)
 
@@ -108,12 +109,12 @@ def test_refused_request_leaves_no_state(server: ServerProcess) -> None:
     the engine holds no request after a burst of refusals."""
     bad = '{"text": "a", "rid": "reuse-me", "sampling_params": {"seed": 36893488147419103232}}'
     for _ in range(50):
-        assert_error(httpx.post(f"{server.url}/generate", content=bad,
+        assert_error(HTTP.post(f"{server.url}/generate", content=bad,
                                 headers={"Content-Type": "application/json"}))
-    r = httpx.post(f"{server.url}/generate", timeout=30, json={
+    r = HTTP.post(f"{server.url}/generate", timeout=30, json={
         "text": "a", "rid": "reuse-me", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200 and r.json()["meta_info"]["id"] == "reuse-me"
-    info = httpx.get(f"{server.url}/server_info").json()
+    info = HTTP.get(f"{server.url}/server_info").json()
     assert info["num_requests"] == 0
 
 
@@ -143,7 +144,7 @@ BOMB = "{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% en
 
 def test_request_chat_template_refused_by_default(server: ServerProcess) -> None:
     t0 = time.monotonic()
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+    r = HTTP.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}],
         "chat_template_kwargs": {"chat_template": BOMB}})
     assert assert_error(r)["param"] == "chat_template_kwargs"
@@ -182,7 +183,7 @@ def test_slow_body_times_out(server: ServerProcess) -> None:
 
 
 def test_openapi_publishes_request_models(server: ServerProcess) -> None:
-    schema = httpx.get(f"{server.url}/openapi.json").json()
+    schema = HTTP.get(f"{server.url}/openapi.json").json()
     components = schema["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest"):
         assert name in components
@@ -198,7 +199,7 @@ def test_many_refusals_in_parallel_keep_serving(server: ServerProcess) -> None:
     lock = threading.Lock()
 
     def send(i: int) -> None:
-        r = httpx.post(f"{server.url}/v1/completions", content=bodies[i % len(bodies)].encode(
+        r = HTTP.post(f"{server.url}/v1/completions", content=bodies[i % len(bodies)].encode(
             "latin-1" if "\xff" in bodies[i % len(bodies)] else "utf-8"),
             headers={"Content-Type": "application/json"}, timeout=30)
         with lock:
@@ -208,4 +209,4 @@ def test_many_refusals_in_parallel_keep_serving(server: ServerProcess) -> None:
         list(pool.map(send, range(160)))
     assert all(400 <= s < 500 for s in statuses), sorted(set(statuses))
     still_serving(server.url)
-    assert json.loads(httpx.get(f"{server.url}/server_info").text)["num_requests"] == 0
+    assert json.loads(HTTP.get(f"{server.url}/server_info").text)["num_requests"] == 0

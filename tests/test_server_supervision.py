@@ -16,12 +16,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from banyan.server.supervisor import IPC_PREFIX, remove_stale_ipc_dirs
 from tests.server_helpers import ServerProcess, metric_values, sse_events, start_server
 from tests.test_server_faults import BOMB, HEALTH_BOUND, health_while
+from tests.http_client import HTTP
 
 KEY = "sk-env-key"
 AUTH = {"Authorization": f"bearer {KEY}"}  # lower-case scheme: accepted
@@ -47,9 +47,9 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 def test_key_from_environment_any_case(server: ServerProcess) -> None:
     body = {"prompt": "a", "max_tokens": 2}
-    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 401
+    assert HTTP.post(f"{server.url}/v1/completions", json=body).status_code == 401
     for scheme in ("bearer", "Bearer", "BEARER"):
-        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30,
+        r = HTTP.post(f"{server.url}/v1/completions", json=body, timeout=30,
                        headers={"Authorization": f"{scheme} {KEY}"})
         assert r.status_code == 200, r.text
     assert "sk-env-key" not in " ".join(_cmdline(server.proc.pid))
@@ -64,20 +64,20 @@ def test_template_bomb_stopped_and_health_answers(server: ServerProcess) -> None
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
                        "chat_template_kwargs": {"chat_template": BOMB}}).encode()
     t0 = time.monotonic()
-    r, latencies = health_while(server.url, lambda: httpx.post(
+    r, latencies = health_while(server.url, lambda: HTTP.post(
         f"{server.url}/v1/chat/completions", content=body, timeout=60,
         headers={**AUTH, "Content-Type": "application/json"}))
     assert r.status_code == 400 and "longer than" in r.json()["error"]["message"], r.text
     assert time.monotonic() - t0 < 10
     assert max(latencies) < HEALTH_BOUND, latencies
     # The pool thread is free again: a normal chat works.
-    ok = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30, json={
+    ok = HTTP.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
 
 def _engine_pid(url: str) -> int:
-    return httpx.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["engine_pid"]
+    return HTTP.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["engine_pid"]
 
 
 def _running(url: str) -> float:
@@ -90,7 +90,7 @@ def test_engine_killed_is_restarted(server: ServerProcess) -> None:
     old = _engine_pid(server.url)
     # long enough that it cannot end before the kill lands, whatever the load (1 to 3 s)
     long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=AUTH,
+    with HTTP.stream("POST", f"{server.url}/v1/completions", json=long, headers=AUTH,
                       timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ") and next(lines) == ""
@@ -106,11 +106,11 @@ def test_engine_killed_is_restarted(server: ServerProcess) -> None:
     assert values[("banyan:request_success_total", (("finished_reason", "error"),))] \
         == errors_before + 1
     # Back within 30 s, with a new engine.
-    while httpx.get(f"{server.url}/health").status_code != 200:
+    while HTTP.get(f"{server.url}/health").status_code != 200:
         assert time.monotonic() - t0 < 30, server.log()
         time.sleep(0.2)
     assert _engine_pid(server.url) != old
-    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=30,
+    r = HTTP.post(f"{server.url}/v1/completions", headers=AUTH, timeout=30,
                    json={"prompt": "a", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert _running(server.url) == 0
@@ -124,7 +124,7 @@ def test_no_restart_exits_nonzero(llama_dir: Path, tmp_path: Path) -> None:
     """--max-engine-restarts 0: a dead engine makes the server exit 1 (for systemd & co)."""
     srv = start_server(llama_dir, tmp_path, "--max-engine-restarts", "0")
     try:
-        pid = httpx.get(f"{srv.url}/server_info", timeout=10).json()["engine_pid"]
+        pid = HTTP.get(f"{srv.url}/server_info", timeout=10).json()["engine_pid"]
         os.kill(pid, signal.SIGKILL)
         try:
             code = srv.proc.wait(30)

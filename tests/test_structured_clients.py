@@ -12,13 +12,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.server_helpers import ServerProcess, running_server
+from tests.http_client import HTTP
 
 
 class Person(BaseModel):
@@ -109,7 +109,7 @@ def test_vllm_and_sglang_fields_on_every_endpoint(server: ServerProcess,
     assert len(r.choices[0].text) == 5 and r.choices[0].text[3] == "-"
     # Any object: keys and strings are free text, which a random model rarely closes; a bias
     # toward '"' and '}' (the grammar still decides what is allowed) makes it end soon.
-    closing = httpx.post(f"{server.url}/tokenize", json={"prompt": '"}',
+    closing = HTTP.post(f"{server.url}/tokenize", json={"prompt": '"}',
                                                           "add_special_tokens": False}).json()
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=120,
@@ -119,7 +119,7 @@ def test_vllm_and_sglang_fields_on_every_endpoint(server: ServerProcess,
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
-    out = httpx.post(f"{server.url}/generate", timeout=60, json={
+    out = HTTP.post(f"{server.url}/generate", timeout=60, json={
         "text": "x", "sampling_params": {"max_new_tokens": 30, "json_schema": json.dumps(schema)}})
     jsonschema.validate(json.loads(out.json()["text"]), schema)
 
@@ -127,12 +127,12 @@ def test_vllm_and_sglang_fields_on_every_endpoint(server: ServerProcess,
 def test_unenforceable_schema_is_a_400_naming_it(server: ServerProcess) -> None:
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+    r = HTTP.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": bad})
     assert r.status_code == 400
     assert "uniqueItems" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "response_format"
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+    r = HTTP.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": "x"}],
         "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
