@@ -105,6 +105,32 @@ def test_int4_kernel_matches_float64_of_dequantized(out_f: int, in_f: int, token
         _check_against_float64(layer, tokens, dtype)
 
 
+@needs_kernels
+@pytest.mark.parametrize("scales", [torch.float16, torch.float32])
+def test_int4_long_steps_keep_each_tokens_bits(scales: torch.dtype) -> None:
+    """Steps of 24 tokens and more widen each panel's codes to floats once (AVX2) instead of
+    once per token block: each token's row the bits it has in a step of its own, and within
+    float32 rounding of float64; float16 scales (int4, Q4_0/Q4_1) and float32 (Q4_K)."""
+    from banyan.layers.quant import quantize_int4
+
+    torch.manual_seed(11)
+    weight = torch.randn(45, 160)
+    codes, scale, low = quantize_int4(weight, 32)
+    layer = Linear.from_weight(weight.clone(), torch.randn(45))
+    layer.convert(Int4Method(32, given=(codes, scale.to(scales), low.to(scales))))
+    deq = layer.method.dequantized_weight(layer).double()
+    for tokens in (24, 27, 64):
+        x = torch.randn(tokens, 160)
+        got = torch.empty(tokens, 45)
+        layer.method._kernel(layer, x, got)
+        alone = torch.empty(1, 45)
+        for t in range(tokens):
+            layer.method._kernel(layer, x[t:t + 1].contiguous(), alone)
+            assert torch.equal(alone[0], got[t]), (tokens, t)
+        want = x.double() @ deq.T + layer.bias.double()
+        assert ((got.double() - want).abs() <= 1e-5 * want.abs().max()).all()
+
+
 def _quantized_layer(method: str, out_f: int, in_f: int, bias: bool) -> Linear:
     from banyan.layers.gguf_linear import GroupInt8Method
 

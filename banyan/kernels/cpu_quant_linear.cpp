@@ -13,6 +13,8 @@
 // AVX-512F/BW (no VNNI, BF16 or AMX needed), or AVX2 with FMA and F16C (a panel as two 8-lane
 // halves: AMD Zen 2/3, Intel Haswell to Skylake client); a plain-loop path builds elsewhere.
 
+#include <vector>
+
 #include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
 
@@ -187,6 +189,54 @@ void int4_panel(const float* x, const float* xsum, int64_t K, int64_t group, con
     for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
 }
 
+// Longer steps: one panel's codes widened to float once ([K][16], `codes`), then TB tokens x
+// the panel with the products and sums of int4_panel in the same order (a code is the same
+// float either way, so every token keeps its bits). int4_panel widens the codes again for each
+// block of MAX_TB tokens, as many instructions as its FMAs on AVX2.
+template <int TB, typename S>
+void int4_panel_widened(const float* x, const float* xsum, int64_t K, int64_t group,
+                        const float* codes, const S* scale, const S* mins, const float* bias,
+                        float* out, int64_t n_out, int64_t p) {
+    const int64_t groups = K / group;
+    __m256 acc[TB][2];
+    for (int i = 0; i < TB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256 q[TB][2];
+        for (int i = 0; i < TB; ++i) q[i][0] = q[i][1] = _mm256_setzero_ps();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+            const float* c = codes + k * PANEL;
+            const __m256 lo0 = _mm256_loadu_ps(c), lo1 = _mm256_loadu_ps(c + 8);
+            const __m256 hi0 = _mm256_loadu_ps(c + PANEL), hi1 = _mm256_loadu_ps(c + PANEL + 8);
+            for (int i = 0; i < TB; ++i) {
+                const __m256 x0 = _mm256_set1_ps(x[i * K + k]);
+                const __m256 x1 = _mm256_set1_ps(x[i * K + k + 1]);
+                q[i][0] = _mm256_fmadd_ps(x1, hi0, _mm256_fmadd_ps(x0, lo0, q[i][0]));
+                q[i][1] = _mm256_fmadd_ps(x1, hi1, _mm256_fmadd_ps(x0, lo1, q[i][1]));
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256 sc = load_scale8(scale + (p * groups + g) * PANEL + 8 * h);
+            const __m256 m = load_scale8(mins + (p * groups + g) * PANEL + 8 * h);
+            for (int i = 0; i < TB; ++i) {
+                acc[i][h] = _mm256_fmadd_ps(q[i][h], sc, acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[i * groups + g]), m, acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < TB; ++i) store_biased(acc[i], bias, out + i * n_out, p, n_out);
+}
+
+// A panel's codes [K / 2][16] bytes as floats [K][16] (input k even in the low nibble).
+inline void widen_codes(const uint8_t* w, int64_t K, float* codes) {
+    for (int64_t j = 0; j < K / 2; ++j)
+        for (int l = 0; l < PANEL; ++l) {
+            codes[(2 * j) * PANEL + l] = static_cast<float>(w[j * PANEL + l] & 0xF);
+            codes[(2 * j + 1) * PANEL + l] = static_cast<float>(w[j * PANEL + l] >> 4);
+        }
+}
+
+#define BANYAN_INT4_WIDENED 1
+
 #else  // portable loops, same layout and order of operations per lane
 
 template <int TB, int U>
@@ -249,6 +299,27 @@ void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t groups = K / group;
     group_sums(x, T, K, group, xsum, [](float v) { return v; });
+#if defined(BANYAN_INT4_WIDENED)
+    // Widened once per panel from 6 token blocks on: below that, widening a panel (up to 96 KiB
+    // of floats, in L2) cost what it saved (measured on Zen 1: 1.0x at 16-32 tokens, 1.24-1.39x
+    // at 512).
+    if (T >= 6 * MAX_TB) {
+#pragma omp parallel num_threads(threads_for(panels, n_threads))
+        {
+            std::vector<float> codes(static_cast<size_t>(K) * PANEL);
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                widen_codes(w + p * (K / 2) * PANEL, K, codes.data());
+                for_token_blocks(T, [&](int64_t t0, auto b) {
+                    int4_panel_widened<decltype(b)::value>(x + t0 * K, xsum + t0 * groups, K,
+                                                           group, codes.data(), scale, mins,
+                                                           bias, out + t0 * N, N, p);
+                });
+            }
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         const uint8_t* wp = w + p * (K / 2) * PANEL;
