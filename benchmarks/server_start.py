@@ -8,7 +8,8 @@ round (so two builds are compared side by side in one run).
 A tree is a checkout of Banyan (e.g. a `git worktree` of an earlier commit); each server runs
 with that tree first on PYTHONPATH and the same interpreter (this one). "default" is the
 default model (`serve` with no --model). Every server gets the flags a user would give none of,
-except --port and --log-level.
+except --port and --log-level. The report names trees by their commit and models by their
+folder's name.
 """
 
 from __future__ import annotations
@@ -19,16 +20,11 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
-
+from banyan.bench.local_server import start_server
 from banyan.bench.offline import cpu_label, machine_info
-from banyan.router.launch import free_port
-
-_CLIENT = httpx.Client(timeout=1.0, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _group_alive(pgid: int) -> bool:
@@ -41,27 +37,12 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def one_start(tree: Path, model: str, timeout: float = 180.0) -> dict[str, float]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), "--log-level",
-           "warning", *([] if model == "default" else ["--model", model])]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def one_start(tree: Path, model: str) -> dict[str, float]:
+    args = ["--log-level", "warning", *([] if model == "default" else ["--model", model])]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc, _ = start_server(args, timeout=180.0, poll=0.02, tree=tree)
+    ready = time.monotonic()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd} exited with {proc.returncode}")
-            if time.monotonic() - start > timeout:
-                raise RuntimeError(f"{cmd} not ready in {timeout} s")
-            try:  # (one client: httpx.get would load the CA bundle at each poll, ~95 ms)
-                if _CLIENT.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-        ready = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         exited = time.monotonic()
@@ -75,6 +56,15 @@ def one_start(tree: Path, model: str, timeout: float = 180.0) -> dict[str, float
     return {"ready_s": ready - start, "exit_s": exited - ready, "group_gone_s": gone - ready}
 
 
+def tree_label(tree: Path) -> str:
+    """The tree's commit, "+" where its files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain") else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", required=True)
@@ -82,25 +72,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ns = ap.parse_args()
-    trees = [t.resolve() for t in ns.tree or [Path(__file__).resolve().parents[1]]]
+    trees = {tree_label(t): t.resolve()
+             for t in ns.tree or [Path(__file__).resolve().parents[1]]}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
-        str(t): {m: [] for m in ns.model} for t in trees}
+        label: {Path(m).name: [] for m in ns.model} for label in trees}
     for r in range(ns.rounds):
-        for tree in trees if r % 2 == 0 else trees[::-1]:
+        for label in list(trees) if r % 2 == 0 else list(trees)[::-1]:
             for model in ns.model:
-                got = one_start(tree, model)
-                runs[str(tree)][model].append(got)
-                print(f"round {r} {tree.name} {Path(model).name}: " +
+                got = one_start(trees[label], model)
+                runs[label][Path(model).name].append(got)
+                print(f"round {r} {label} {Path(model).name}: " +
                       " ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
     medians = {t: {m: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
                    for m, rs in per_model.items()} for t, per_model in runs.items()}
-    home = str(Path.home())
-    report = {"command": " ".join(sys.argv).replace(home, "~"), "cpu": cpu_label(machine_info()),
+    command = ["benchmarks/server_start.py", *(f"--tree {t}" for t in trees),
+               *(f"--model {Path(m).name}" for m in ns.model), f"--rounds {ns.rounds}"]
+    report = {"command": " ".join(command), "cpu": cpu_label(machine_info()),
               "medians": medians, "runs": runs}
-    text = json.dumps(report, indent=1).replace(home, "~")
-    print(json.dumps(medians, indent=1).replace(home, "~"))
+    print(json.dumps(medians, indent=1))
     if ns.out is not None:
-        ns.out.write_text(text + "\n")
+        ns.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

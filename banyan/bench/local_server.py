@@ -15,14 +15,17 @@ import httpx
 from banyan.router.launch import free_port
 
 
-def start_server(serve_args: list[str], log: Path | None = None,
-                 timeout: float = 300.0) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(serve_args: list[str], log: Path | None = None, timeout: float = 300.0,
+                 poll: float = 0.2, tree: Path | None = None,
+                 ) -> tuple[subprocess.Popen[bytes], str]:
     """`banyan serve --port <free> *serve_args` -> (the process, its base URL) once /health
-    answers 200; RuntimeError (with the log's tail) if it exits or is not up in `timeout`."""
+    answers 200 (asked every `poll` s); RuntimeError (with the log's tail) if it exits or is
+    not up in `timeout`. `tree`: a checkout of Banyan to run instead of the installed one."""
     port = free_port()
     cmd = [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), *serve_args]
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     with open(log if log is not None else os.devnull, "wb") as out:  # (the child keeps its own)
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tree, env=env,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -38,7 +41,7 @@ def start_server(serve_args: list[str], log: Path | None = None,
                     return proc, url
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(poll)
     stop_server(proc)
     raise RuntimeError(f"banyan serve {' '.join(serve_args)} not up in {timeout:.0f} s")
 

@@ -64,13 +64,19 @@ class ModelConfig:
     qk_norm: bool  # qwen3: per-head RMSNorm of q and k before RoPE
     max_position_embeddings: int
     torch_dtype: torch.dtype  # the checkpoint's dtype (float32 when the config names none)
-    rope_type: str
-    rope_theta: float
     rope_parameters: dict[str, Any]  # rope_type, rope_theta and the scaled kinds' parameters
     sliding_window: int | None  # recorded, not applied (see module doc)
     # transformers' PreTrainedConfig (YaRN's RoPE init takes it), or config.json's fields as
     # attributes where it was read without AutoConfig
     hf_config: Any
+
+    @property
+    def rope_type(self) -> str:
+        return str(self.rope_parameters["rope_type"])
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
 
     @property
     def q_size(self) -> int:
@@ -141,8 +147,6 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             max_position_embeddings=max_pos,
             torch_dtype=_config_dtype(hf),
-            rope_type=rope["rope_type"],
-            rope_theta=float(rope["rope_theta"]),
             rope_parameters=rope,
             sliding_window=sliding,
             hf_config=hf,

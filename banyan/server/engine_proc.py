@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-from tqdm import tqdm
 
 from banyan.args import EngineArgs
 from banyan.scheduler import RequestUpdate
@@ -364,6 +362,10 @@ def engine_main(args: EngineArgs, inbox_addr: str, outbox_addr: str, parent_pid:
         # Decode steps first where the roles share cores. Before the build: threads made
         # later (torch's OpenMP pool, the K/V socket's I/O thread) inherit it.
         os.nice(args.disaggregation_prefill_nice)
+    import threading
+
+    from tqdm import tqdm
+
     from banyan.engine.build import build_engine_core
 
     # tqdm's default lock (the loader's progress bar) is a multiprocessing semaphore, which the
