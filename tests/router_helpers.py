@@ -5,46 +5,18 @@ reaps all its processes."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
-from tests.server_helpers import START_TIMEOUT, ServerProcess, free_port
+from tests.server_helpers import ServerProcess, free_port, spawn, wait_ready
 from tests.http_client import HTTP
 
 # Two running requests at most: the tiny model decodes a token in about a millisecond, so
 # without a queue no request would stay in flight long enough to be seen (load, failover).
 REPLICA_ARGS = ("--dtype", "float32", "--kv-cache-memory", "32MiB", "--num-threads", "1",
                 "--max-running-requests", "2", "--log-level", "warning")
-
-
-def _spawn(cmd: list[str], port: int, log_dir: Path, name: str,
-           host: str = "127.0.0.1") -> ServerProcess:
-    log_path = log_dir / f"{name}-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return ServerProcess(proc, port, log_path, host)
-
-
-def _wait(procs: Sequence[ServerProcess], path: str, timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(procs)
-    while pending:
-        for p in list(pending):
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"process exited with {p.proc.returncode}:\n{p.log()}")
-            try:
-                if HTTP.get(f"{p.url}{path}", timeout=1.0).status_code == 200:
-                    pending.remove(p)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not up in {timeout} s:\n" + "\n".join(p.log() for p in pending))
-        time.sleep(0.1)
 
 
 def start_processes(cmds: Sequence[tuple[list[str], int, str]], log_dir: Path,
@@ -54,8 +26,8 @@ def start_processes(cmds: Sequence[tuple[list[str], int, str]], log_dir: Path,
     procs: list[ServerProcess] = []
     try:
         for i, (cmd, port, name) in enumerate(cmds):
-            procs.append(_spawn(cmd, port, log_dir, name, *hosts[i:i + 1]))
-        _wait(procs, ready_path)
+            procs.append(spawn(cmd, port, log_dir, name, *hosts[i:i + 1]))
+        wait_ready(procs, ready_path)
     except BaseException:
         for p in procs:
             p.stop()

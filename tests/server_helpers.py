@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,28 +65,48 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def spawn(cmd: list[str], port: int, log_dir: Path, name: str,
+          host: str = "127.0.0.1") -> ServerProcess:
+    """Start `cmd` (a server that will listen on host:port) in its own process group, so that
+    stopping it can reap everything it spawned; output to log_dir/<name>-<port>.log."""
+    log_path = log_dir / f"{name}-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return ServerProcess(proc, port, log_path, host)
+
+
+def wait_ready(procs: Sequence[ServerProcess], path: str, timeout: float = START_TIMEOUT) -> None:
+    """Until GET <path> answers 200 from every process (asked together every 50 ms);
+    RuntimeError with the logs if one exits or they are not all up in `timeout`."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"process exited with {p.proc.returncode}:\n{p.log()}")
+            try:
+                if HTTP.get(f"{p.url}{path}", timeout=1.0).status_code == 200:
+                    pending.remove(p)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"not up in {timeout} s:\n" + "\n".join(p.log() for p in pending))
+        if pending:
+            time.sleep(0.05)
+
+
 def start_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
     port = free_port()
-    log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "banyan.cli", "serve", "--model", str(model_dir),
            "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "32MiB",
            "--log-level", "warning", *extra]
-    with open(log_path, "wb") as log:
-        # Own process group: the finalizer can reap the engine process even if the server hangs.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = ServerProcess(proc, port, log_path)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if HTTP.get(f"{server.url}/health", timeout=1.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    server.stop()
-    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+    server = spawn(cmd, port, log_dir, "server")
+    try:
+        wait_ready([server], "/health")
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def sse_events(lines: Iterator[str]) -> list[str]:
