@@ -325,6 +325,7 @@ def test_killing_a_replica_under_load(router: ServerProcess,
                                    "/v1/chat/completions", client) for i in range(12)]
             wait_for(lambda: worker_states(router.url)[victim]["in_flight"] >= 9,
                      what="requests on the victim")
+            on_victim = worker_states(router.url)[victim]["in_flight"] - 1  # (the stream)
             os.killpg(by_url[victim].proc.pid, signal.SIGKILL)
             events = sse_events(lines)
         results = [f.result() for f in futures]
@@ -337,7 +338,10 @@ def test_killing_a_replica_under_load(router: ServerProcess,
     after = metric_values(router.url)
     retries = sum(v - before.get(k, 0.0) for k, v in after.items()
                   if k[0] == "banyan:router_retries_total" and ("worker", victim) in k[1])
-    assert retries == moved  # each moved request once; the stream is not retried
+    # Each request on the victim at the kill is retried once, the stream never; one still on
+    # its way may find the victim already taken out and go elsewhere without a retry (a clean
+    # clone once saw 11 retries for 12 moved).
+    assert on_victim <= retries <= moved
     assert after[("banyan:router_stream_errors_total", (("worker", victim),))] == 1
     wait_for(lambda: worker_states(router.url)[victim]["state"] == "unhealthy",
              what="victim taken out")
