@@ -23,18 +23,23 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from banyan.fs import build_dir_atomically
 from banyan.models.gguf_cache import conversion_dir, prune
-from banyan.models.gguf_dequant import check_supported, storage_dtype, to_storage
-from banyan.models.gguf_header import GGUFHeader
+
+# numpy and the readers are imported where a file is read: `banyan serve` resolves the default
+# model through this module before it spawns the engine, and numpy's import alone held that
+# spawn back 0.18 s on a Zen 1 (the engine's start is the server's).
+if TYPE_CHECKING:
+    import numpy as np
+
+    from banyan.models.gguf_header import GGUFHeader
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +138,8 @@ def open_gguf(gguf_file: Path) -> tuple[GGUFHeader, str]:
 
 @functools.lru_cache(maxsize=4)
 def _open_gguf(gguf_file: Path, mtime_ns: int, size: int) -> tuple[GGUFHeader, str]:
+    from banyan.models.gguf_header import GGUFHeader
+
     try:
         reader = GGUFHeader(gguf_file)
     except Exception as exc:  # noqa: BLE001 - the reader raises many types on a bad file
@@ -149,6 +156,8 @@ def _open_gguf(gguf_file: Path, mtime_ns: int, size: int) -> tuple[GGUFHeader, s
 def iter_gguf_tensors(reader: GGUFHeader, arch: str) -> Iterator[GGUFTensor]:
     """Every tensor of the file, renamed to Hugging Face and in Hugging Face row order; raw
     blocks unchanged otherwise. ValueError names an unknown tensor or an unsupported type."""
+    from banyan.models.gguf_dequant import check_supported
+
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     for t in reader.tensors:
@@ -177,6 +186,8 @@ def hf_name(gguf_name: str) -> str:
 
 def _unpermute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
     # Inverse of llama.cpp's permute(): within each head, rows (2j, 2j+1) came from (j, j + d/2).
+    import numpy as np
+
     rows = raw.shape[0]
     half = rows // heads // 2
     return np.ascontiguousarray(
@@ -211,10 +222,12 @@ def write_safetensors(path: Path, tensors: list[GGUFTensor], show_progress: bool
     any data is read), then each tensor dequantized and written in turn."""
     from tqdm.auto import tqdm
 
+    from banyan.models.gguf_dequant import storage_dtype, to_storage
+
     header: dict[str, Any] = {}
     offset = 0
     for t in tensors:
-        size = int(np.prod(t.shape)) * (4 if storage_dtype(t.ggml_type) == "F32" else 2)
+        size = math.prod(t.shape) * (4 if storage_dtype(t.ggml_type) == "F32" else 2)
         header[t.name] = {"dtype": storage_dtype(t.ggml_type), "shape": list(t.shape),
                           "data_offsets": [offset, offset + size]}
         offset += size
