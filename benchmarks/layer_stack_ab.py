@@ -9,11 +9,17 @@ compared first.
 Build the other checkout's kernels (any Banyan call that loads them writes the library into
 ~/.cache/banyan/kernels, named by a hash of the sources), then:
 
-    python benchmarks/layer_stack_ab.py A.so B.so [--tokens 1,8,13,64] [--rounds 30] [--out F]
+    python benchmarks/layer_stack_ab.py A.so B.so [--tokens 1,8,13,64] [--rounds 30] [--out F] \
+        [--model PATH] [--gguf-blocks] [--dtype float32]
+
+--model: another checkpoint; --gguf-blocks: the linears of the model's GGUF file (the default
+model's without --model) computed from its blocks; --dtype: the activations' (bfloat16 by
+default; float32 where the CPU has no bf16 units).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import statistics
@@ -24,7 +30,7 @@ import torch
 
 from banyan.batch import ForwardBatch
 from banyan.bench.offline import machine_info
-from banyan.model_files import resolve_model_dir
+from banyan.model_files import gguf_source, resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
 from two_builds import parse_args  # (this script's folder)
 
@@ -48,11 +54,20 @@ def step(tokens: int) -> ForwardBatch:
 
 
 def main() -> int:
-    ns = parse_args(__doc__, "1,8,13,64", 30)
+    def more(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--model", default=None)
+        ap.add_argument("--gguf-blocks", action="store_true")
+        ap.add_argument("--dtype", default="bfloat16")
+
+    ns = parse_args(__doc__, "1,8,13,64", 30, more)
     sizes = ns.tokens
     rows = max(max(sizes), 1)
-    runner = ModelRunner(resolve_model_dir(None), dtype="bfloat16", max_rows=rows,
-                         num_slots=rows * STRIDE + 1, show_progress=False)
+    gguf = gguf_source(ns.model) if ns.gguf_blocks else None
+    if ns.gguf_blocks and gguf is None:
+        raise SystemExit(f"no GGUF file for --model {ns.model}")
+    runner = ModelRunner(resolve_model_dir(ns.model), dtype=ns.dtype, max_rows=rows,
+                         num_slots=rows * STRIDE + 1, show_progress=False,
+                         quantization="gguf" if gguf else "none", gguf_file=gguf)
     stack = runner.stack
     if stack is None:
         raise SystemExit("no native layer stack for this model here")
@@ -89,8 +104,11 @@ def main() -> int:
               f"same logits {same}", flush=True)
     stack._call = entry
     if ns.out:
-        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+        ns.out.write_text(json.dumps({"command": ns.command,
                                       "machine": machine_info(), "context": CONTEXT,
+                                      "model": str(ns.model or "the default model"),
+                                      "gguf_blocks": ns.gguf_blocks,
+                                      "dtype": ns.dtype,
                                       "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
                                       "cases": results}, indent=2) + "\n")
     return 0

@@ -6,20 +6,28 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
-def parse_args(doc: str, tokens: str, rounds: int) -> argparse.Namespace:
+def parse_args(doc: str, tokens: str, rounds: int,
+               more: Callable[[argparse.ArgumentParser], None] | None = None,
+               ) -> argparse.Namespace:
     """a, b: the libraries (~/.cache/banyan/kernels/*.so of two checkouts); tokens: a list
-    ("1,8,13"); rounds; out: a JSON file or None."""
+    ("1,8,13"); rounds; out: a JSON file or None; whatever `more` adds to the parser; command:
+    the command line as given, the home directory as ~ (for the JSON)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--tokens", default=tokens)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--out", type=Path, default=None)
+    if more is not None:
+        more(ap)
     ns = ap.parse_args()
     ns.tokens = [int(t) for t in ns.tokens.split(",")]
+    ns.command = " ".join(["python", *sys.argv]).replace(str(Path.home()), "~")
     return ns
 
 
