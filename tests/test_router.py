@@ -302,6 +302,8 @@ def test_killing_a_replica_under_load(router: ServerProcess,
     first and is read up to its first chunk (the role, sent with the first token), so its
     output has started; it is long enough to be still running when the queue has filled."""
     by_url = {r.url: r for r in replicas}
+    for url in by_url.keys() - worker_states(router.url).keys():  # (run alone: the third)
+        assert HTTP.post(f"{router.url}/workers", json={"url": url}).json()["state"] == "healthy"
     system = {"role": "system", "content": "you answer questions about prefixes. " * 4}
 
     def chat(text: str) -> list[dict[str, str]]:
