@@ -37,6 +37,25 @@ inline __m512 exp512(__m512 x) {
 
 inline __m512 exp512_nonpos(__m512 x) { return exp512(x); }
 
+// 2^t for t <= 0 (t clamped to [-126, 0]: below, 2^-126 instead of ~0, as exp512's clamp at -87
+// leaves ~1e-38): t's nearest integer n and its fraction f in [-0.5, 0.5], 2^f by a degree-5
+// polynomial (relative error under 2e-7, fitted to 2^f on that interval), times 2^n by one
+// vscalefps. Nine operations where exp512 takes seventeen (its reduction in natural
+// logarithms, its power of two built by integer shifts): the attention's softmax calls it for
+// every score (cpu_attend512.h).
+inline __m512 exp2_nonpos512(__m512 t) {
+    t = _mm512_max_ps(_mm512_min_ps(t, _mm512_setzero_ps()), _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.3276429381e-3f), f,
+                               _mm512_set1_ps(9.6755335107e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5507134646e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022120237e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314694405e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0000001192e+0f));
+    return _mm512_scalef_ps(y, n);
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
