@@ -86,7 +86,7 @@ def main() -> int:
     finally:
         native.load = load  # type: ignore[assignment]
     if ns.out:
-        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+        ns.out.write_text(json.dumps({"command": ns.command,
                                       "machine": machine_info(), "rounds": ns.rounds,
                                       "a": ns.a.name, "b": ns.b.name, "cases": results},
                                      indent=2) + "\n")

@@ -92,7 +92,7 @@ def main() -> int:
               f"{row['b_median_ms']:.3f} ms (b/a {row['b_over_a_median']:.3f}), best b/a "
               f"{row['b_over_a_best']:.3f}", flush=True)
     if ns.out:
-        result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+        result = {"command": ns.command, "machine": machine_info(),
                   "tokens": ns.tokens, "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
                   "cases": rows}
         ns.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -68,7 +68,7 @@ def main() -> int:
         print(f"T={t:3d} a {a * 1e3:7.2f} ms b {b * 1e3:7.2f} ms  b/a {b / a:.3f}  "
               f"(a streams {weight_bytes / a / 1e9:.1f} GB/s)", flush=True)
     if ns.out:
-        result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+        result = {"command": ns.command, "machine": machine_info(),
                   "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name, "cases": rows}
         ns.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

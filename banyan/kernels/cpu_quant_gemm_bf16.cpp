@@ -101,7 +101,7 @@ struct Fill {
     Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into)
         : w(&weight), p0(first), np(panels), pairs(weight.K / 2), tile(into) {}
 
-    void one() {
+    __attribute__((always_inline)) void one() {
         const QuantWeight& W = *w;
         const int64_t p = p0 + q, K = W.K;
         const bool int8 = W.kind == kInt8Rows || W.kind == kInt8Groups;
@@ -155,8 +155,11 @@ struct Panels {
     int64_t stride;
 };
 
-// tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P).
-template <int N_P, int T_B>
+// tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P); FILL: with the next
+// group's tile to fill meanwhile (Fill::one inlined into the pass: called out of line, it cost
+// a vzeroupper and the sums' moves out of zmm0-15 per call, and int4 64-token steps ~1.25x
+// the time on Zen 5), so that a pass with none (dense bf16 pairs) has none of its code either.
+template <int N_P, int T_B, bool FILL>
 void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int64_t p0,
                const float* bias, uint16_t* out, int64_t N, Ahead fetch, Fill* fill) {
     __m512 acc[T_B][N_P];
@@ -166,12 +169,13 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
     for (int t = 0; t < T_B; ++t) rows[t] = reinterpret_cast<const int32_t*>(x + (t0 + t) * K);
     // fetch's lines spread over the pass, a few every pair, not in one burst ahead of it
     const int64_t lines = fetch.bytes / 64, pairs = K / 2;
-    const int64_t fills = fill ? fill->end - fill->done : 0;  // spread over the pass alike
+    const int64_t fills = FILL ? fill->end - fill->done : 0;  // spread over the pass alike
     int64_t owed = 0, filled = 0;
     for (int64_t j = 0; j < pairs; ++j) {
         for (owed += lines; owed >= pairs; owed -= pairs, fetch.codes += 64)
             _mm_prefetch(fetch.codes, _MM_HINT_T1);
-        for (filled += fills; filled >= pairs; filled -= pairs) fill->one();
+        if constexpr (FILL)
+            for (filled += fills; filled >= pairs; filled -= pairs) fill->one();
         __m512bh wv[N_P];
         for (int q = 0; q < N_P; ++q)
             wv[q] = (__m512bh)_mm512_load_si512(tile.base[q] + j * tile.stride);
@@ -193,13 +197,14 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
 }
 
 // The largest token count <= T_B that is tb, at compile time.
-template <int N_P, int T_B>
+template <int N_P, int T_B, bool FILL>
 void token_block(int tb, const Panels& tile, const uint16_t* x, int64_t K, int64_t t0,
                  int64_t p0, const float* bias, uint16_t* out, int64_t N, Ahead fetch,
                  Fill* fill) {
-    if (tb == T_B) return tile_gemm<N_P, T_B>(tile, x, K, t0, p0, bias, out, N, fetch, fill);
+    if (tb == T_B)
+        return tile_gemm<N_P, T_B, FILL>(tile, x, K, t0, p0, bias, out, N, fetch, fill);
     if constexpr (T_B > 1)
-        token_block<N_P, T_B - 1>(tb, tile, x, K, t0, p0, bias, out, N, fetch, fill);
+        token_block<N_P, T_B - 1, FILL>(tb, tile, x, K, t0, p0, bias, out, N, fetch, fill);
 }
 
 // The codes (the bulk of the bytes) of panels [p, p + np): contiguous in every kind's layout.
@@ -214,10 +219,10 @@ Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
 // L2, a share a block (spread over the block's pass, tile_gemm): batched, fill_tile otherwise
 // waited on DRAM for each group's codes between compute-bound passes (its share of a 64-token
 // step's GEMM time was twice what it is with the codes in cache).
-template <int N_P>
+template <int N_P, bool FILL>
 void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
                  const float* bias, uint16_t* out, int64_t N, Ahead next, Fill* fill) {
-    const int64_t vectors = fill ? fill->np * fill->pairs : 0;
+    const int64_t vectors = FILL ? fill->np * fill->pairs : 0;
     // blocks of nearly equal size (12 tokens: 6 + 6, not 8 + 4): a short block's few chains of
     // sums wait on vdpbf16ps's latency (9 tokens took 1.17x the time of 8 with a block of 1)
     const int64_t blocks = (T + TB - 1) / TB;
@@ -226,12 +231,29 @@ void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, in
         const int64_t from = next.bytes * t0 / T & ~int64_t{63};
         const int64_t to = std::min(next.bytes, next.bytes * t1 / T);
         const int tb = static_cast<int>(t1 - t0);
-        if (fill) fill->end = t1 >= T ? vectors : vectors * t1 / T;
-        token_block<N_P, TB>(tb, tile, x, K, t0, p0, bias, out, N,
-                             Ahead{next.codes + from, std::max<int64_t>(to - from, 0)}, fill);
+        if constexpr (FILL) fill->end = t1 >= T ? vectors : vectors * t1 / T;
+        token_block<N_P, TB, FILL>(tb, tile, x, K, t0, p0, bias, out, N,
+                                   Ahead{next.codes + from, std::max<int64_t>(to - from, 0)},
+                                   fill);
     }
-    if (fill)
+    if constexpr (FILL)
         while (fill->done < vectors) fill->one();  // (a pass's rounding may leave one)
+}
+
+// panel_group's instance for np panels, with or without a tile to fill.
+void group(int np, bool filling, const Panels& tile, const uint16_t* x, int64_t T, int64_t K,
+           int64_t p0, const float* bias, uint16_t* out, int64_t N, Ahead next, Fill* fill) {
+    if (filling) {
+        if (np == 3) panel_group<3, true>(tile, x, T, K, p0, bias, out, N, next, fill);
+        else if (np == 2) panel_group<2, true>(tile, x, T, K, p0, bias, out, N, next, fill);
+        else panel_group<1, true>(tile, x, T, K, p0, bias, out, N, next, fill);
+    } else if (np == 3) {
+        panel_group<3, false>(tile, x, T, K, p0, bias, out, N, next, nullptr);
+    } else if (np == 2) {
+        panel_group<2, false>(tile, x, T, K, p0, bias, out, N, next, nullptr);
+    } else {
+        panel_group<1, false>(tile, x, T, K, p0, bias, out, N, next, nullptr);
+    }
 }
 
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
@@ -269,9 +291,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
             // the codes after the group being filled (the pairs after this group's, in place)
             const int64_t ahead = plain ? np : np + next_np;
             const Ahead next = codes_of(w, p0 + ahead, std::clamp<int64_t>(b - p0 - ahead, 0, NP));
-            if (np == 3) panel_group<3>(panels_at, x, T, w.K, p0, bias, out, N, next, filling);
-            else if (np == 2) panel_group<2>(panels_at, x, T, w.K, p0, bias, out, N, next, filling);
-            else panel_group<1>(panels_at, x, T, w.K, p0, bias, out, N, next, filling);
+            group(np, filling != nullptr, panels_at, x, T, w.K, p0, bias, out, N, next, filling);
         }
         std::free(tiles);
     }
