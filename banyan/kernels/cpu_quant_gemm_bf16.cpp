@@ -123,8 +123,15 @@ struct Fill {
                 _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
             const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
             const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
-                                         _mm512_add_ps(_mm512_mul_ps(odd, s), m));
+            // kInt4's scales are float16: a 4-bit code times one is exact in float32, so one
+            // fused multiply-add rounds where the product and the sum rounded once between them
+            // (the same bits, two operations fewer a vector); kInt4Wide's float32 scales not
+            if (W.kind == kInt4)
+                tile[j * np + q] = pair_bf16(_mm512_fmadd_ps(even, s, m),
+                                             _mm512_fmadd_ps(odd, s, m));
+            else
+                tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
+                                             _mm512_add_ps(_mm512_mul_ps(odd, s), m));
         }
         --left, ++done;
         if (++j == pairs) j = 0, ++q, left = 0;
