@@ -1,0 +1,72 @@
+"""Where a quantized layer's long steps should leave the bf16 GEMM kernel for oneDNN: each of
+SmolLM2-135M's layer shapes as int4 (group 32) and int8, at several token counts, through both
+of `layers/quant.py`'s batched paths in one process (the kernel, banyan_quant_gemm_bf16; and the
+weight dequantized to plain bf16, then torch's GEMM), medians of alternating calls. The switch is
+`ONEDNN_MIN_TOKENS`; this prints each case's kernel / oneDNN time ratio.
+
+    python benchmarks/quant_onednn_crossover.py [--tokens 512,1024,2048] [--rounds 15] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from banyan.bench.offline import machine_info
+from banyan.layers import quant
+from banyan.layers.linear import Linear
+from banyan.layers.quant import Int4Method, Int8Method
+
+SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
+PATHS = {"onednn": 1, "kernel": 10**9}  # ONEDNN_MIN_TOKENS that sends every step one way
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="512,1024,2048")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=None)
+    ns = ap.parse_args()
+    torch.manual_seed(0)
+    kept = quant.ONEDNN_MIN_TOKENS
+    rows = []
+    with torch.inference_mode():
+        for method, make in (("int4", lambda: Int4Method(32)), ("int8", Int8Method)):
+            for shape, (n, k) in SHAPES.items():
+                layer = Linear.from_weight(torch.randn(n, k) * 0.05)
+                layer.convert(make())
+                for tokens in (int(t) for t in ns.tokens.split(",")):
+                    x = torch.randn(tokens, k).bfloat16()
+                    ms: dict[str, list[float]] = {path: [] for path in PATHS}
+                    for r in range(ns.rounds + 1):  # (round 0: warm-up, not kept)
+                        for path in PATHS if r % 2 else reversed(PATHS):
+                            quant.ONEDNN_MIN_TOKENS = PATHS[path]
+                            t0 = time.perf_counter()
+                            layer(x)
+                            if r:
+                                ms[path].append((time.perf_counter() - t0) * 1e3)
+                    med = {path: statistics.median(v) for path, v in ms.items()}
+                    row = {"method": method, "shape": shape, "tokens": tokens,
+                           "kernel_ms": med["kernel"], "onednn_ms": med["onednn"],
+                           "kernel_over_onednn": med["kernel"] / med["onednn"]}
+                    rows.append(row)
+                    print(f"{method} {shape:8s} {tokens:5d} tokens: kernel {med['kernel']:.3f} "
+                          f"ms, oneDNN {med['onednn']:.3f} ms ({row['kernel_over_onednn']:.3f})",
+                          flush=True)
+    quant.ONEDNN_MIN_TOKENS = kept
+    if ns.out:
+        ns.out.write_text(json.dumps({
+            "command": " ".join(["python", *sys.argv]).replace(str(Path.home()), "~"),
+            "machine": machine_info(), "threads": torch.get_num_threads(),
+            "onednn_min_tokens": kept, "rounds": ns.rounds, "results": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
