@@ -90,8 +90,15 @@ void fill_plain(const QuantWeight& w, int64_t p, int q, int np, __m512i* tile) {
 // spent 7-16% over bf16's on it, SmolLM2's layers, Zen 4).
 struct Fill {
     const QuantWeight* w = nullptr;
-    int64_t p0 = 0, np = 0, pairs = 0;
+    int64_t np = 0, pairs = 0;
     __m512i* tile = nullptr;
+    // Every kind's codes and scales run on from panel to panel, so the next vector's are found
+    // by stepping pointers, not by working out its panel's and group's offsets each vector.
+    const uint8_t* code = nullptr;  // the next vector's codes
+    int64_t step = 0;               // code bytes a vector: 2 x 16 (int8) or 16 (int4)
+    int64_t at = 0;                 // the next group's first scale (and minimum)
+    int64_t group_pairs = 0;        // pairs a group
+    bool int8 = false, half = false;
     int64_t q = 0, j = 0;       // the next vector: panel p0 + q's pair j
     int64_t done = 0, end = 0;  // vectors filled; this pass fills up to `end`
     int64_t left = 0;           // pairs left in the current group (0: at a group's start)
@@ -99,40 +106,44 @@ struct Fill {
 
     Fill() = default;
     Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into)
-        : w(&weight), p0(first), np(panels), pairs(weight.K / 2), tile(into) {}
+        : w(&weight), np(panels), pairs(weight.K / 2), tile(into) {
+        int8 = weight.kind == kInt8Rows || weight.kind == kInt8Groups;
+        half = weight.kind == kInt4;
+        const int64_t group = weight.kind == kInt8Rows ? weight.K : weight.group;
+        group_pairs = group / 2;
+        step = int8 ? 2 * PANEL : PANEL;
+        code = static_cast<const uint8_t*>(weight.codes) + first * pairs * step;
+        at = first * (weight.K / group) * PANEL;
+    }
 
     __attribute__((always_inline)) void one() {
         const QuantWeight& W = *w;
-        const int64_t p = p0 + q, K = W.K;
-        const bool int8 = W.kind == kInt8Rows || W.kind == kInt8Groups;
         if (left == 0) {
-            const int64_t group = W.kind == kInt8Rows ? K : W.group;
-            const int64_t at = W.kind == kInt8Rows ? p * PANEL
-                                                   : (p * (K / group) + 2 * j / group) * PANEL;
-            s = scale16(W.scale, at, W.kind == kInt4);
-            if (!int8) m = scale16(W.mins, at, W.kind == kInt4);
-            left = group / 2;
+            s = scale16(W.scale, at, half);
+            if (!int8) m = scale16(W.mins, at, half);
+            at += PANEL;
+            left = group_pairs;
         }
         if (int8) {
-            const int8_t* c = static_cast<const int8_t*>(W.codes) + (p * K + 2 * j) * PANEL;
+            const int8_t* c = reinterpret_cast<const int8_t*>(code);
             tile[j * np + q] = pair_bf16(_mm512_mul_ps(load_i8x16(c), s),
                                          _mm512_mul_ps(load_i8x16(c + PANEL), s));
         } else {
-            const uint8_t* c = static_cast<const uint8_t*>(W.codes) + (p * (K / 2) + j) * PANEL;
             const __m512i b =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
             const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
             const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
             // kInt4's scales are float16: a 4-bit code times one is exact in float32, so one
             // fused multiply-add rounds where the product and the sum rounded once between them
             // (the same bits, two operations fewer a vector); kInt4Wide's float32 scales not
-            if (W.kind == kInt4)
+            if (half)
                 tile[j * np + q] = pair_bf16(_mm512_fmadd_ps(even, s, m),
                                              _mm512_fmadd_ps(odd, s, m));
             else
                 tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
                                              _mm512_add_ps(_mm512_mul_ps(odd, s), m));
         }
+        code += step;
         --left, ++done;
         if (++j == pairs) j = 0, ++q, left = 0;
     }
