@@ -2,7 +2,8 @@
 SmolLM2-135M's layer shapes as int4 (group 32) and int8, at several token counts, through both
 of `layers/quant.py`'s batched paths in one process (the kernel, banyan_quant_gemm_bf16; and the
 weight dequantized to plain bf16, then torch's GEMM), medians of alternating calls. The switch is
-`ONEDNN_MIN_TOKENS`; this prints each case's kernel / oneDNN time ratio.
+`ONEDNN_MIN_TOKENS` (AMX CPUs only; elsewhere the kernel takes every step); this prints each
+case's kernel / oneDNN time ratio.
 
     python benchmarks/quant_onednn_crossover.py [--tokens 512,1024,2048] [--rounds 15] [--out F]
 """
@@ -24,7 +25,7 @@ from banyan.layers.linear import Linear
 from banyan.layers.quant import Int4Method, Int8Method
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
-PATHS = {"onednn": 1, "kernel": 10**9}  # ONEDNN_MIN_TOKENS that sends every step one way
+PATHS = {"onednn": 1, "kernel": None}  # ONEDNN_MIN_TOKENS that sends every step one way
 
 
 def main() -> int:

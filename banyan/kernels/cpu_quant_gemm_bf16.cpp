@@ -316,8 +316,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
 }
 
 // The layer's bf16 weight as plain rows [N, K]: each panel's pairs (fill_tile) transposed back
-// into rows, 16 pairs (32 inputs) of 16 rows a time: for long prefill chunks, which torch's
-// oneDNN GEMM takes a few percent faster than this file's (layers/quant.py, ONEDNN_MIN_TOKENS).
+// into rows, 16 pairs (32 inputs) of 16 rows a time: for long prefill chunks on AMX CPUs, where
+// torch's oneDNN GEMM runs on AMX tiles (layers/quant.py, ONEDNN_MIN_TOKENS).
 void dequant_rows(const QuantWeight& w, uint16_t* out, int64_t n_threads) {
     const int64_t panels = (w.N + PANEL - 1) / PANEL, pairs = w.K / 2;
 #pragma omp parallel num_threads(threads_for(panels, n_threads))

@@ -39,12 +39,13 @@ SLAB_BYTES = 8 << 20
 # too: a 13-token check through SmolLM2's layer stack, Zen 4, int4 25.3 -> 18.8 ms, int8 17.8
 # -> 17.1 (9 tokens 16.9 -> 11.9 and 15.6 -> 13.3; at 24 tokens int4 breaks even, int8 loses).
 BF16_GEMM_MIN_TOKENS = native.EXACT_STEP_TOKENS + 1
-# ... and from this many tokens (a long prefill chunk), a layer without bias multiplies its
-# weight dequantized to plain bf16 rows by torch's GEMM (oneDNN), the same values: there oneDNN
-# outruns that kernel by more than the dequantizing (0.2-0.3 ms a layer) and its reorder of the
-# weight cost (Zen 4, SmolLM2's layers, best of 5: 4,096 tokens 37.8 against 39.5 ms for
-# gate/up, 17.8 against 18.7 for down; a wash at 1,024-2,048, slower at 512).
-ONEDNN_MIN_TOKENS = 2048
+# ... and on a CPU with AMX, from this many tokens (a long prefill chunk), a layer without bias
+# multiplies its weight dequantized to plain bf16 rows by torch's GEMM (oneDNN on AMX tiles),
+# the same values. Elsewhere (None) that kernel takes every step: oneDNN's vdpbf16ps GEMM beat
+# it only by ~4% at 4,096 tokens on Zen 4 before the kernel's dequantizing got 10-30% cheaper
+# (a wash at 1,024-2,048 there), and after it, on Zen 5, the kernel took 0.70-1.00x oneDNN's
+# time at 512-4,096 tokens, dequantizing included (benchmarks/quant_onednn_crossover.py).
+ONEDNN_MIN_TOKENS: int | None = 2048 if native.amx_here() else None
 BF16_GEMM_KINDS = {"int8_rows": 0, "int8_groups": 1, "int4": 2, "int4_wide": 3}  # its Kind
 INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gguf: layers/gguf_linear.py
@@ -168,7 +169,8 @@ class _QuantMethod(LinearMethod):
         spec = self.native(layer)
         kind = BF16_GEMM_KINDS[spec.kind]
         mins = spec.mins.data_ptr() if spec.mins is not None else None
-        if flat.shape[0] >= ONEDNN_MIN_TOKENS and layer.bias is None:
+        if ONEDNN_MIN_TOKENS is not None and flat.shape[0] >= ONEDNN_MIN_TOKENS \
+                and layer.bias is None:
             weight = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16)
             with native.kernel_range("banyan::dequantize_bf16"):
                 self._lib().banyan_quant_dequant_bf16(
