@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.layers import quant
 from banyan.layers.linear import Linear
 from banyan.layers.quant import Int4Method, Int8Method
@@ -63,7 +63,7 @@ def main() -> int:
     quant.ONEDNN_MIN_TOKENS = kept
     if ns.out:
         ns.out.write_text(json.dumps({
-            "command": " ".join(["python", *sys.argv]).replace(str(Path.home()), "~"),
+            "command": command_line(),
             "machine": machine_info(), "threads": torch.get_num_threads(),
             "onednn_min_tokens": kept, "rounds": ns.rounds, "results": rows}, indent=2) + "\n")
     return 0

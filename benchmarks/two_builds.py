@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from banyan.bench.offline import command_line
 
 
 def parse_args(doc: str, tokens: str, rounds: int,
@@ -27,7 +28,7 @@ def parse_args(doc: str, tokens: str, rounds: int,
         more(ap)
     ns = ap.parse_args()
     ns.tokens = [int(t) for t in ns.tokens.split(",")]
-    ns.command = " ".join(["python", *sys.argv]).replace(str(Path.home()), "~")
+    ns.command = command_line()
     return ns
 
 

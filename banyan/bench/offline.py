@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import platform
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -37,6 +38,12 @@ def memory_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
 
 CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                 "amx_bf16", "amx_int8", "amx_tile")
+
+
+def command_line() -> str:
+    """This process's command line as a benchmark's JSON records it: `python ...`, the home
+    directory as ~ (no machine's paths in committed results)."""
+    return " ".join(["python", *sys.argv]).replace(str(Path.home()), "~")
 
 
 def machine_info() -> dict[str, Any]:

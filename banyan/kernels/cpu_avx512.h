@@ -35,8 +35,6 @@ inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
 
-inline __m512 exp512_nonpos(__m512 x) { return exp512(x); }
-
 // 2^t for t <= 0 (t clamped to [-126, 0]: below, 2^-126 instead of ~0, as exp512's clamp at -87
 // leaves ~1e-38): t's nearest integer n and its fraction f in [-0.5, 0.5], 2^f by a degree-5
 // polynomial (relative error under 2e-7, fitted to 2^f on that interval), times 2^n by one

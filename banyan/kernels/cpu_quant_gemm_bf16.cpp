@@ -99,7 +99,7 @@ struct Fill {
     int64_t at = 0;                 // the next group's first scale (and minimum)
     int64_t group_pairs = 0;        // pairs a group
     bool int8 = false, half = false;
-    int64_t q = 0, j = 0;       // the next vector: panel p0 + q's pair j
+    int64_t q = 0, j = 0;       // the next vector: the group's panel q, pair j
     int64_t done = 0, end = 0;  // vectors filled; this pass fills up to `end`
     int64_t left = 0;           // pairs left in the current group (0: at a group's start)
     __m512 s, m;
