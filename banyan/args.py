@@ -66,7 +66,8 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_doc(
         "auto (cuda when available, else cpu), cpu, cuda, cuda:N."))
     kv_cache_memory: str | None = field(default=None, metadata=_doc(
-        "KV cache size: bytes, or with a unit (512MiB, 4GiB). Default: --mem-fraction of free memory."))
+        "KV cache size: bytes, or with a unit (512MiB, 4GiB). Default: --mem-fraction of free "
+        "memory."))
     kv_cache_dtype: str = field(default="auto", metadata=_doc(
         "Storage of the KV cache: auto (the model's dtype), int8 or fp8_e4m3 (alias fp8) / "
         "fp8_e5m2 (one byte per value and a float32 scale per token and head: about twice the "
@@ -92,7 +93,8 @@ class EngineArgs:
         "A KV tier under the prefix cache (HiCache): file (block files in --hicache-dir, kept "
         "across restarts and shared by replicas on one machine) or none. Computed prompts' and "
         "finished requests' KV is written there in the background; a prompt whose prefix is "
-        "there loads it instead of recomputing it. mooncake: Mooncake's distributed store (--hicache-mooncake-master), "
+        "there loads it instead of recomputing it. mooncake: Mooncake's distributed store "
+        "(--hicache-mooncake-master), "
         "shared by every replica joined to it; each donates --hicache-size of its memory.",
         choices=["none", "file", "mooncake"]))
     hicache_dir: str | None = field(default=None, metadata=_doc(
@@ -326,7 +328,8 @@ def _base_type(annotation: Any) -> Any:
     return args[0] if args else annotation
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
+                       skip: set[str] = frozenset()) -> None:
     """One flag per field: --field-name, typed from the annotation, help from the field doc."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -336,7 +339,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
+            parser.add_argument(flag, dest=f.name, action="store_true", default=default,
+                                help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text,
                                 choices=f.metadata.get("choices"))

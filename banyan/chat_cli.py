@@ -23,7 +23,8 @@ def add_chat_parser(sub: Any, add_args: Callable[[argparse.ArgumentParser], obje
     add_args(chat)
     chat.add_argument("--system", default=None, help="system message (default: the template's)")
     # A reply is longer than generate's 32-token default.
-    chat.set_defaults(max_new_tokens=512, func=lambda ns: cmd_chat(ns, engine_args_from(ns), sampling_from(ns)))
+    chat.set_defaults(max_new_tokens=512,
+                      func=lambda ns: cmd_chat(ns, engine_args_from(ns), sampling_from(ns)))
 
 
 def open_engine(args: EngineArgs, params: SamplingParams) -> Engine | None:

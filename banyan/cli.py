@@ -96,7 +96,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                                   "prompt_tokens": out.prompt_tokens}))
             else:
                 print(f"{out.prompt}\n{sample.text}" if ns.chat else f"{out.prompt}{sample.text}")
-                print(f"  [{sample.completion_tokens} tokens, finish_reason={sample.finish_reason}]")
+                print(f"  [{sample.completion_tokens} tokens, "
+                      f"finish_reason={sample.finish_reason}]")
     return 0
 
 
@@ -115,7 +116,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
     if ns.command == "generate":
         return cmd_generate(ns)

@@ -12,7 +12,8 @@ own virtual environment) on that same file, all with the same threads.
 Per configuration: batch-1 decode of 128 new tokens after a 128-token prompt (decode tok/s, and
 that as a fraction of the copy-bandwidth bound for the bytes its weights take), and with
 --batched the random 64 x 128/128 workload's output tok/s (llama.cpp through its batched API:
-every sequence in one context, a token per sequence per decode call). The model is Banyan's default (SmolLM2-135M-Instruct).
+every sequence in one context, a token per sequence per decode call). The model is Banyan's
+default (SmolLM2-135M-Instruct).
 """
 
 from __future__ import annotations

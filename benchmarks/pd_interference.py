@@ -105,7 +105,8 @@ async def phase(url: str, ns: argparse.Namespace, seconds: float, long_prompts: 
     return {"itl_p50_ms": q(0.5), "itl_p90_ms": q(0.9), "itl_p99_ms": q(0.99),
             "itl_p999_ms": q(0.999), "itl_max_ms": gaps[-1] * 1e3,
             # gaps over twice the median, and the time they lost beyond it, summed
-            "stalled_gaps": len(stalls), "stall_s": sum(stalls), "itl_mean_ms": statistics.fmean(gaps) * 1e3,
+            "stalled_gaps": len(stalls), "stall_s": sum(stalls),
+            "itl_mean_ms": statistics.fmean(gaps) * 1e3,
             "chat_tokens_per_s": chat_tokens / wall, "gaps": len(gaps),
             "long_prompts": len(long_ttft),
             "long_ttft_s": sorted(long_ttft), "wall_s": wall}

@@ -120,7 +120,8 @@ def main() -> None:
                     row = {"ms": round(ms, 4),
                            "median_ms": round(statistics.median(times[name]) * 1e3, 4)}
                     if batch == 1:
-                        row["fraction_of_copy_bandwidth"] = round(nbytes / (ms / 1e3) / bandwidth, 3)
+                        row["fraction_of_copy_bandwidth"] = round(
+                            nbytes / (ms / 1e3) / bandwidth, 3)
                     results[key][name] = row
                 print(key, {n: r["ms"] for n, r in results[key].items()}, flush=True)
     report = {

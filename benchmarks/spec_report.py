@@ -18,7 +18,8 @@ def main() -> None:
             for p in sorted(folder.glob(f"{prefix}*.json"))
             if p.stem.removeprefix(prefix).count("-") == 2 and "step-cost" not in p.stem}
     # spec-<workload>-<algo>-<dtype>; the step-cost files are another benchmark's
-    print("| run | output tok/s | vs none | acceptance length | accepted / guessed | per position |")
+    print("| run | output tok/s | vs none | acceptance length | accepted / guessed "
+          "| per position |")
     print("|---|---|---|---|---|---|")
     for name, data in runs.items():
         workload, algo, dtype = name.split("-")

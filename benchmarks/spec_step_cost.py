@@ -3,7 +3,8 @@ tokens (1 = a plain decode, T = a decode checking T-1 guesses), and of B decodes
 model. Where the time stops being flat is where speculation stops being free: the default of
 --speculative-max-step-tokens comes from here.
 
-    python benchmarks/spec_step_cost.py [--dtype float32] [--out benchmarks/results/spec-step-cost.json]
+    python benchmarks/spec_step_cost.py [--dtype float32] \\
+        [--out benchmarks/results/spec-step-cost.json]
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "require
           "additionalProperties": False}
 
 
-def decode_steps(engine: Engine, batch: int, tokens: int, structured: bool, round_: int) -> list[float]:
+def decode_steps(engine: Engine, batch: int, tokens: int, structured: bool,
+                 round_: int) -> list[float]:
     spec = json_schema_spec(SCHEMA, "schema") if structured else None
     for i in range(batch):
         params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=round_ * 1000 + i,
@@ -65,7 +66,8 @@ def main() -> None:
             plain, js = statistics.median(steps["plain"]), statistics.median(steps["json"])
             results[f"batch_{batch}"] = {
                 "plain_step_ms": round(plain * 1e3, 2), "json_step_ms": round(js * 1e3, 2),
-                "ratio": round(js / plain, 3), "steps_measured": {k: len(v) for k, v in steps.items()}}
+                "ratio": round(js / plain, 3),
+                "steps_measured": {k: len(v) for k, v in steps.items()}}
             print(batch, results[f"batch_{batch}"], flush=True)
     report = {"benchmark": "structured-output grammar cost (decode step, median)",
               "command": "python " + " ".join(sys.argv[:1] + [

@@ -9,7 +9,8 @@ from pathlib import Path
 
 def main() -> None:
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
-    print("| run | elapsed s | output tok/s | total tok/s | cached tokens | hit rate vs optimum | retractions |")
+    print("| run | elapsed s | output tok/s | total tok/s | cached tokens | hit rate vs optimum "
+          "| retractions |")
     print("|---|---|---|---|---|---|---|")
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
@@ -17,8 +18,10 @@ def main() -> None:
             continue
         r = data["result"]
         hit = r.get("hit_rate_vs_optimum")
-        print(f"| {path.stem} | {r['elapsed_s']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} "
-              f"| {r['cached_tokens']} | {'' if hit is None else f'{hit:.3f}'} | {r.get('retractions', '')} |")
+        print(f"| {path.stem} | {r['elapsed_s']:.1f} | {r['output_tok_s']:.1f} "
+              f"| {r['total_tok_s']:.0f} "
+              f"| {r['cached_tokens']} | {'' if hit is None else f'{hit:.3f}'} "
+              f"| {r.get('retractions', '')} |")
         if "batch1" in data:
             b = data["batch1"]
             print(f"| {path.stem} batch-1 | {b['elapsed_s']:.2f} | {b['output_tok_s']:.1f} "

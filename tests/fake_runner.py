@@ -84,7 +84,8 @@ class FakeRunner:
             context = []
             for pos in range(start + n):
                 tok, written_pos = self.kv[row[pos]]
-                assert written_pos == pos, f"slot {row[pos]} holds position {written_pos}, not {pos}"
+                assert written_pos == pos, (
+                    f"slot {row[pos]} holds position {written_pos}, not {pos}")
                 context.append(tok)
             contexts.append(context)
         bound = batch.max_shared_prefix

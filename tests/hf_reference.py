@@ -21,5 +21,6 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     model = hf_model(str(path))
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                             do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()

@@ -13,9 +13,9 @@ import pytest
 PEERS = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
 sys.path.insert(0, str(PEERS))
 
-from run_side_by_side import summarize_runs
-from side_by_side_report import write_report
-from workers import Worker, group_cpu_seconds
+from run_side_by_side import summarize_runs  # noqa: E402 (after the sys.path insert)
+from side_by_side_report import write_report  # noqa: E402 (after the sys.path insert)
+from workers import Worker, group_cpu_seconds  # noqa: E402 (after the sys.path insert)
 
 
 def test_banyan_worker_protocol(llama_dir: Path, tmp_path: Path) -> None:

@@ -222,7 +222,8 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("kwargs,message", BAD_INPUTS)
-def test_bad_input_is_a_value_error_and_engine_keeps_serving(engine: Engine, kwargs, message) -> None:
+def test_bad_input_is_a_value_error_and_engine_keeps_serving(engine: Engine, kwargs,
+                                                             message) -> None:
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)
     check_pool_empty(engine)
@@ -251,7 +252,8 @@ def test_abort_mid_generation_frees_everything(engine: Engine) -> None:
     got: list[int] = []
     for _ in range(3):
         got += [t for u in engine.step() if u.rid == "bystander" for t in u.new_token_ids]
-    assert engine.core.scheduler.kv.cache.protected_size + engine.core.scheduler.kv.allocator.num_free < engine.core.scheduler.kv.capacity
+    kv = engine.core.scheduler.kv
+    assert kv.cache.protected_size + kv.allocator.num_free < kv.capacity
     engine.abort(group.rid)
     while engine.core.has_work:
         for u in engine.step():

@@ -1,7 +1,7 @@
 """`--quantization gguf`: linear layers computed from a GGUF file's own Q8_0 / Q4_0 / Q4_1 /
-Q5_0 / Q4_K / Q6_K blocks. Every repacked layer holds exactly the values transformers dequantizes from the file
-(bit for bit), the grouped int8 kernel matches float64 over them (odd shapes, every token-block
-size), other types stay dense, the engine's greedy output equals transformers' on the
+Q5_0 / Q4_K / Q6_K blocks. Every repacked layer holds exactly the values transformers dequantizes
+from the file (bit for bit), the grouped int8 kernel matches float64 over them (odd shapes, every
+token-block size), other types stay dense, the engine's greedy output equals transformers' on the
 dequantized model, and a non-GGUF model is refused at startup."""
 
 from __future__ import annotations

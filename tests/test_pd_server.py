@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation end to end: real `banyan serve` processes (a colocated reference,
 a prefill worker, a decode worker; tiny llama, one thread each) and a `banyan route --pd` router
 on localhost, the K/V crossing a TCP socket between the two workers. The router's answers must
-equal the colocated server's, byte for byte where ids, timestamps and float32 rounding allow; both workers end with
-every KV slot free or cached; a prefill worker killed with SIGKILL loses no request.
+equal the colocated server's, byte for byte where ids, timestamps and float32 rounding allow;
+both workers end with every KV slot free or cached; a prefill worker killed with SIGKILL loses no
+request.
 
 Module-scoped processes; the tests that need the prefill worker run before the one that kills it.
 """

@@ -15,7 +15,7 @@ from banyan.scheduler import Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
 from banyan.scheduler.policy import PolicyConfig
 from tests.fake_runner import FakeRunner, reference
-from tests.test_scheduler import make_request, run_all
+from tests.test_scheduler import make_request
 
 
 def radix_scheduler(num_slots: int = 4000, chunk: int = 256, prefill: int = 256,
@@ -216,11 +216,12 @@ def sharing_workload(seed: int = 0) -> list[list[int]]:
 ])
 def test_outputs_identical_with_and_without_prefix_cache(llama_dir: Path, setting: dict) -> None:
     prompts = sharing_workload()
-    params = [SamplingParams(max_new_tokens=8 + i % 9, temperature=0.0) for i in range(len(prompts))]
+    params = [SamplingParams(max_new_tokens=8 + i % 9, temperature=0.0)
+              for i in range(len(prompts))]
     results = {}
     for no_cache in (True, False):
-        with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True, no_prefix_cache=no_cache,
-                    **setting) as engine:
+        with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                    no_prefix_cache=no_cache, **setting) as engine:
             engine.core.scheduler.config.check_integrity = True
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             results[no_cache] = [o.output_ids for o in outs]
@@ -245,7 +246,8 @@ def test_engine_explains_misses_and_flushes(llama_dir: Path) -> None:
         assert engine.explain_prefix(input_ids=prompt, cache_salt="other")["matched"] == 0
         stats = engine.prefix_cache_stats()
         assert stats["queried_tokens"] == len(prompt) and stats["hit_tokens"] == 0
-        [again] = engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=2))
+        [again] = engine.generate(input_ids=[prompt],
+                                  sampling_params=SamplingParams(max_new_tokens=2))
         assert again.cached_tokens == len(prompt) - 1
         assert engine.prefix_cache_stats()["hit_tokens"] == len(prompt) - 1
         assert engine.flush_cache() is True

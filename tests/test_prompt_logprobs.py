@@ -25,7 +25,8 @@ def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]
 
 
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, RequestUpdate]:
+def run(engine: Engine, prompts: list[list[int]],
+        params: SamplingParams) -> dict[str, RequestUpdate]:
     """Add all prompts, step to the end; per request id, its update carrying prompt logprobs
     (and the tokens of all its updates)."""
     rids = [engine.add_request(input_ids=p, params=params.copy()).rid for p in prompts]
@@ -56,7 +57,8 @@ def check(model_dir: Path, prompt: list[int], update: RequestUpdate, top_k: int)
         assert len(entry.top_ids) == top_k
         assert torch.allclose(torch.tensor(entry.top_logprobs), values, atol=TOLERANCE)
         # ids may swap only between (near-)ties
-        for got_id, want_id, value in zip(entry.top_ids, ids.tolist(), values.tolist(), strict=True):
+        for got_id, want_id, value in zip(entry.top_ids, ids.tolist(), values.tolist(),
+                                          strict=True):
             assert got_id == want_id or abs(ref[i, got_id].item() - value) < TOLERANCE
 
 

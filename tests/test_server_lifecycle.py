@@ -1,6 +1,6 @@
-"""A second server, with --api-key and --overlap on: 401 without the key; then its engine process is killed:
-requests fail fast with 503, an open stream ends with an error event, /health says 503, and
-SIGTERM still shuts the server down cleanly."""
+"""A second server, with --api-key and --overlap on: 401 without the key; then its engine process
+is killed: requests fail fast with 503, an open stream ends with an error event, /health says 503,
+and SIGTERM still shuts the server down cleanly."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def test_template_bomb_stopped_and_health_answers(server: ServerProcess) -> None:
-    """A 10000 x 10000 template loop: stopped at --tokenize-timeout (400), /health fast meanwhile."""
+    """A 10000 x 10000 template loop: stopped at --tokenize-timeout (400), /health fast
+    meanwhile."""
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
                        "chat_template_kwargs": {"chat_template": BOMB}}).encode()
     t0 = time.monotonic()

@@ -33,10 +33,12 @@ SCHEMA = {"type": "object", "properties": {
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json: JSON schema keyword 'uniqueItems'"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}},
+     "guided_json: JSON schema keyword 'uniqueItems'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
         "type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}}}},
-     "response_format.json_schema.schema: JSON schema keyword 'multipleOf' (at /properties/n/multipleOf)"),
+     "response_format.json_schema.schema: JSON schema keyword 'multipleOf' "
+     "(at /properties/n/multipleOf)"),
     ({"guided_json": {"type": "string", "format": "credit-card"}}, "format 'credit-card'"),
     ({"guided_json": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
      "'maxLength' together with 'pattern'"),
@@ -250,8 +252,10 @@ def test_tools_reach_the_template_or_a_system_prompt() -> None:
     same, kwargs = chat.render(messages, "{% for t in tools %}{{ t }}{% endfor %}", None)
     assert same == messages and kwargs["tools"] == tools
     added, kwargs = chat.render(messages, "{{ messages }}", {"x": 1})
-    assert kwargs == {"x": 1} and added[0]["role"] == "system" and '"name": "f"' in added[0]["content"]
+    assert (kwargs == {"x": 1} and added[0]["role"] == "system"
+            and '"name": "f"' in added[0]["content"])
     assert ChatTools.from_body(tools, "none", "hermes") is None
-    message, finish = ChatTools.message('<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop")
+    message, finish = ChatTools.message(
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop")
     assert finish == "tool_calls" and message["content"] is None
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}

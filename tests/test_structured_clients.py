@@ -117,7 +117,8 @@ def test_vllm_and_sglang_fields_on_every_endpoint(server: ServerProcess,
         logit_bias={str(t): 8 for t in closing["tokens"]})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    schema = {"type": "object",
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
     out = HTTP.post(f"{server.url}/generate", timeout=60, json={
         "text": "x", "sampling_params": {"max_new_tokens": 30, "json_schema": json.dumps(schema)}})

@@ -5,10 +5,11 @@ CUDA machine the same tests run the compiled kernels.
 
 Covered: widths 64 (one block), 576 (SmolLM2's hidden, not a power of two) and 1536 (its MLP,
 several column blocks in SiLU-and-mul); 1, 5 and 33 rows; head_dim 64 and 24, and 32 with
-Qwen3's q/k head norms; float32 and bfloat16. RoPE must be bit-identical in both; the add before the norm too; the norm and SiLU
-within one rounding step (their reductions and exp are other implementations). Except in
-bfloat16 under the interpreter: its float32 -> bfloat16 cast truncates where a GPU's (and
-torch's) rounds to nearest, so there the values are checked within three bf16 steps only."""
+Qwen3's q/k head norms; float32 and bfloat16. RoPE must be bit-identical in both; the add before
+the norm too; the norm and SiLU within one rounding step (their reductions and exp are other
+implementations). Except in bfloat16 under the interpreter: its float32 -> bfloat16 cast truncates
+where a GPU's (and torch's) rounds to nearest, so there the values are checked within three bf16
+steps only."""
 
 from __future__ import annotations
 

@@ -137,7 +137,8 @@ def make_tier(args: EngineArgs, runner: ModelRunner) -> KVTier | None:
     else:
         directory = Path(args.hicache_dir or Path(user_cache_dir("banyan")) / "kv-tier")
         store = FileStore(directory, budget)
-        where = f"{directory} ({store.stats.files} blocks, {store.stats.bytes_used / 2**20:.1f} MiB)"
+        where = (f"{directory} ({store.stats.files} blocks, "
+                 f"{store.stats.bytes_used / 2**20:.1f} MiB)")
     identity = kv_identity(runner)
     logger.info("KV tier: %s, %s budget, blocks of %d tokens", where, args.hicache_size,
                 args.hicache_block_tokens)

@@ -97,7 +97,8 @@ class EngineCore:
             raise ValueError("prompt is empty: at least one token is needed")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt)} tokens is too long: the context length is "

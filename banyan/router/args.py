@@ -15,8 +15,8 @@ from banyan.args import _doc
 POLICIES = ["cache_aware", "round_robin", "shortest_queue", "random"]
 
 # Fields of RouterArgs that `banyan serve` already has (from ServerArgs) or sets itself.
-SERVE_SKIP = frozenset({"host", "port", "workers", "pd", "prefill_workers", "api_key", "log_level", "max_request_bytes",
-                        "access_log", "request_body_timeout"})
+SERVE_SKIP = frozenset({"host", "port", "workers", "pd", "prefill_workers", "api_key", "log_level",
+                        "max_request_bytes", "access_log", "request_body_timeout"})
 
 
 @dataclass(slots=True)

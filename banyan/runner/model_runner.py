@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from banyan.attention.base import AttentionMetadata
 from banyan.attention.registry import create_backend
 from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.host_tensors import int64_tensor, to_device

@@ -84,7 +84,8 @@ class SamplingParams:
                   "presence_penalty")
         for name in floats:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value)):
                 raise bad(name, "must be a finite number")
         if self.max_new_tokens < 0:
             raise bad("max_new_tokens", "must be >= 0")
@@ -114,7 +115,8 @@ class SamplingParams:
                 isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
                 and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")

@@ -1,8 +1,9 @@
 """Turns one step's logits into one token per row, vectorised over the batch.
 
-Order (as vLLM / HF): on the raw logits, the grammar's token mask (structured output), penalties, then logit bias, then the min_new_tokens ban on
-stop tokens; then, for sampled rows only, temperature, top-k, top-p, min-p; then one inverse-CDF
-draw per row (filters.py says why that rather than an exponential race over the vocabulary).
+Order (as vLLM / HF): on the raw logits, the grammar's token mask (structured output), penalties,
+then logit bias, then the min_new_tokens ban on stop tokens; then, for sampled rows only,
+temperature, top-k, top-p, min-p; then one inverse-CDF draw per row (filters.py says why that rather
+than an exponential race over the vocabulary).
 
 Randomness is one uniform number per sampled row. A row with a seed takes it from a hash of
 (seed, tokens generated so far): its tokens depend only on its own logits and seed, not on the batch

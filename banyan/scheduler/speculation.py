@@ -1,4 +1,5 @@
-"""Speculative decoding on the scheduler's side: who gets proposals, how many, and what came of them.
+"""Speculative decoding on the scheduler's side: who gets proposals, how many, and what came of
+them.
 
 A `Proposer` guesses each decoding request's next tokens (n-gram lookup over its own text, or a
 small draft model); the runner checks all of them in the step that decodes the request and
@@ -70,7 +71,8 @@ class SpeculationConfig:
         if self.num_tokens < 1:
             raise ValueError(f"speculative_num_tokens must be >= 1, got {self.num_tokens}")
         if self.max_step_tokens < 2:
-            raise ValueError(f"speculative_max_step_tokens must be >= 2, got {self.max_step_tokens}")
+            raise ValueError("speculative_max_step_tokens must be >= 2, "
+                             f"got {self.max_step_tokens}")
 
 
 @dataclass(slots=True)
@@ -200,7 +202,8 @@ class Speculation:
         asked = [i for i, k in enumerate(wanted) if k > 0]
         out: list[list[int]] = [[] for _ in decoding]
         if asked:
-            guesses = self.proposer.propose([decoding[i] for i in asked], [wanted[i] for i in asked])
+            guesses = self.proposer.propose([decoding[i] for i in asked],
+                                            [wanted[i] for i in asked])
             for i, guess in zip(asked, guesses, strict=True):
                 out[i] = list(guess[: wanted[i]])
         return out

@@ -1,6 +1,7 @@
 """Banyan's side of run_side_by_side.py: the offline banyan.Engine behind the worker protocol.
 
-    .venv/bin/python benchmarks/peers/banyan_worker.py --model DIR [--engine-args '{"no_prefix_cache": true}']
+    .venv/bin/python benchmarks/peers/banyan_worker.py --model DIR \\
+        [--engine-args '{"no_prefix_cache": true}']
 
 Each run goes through banyan.bench.offline.run_workload (the driver of `banyan bench offline`):
 all requests at once, greedy, ignore_eos, prefix cache flushed first.

@@ -146,9 +146,10 @@ def main() -> None:
     tpot = {b: statistics.median(r["median_tpot_ms"] for r in runs[b]) for b in BACKENDS}
     summary = {
         "what": "vllm bench serve TTFT, --backend openai-chat vs --backend openai, same prompts, "
-                "one banyan serve, alternating runs, prefix cache flushed before each, concurrency 1",
-        "command": " ".join([Path(sys.executable).name, "benchmarks/peers/chat_vs_completions_ttft.py",
-                             *sys.argv[1:]]),
+                "one banyan serve, alternating runs, prefix cache flushed before each, "
+                "concurrency 1",
+        "command": " ".join([Path(sys.executable).name,
+                             "benchmarks/peers/chat_vs_completions_ttft.py", *sys.argv[1:]]),
         **{key: machine_info()[key] for key in ("cpu", "cores")},
         "note": args.note,
         "server_commit": subprocess.run(["git", "-C", args.server_repo, "rev-parse", "--short",

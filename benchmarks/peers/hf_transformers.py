@@ -77,7 +77,8 @@ def continuous_batching(model: Any, prompts: list[list[int]], output_lens: list[
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     block_bytes = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
                    * model.dtype.itemsize * page)
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=max(16, int(kv_gib * 2**30 // block_bytes)),
+    cb = ContinuousBatchingConfig(page_size=page,
+                                  num_blocks=max(16, int(kv_gib * 2**30 // block_bytes)),
                                   max_batch_tokens=4096)
     gen = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1,
                            pad_token_id=0)

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from banyan.bench.workloads import Workload, random_workload, shared_prefix_workload
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from side_by_side_report import write_report
-from workers import (
+from side_by_side_report import write_report  # noqa: E402 (after the sys.path insert)
+from workers import (  # noqa: E402 (after the sys.path insert)
     LLAMACPP_PYTHON,
     REPO,
     VLLM_PYTHON,
@@ -38,8 +40,6 @@ from workers import (
     group_cpu_seconds,
     thread_env,
 )
-
-from banyan.bench.workloads import Workload, random_workload, shared_prefix_workload
 
 
 @dataclass

@@ -27,7 +27,8 @@ def _split_line(entry: dict[str, Any]) -> str:
             f"steps): busy {split['busy_fraction']:.0%} (forward {split['forward_s']:.2f} s, "
             f"sampling {split['sample_s']:.2f} s); idle: input preparation "
             f"{split['prepare_s']:.2f} s, scheduling {split['schedule_s']:.2f} s, output "
-            f"processing {split['output_s']:.2f} s, waiting on the forward {split['wait_s']:.2f} s, "
+            f"processing {split['output_s']:.2f} s, waiting on the forward "
+            f"{split['wait_s']:.2f} s, "
             f"driver {split['driver_s']:.2f} s.")
 
 
@@ -45,7 +46,8 @@ def write_report(data: dict[str, Any]) -> str:
         f"- Model: `{data['model']}` (bfloat16 checkpoint), --dtype {data.get('dtype', 'bfloat16')}"
         "; greedy, ignore_eos, prompts as token ids",
         f"- Runs: engines alternate run by run (A, B, C, A, B, C, ...), {data['reps']} runs per "
-        f"engine ({data.get('hf_reps', 1)} of transformers continuous batching, and of transformers on "
+        f"engine ({data.get('hf_reps', 1)} of transformers continuous batching, and of "
+        "transformers on "
         "shared-prefix, for time); medians; each run starts with an empty prefix cache"
         + (f"; **{data['skipped_runs']} runs dropped** past the time limit"
            if data.get("skipped_runs") else ""),
@@ -81,7 +83,8 @@ def write_report(data: dict[str, Any]) -> str:
                 f"| {NAMES.get(engine, engine)} | {e['ok']} | {e['elapsed_s']:.2f} "
                 f"| {e['output_tok_s']:.1f} | {e['min_tok_s']:.1f}-{e['max_tok_s']:.1f} "
                 f"| {_f(ratio, '.2f') + '×' if ratio else '—'} "
-                f"| {_f(e.get('cached_tokens'), 'd') if e.get('cached_tokens') is not None else '—'} "
+                "| "
+                f"{_f(e.get('cached_tokens'), 'd') if e.get('cached_tokens') is not None else '—'} "
                 f"| {e['background_cpu_s']:.1f} |")
             if ratio is not None and ratio < 1 and not engine.startswith("banyan"):
                 losses.append(f"- {suite['title']}: Banyan reaches {ratio:.0%} of "

@@ -5,9 +5,10 @@ Write-through: when a prompt chunk has been computed, and when a request gives u
 (finished, aborted, retracted), the full blocks of its computed tokens that the tier lacks are
 copied out of the pool at once (a gather, on the engine thread: the slots may be reused by the
 next step) and written to the store by a background thread, off the step loop. Saving at each
-chunk lets a replica sharing the store use a prompt while its first request still decodes. Writing at release rather than at eviction means an
-eviction costs nothing and every block is written whole at its absolute position (an evicted
-radix leaf can start mid-block). SGLang's `write_through` policy does the same.
+chunk lets a replica sharing the store use a prompt while its first request still decodes.
+Writing at release rather than at eviction means an eviction costs nothing and every block is
+written whole at its absolute position (an evicted radix leaf can start mid-block). SGLang's
+`write_through` policy does the same.
 
 Loading: on admission, after the device match, the scheduler asks `loadable` how many more
 tokens the tier holds (whole blocks, chained from block 0) and whether loading them beats
