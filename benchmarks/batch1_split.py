@@ -1,0 +1,137 @@
+"""Where a batch-1 decode step goes, per weight format side by side: the layer stack's ops
+(`NativeLayerStack.time_ops`: norms, projections, RoPE, K/V stores, attention, SiLU), the LM
+head, and the rest of the step (embedding, sampling, scheduling, Python), with each
+projection's read rate (its weights' bytes over its time, 30 layers a step). #16 asks int4 at
+2.5x bf16's batch-1 speed: with weights a quarter of bf16's bytes, what does not shrink with
+them (attention, small ops, the host, each call's start) sets how close it gets.
+
+The configurations alternate round by round in one process (this VM's bandwidth drifts between
+rounds); each round runs one untimed 128/128 request (the tok/s) and one timed the same way
+(the split; its clock reads cost ~1%).
+
+    python benchmarks/batch1_split.py [--configs none,int8,int4] [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from banyan import Engine
+from banyan.bench.offline import batch1, command_line, machine_info, memory_bandwidth_gbs
+from banyan.bench.report import write_json
+from banyan.bench.workloads import random_workload
+from banyan.model_files import resolve_model_dir
+from banyan.sampling.params import SamplingParams
+
+IN_LEN = OUT_LEN = 128
+PROJECTIONS = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
+               "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+
+
+def projection_bytes(engine: Engine) -> dict[str, int]:
+    """Bytes each kind of projection reads a step (all layers), and the LM head's."""
+    model = engine.core.scheduler.runner.model_runner.model
+    out = {kind: sum(layer.get_submodule(path).weight_bytes() for layer in model.layers)
+           for kind, path in PROJECTIONS.items()}
+    head = model.lm_head if model.lm_head is not None else model.tied_head
+    out["lm_head"] = (head.weight_bytes() if head is not None
+                      else model.embed_tokens.weight.numel()
+                      * model.embed_tokens.weight.element_size())
+    return out
+
+
+def timed_split(engine: Engine, vocab: int) -> dict[str, float]:
+    """One request's decode steps (its prefill left out) with the stack's ops and the LM head
+    timed: ms a step each, "rest" what the step spent outside both."""
+    runner = engine.core.scheduler.runner.model_runner
+    model, stack = runner.model, runner.stack
+    assert stack is not None, "batch-1 steps off the native layer stack: nothing to split"
+    head_s = [0.0]
+    plain = model.compute_logits
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = plain(hidden)
+        head_s[0] += time.perf_counter() - t0
+        return out
+
+    req = random_workload(1, IN_LEN, OUT_LEN, vocab, seed=7).requests[0]
+    params = SamplingParams(max_new_tokens=OUT_LEN, temperature=0.0, ignore_eos=True)
+    model.compute_logits = compute_logits
+    n, start = 0, 0.0
+    try:
+        for chunk in engine.stream(input_ids=req.prompt_ids, sampling_params=params):
+            if n == 0 and chunk.token_ids:  # the prefill's token: the clocks start here
+                stack.time_ops(True)
+                head_s[0], start = 0.0, time.perf_counter()
+            n += len(chunk.token_ids)
+        elapsed = time.perf_counter() - start
+        ops = stack.op_seconds()
+    finally:
+        stack.time_ops(False)
+        del model.compute_logits  # the class's own again
+    steps = n - 1
+    split = {op: s / steps * 1e3 for op, s in ops.items()}
+    split["lm_head"] = head_s[0] / steps * 1e3
+    split["rest"] = elapsed / steps * 1e3 - sum(split.values())
+    split["step"] = elapsed / steps * 1e3
+    return split
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="none,int8,int4")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    configs = ns.configs.split(",")
+    engines = {q: Engine(str(resolve_model_dir(None)), dtype=ns.dtype, device="cpu",
+                         quantization=q, disable_tqdm=True, kv_cache_memory="512MiB")
+               for q in configs}
+    vocab = next(iter(engines.values())).core.vocab_size
+    for engine in engines.values():
+        batch1(engine, 16, 8, vocab)  # warm: first-call allocations and kernel builds
+        engine.core.populate_kv()
+    rounds: dict[str, list[dict[str, float]]] = {q: [] for q in configs}
+    for r in range(ns.rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        for q in order:
+            split = timed_split(engines[q], vocab)
+            split["decode_tok_s"] = batch1(engines[q], IN_LEN, OUT_LEN, vocab)["decode_tok_s"]
+            rounds[q].append(split)
+    results: dict[str, Any] = {}
+    for q, runs in rounds.items():
+        med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        nbytes = projection_bytes(engines[q])
+        results[q] = {
+            "median_ms_a_step": {k: round(v, 4) for k, v in med.items() if k != "decode_tok_s"},
+            "decode_tok_s": round(med["decode_tok_s"], 1),
+            "decode_tok_s_by_round": [round(run["decode_tok_s"], 1) for run in runs],
+            "gb_s_by_projection": {k: round(b / (med[k] * 1e-3) / 1e9, 1)
+                                   for k, b in nbytes.items()},
+            "bytes_by_projection": nbytes,
+            "rounds": runs}
+    base = rounds[configs[0]]
+    out = {"command": command_line(), "machine": machine_info(),
+           "copy_bandwidth_gb_s": memory_bandwidth_gbs(), "input_len": IN_LEN,
+           "output_len": OUT_LEN, "results": results,
+           "ratio_to_first_by_round": {
+               q: [round(run["decode_tok_s"] / b["decode_tok_s"], 3)
+                   for run, b in zip(rounds[q], base, strict=True)] for q in configs[1:]}}
+    write_json(out, ns.out, echo=False)
+    for q in configs:
+        res = results[q]
+        print(f"{q:6s} {res['decode_tok_s']:7.1f} tok/s  ms a step:",
+              {k: round(v, 3) for k, v in res["median_ms_a_step"].items()})
+        print("        GB/s:", res["gb_s_by_projection"])
+    print("ratios to", configs[0], "by round:", out["ratio_to_first_by_round"])
+
+
+if __name__ == "__main__":
+    main()
