@@ -24,9 +24,7 @@ import torch
 from banyan import Engine
 from banyan.bench.offline import batch1, command_line, machine_info, memory_bandwidth_gbs
 from banyan.bench.report import write_json
-from banyan.bench.workloads import random_workload
 from banyan.model_files import resolve_model_dir
-from banyan.sampling.params import SamplingParams
 
 IN_LEN = OUT_LEN = 128
 PROJECTIONS = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
@@ -60,26 +58,23 @@ def timed_split(engine: Engine, vocab: int) -> dict[str, float]:
         head_s[0] += time.perf_counter() - t0
         return out
 
-    req = random_workload(1, IN_LEN, OUT_LEN, vocab, seed=7).requests[0]
-    params = SamplingParams(max_new_tokens=OUT_LEN, temperature=0.0, ignore_eos=True)
+    def start_clocks() -> None:  # the prefill's token is out: the decode steps from here
+        stack.time_ops(True)
+        head_s[0] = 0.0
+
     model.compute_logits = compute_logits
-    n, start = 0, 0.0
     try:
-        for chunk in engine.stream(input_ids=req.prompt_ids, sampling_params=params):
-            if n == 0 and chunk.token_ids:  # the prefill's token: the clocks start here
-                stack.time_ops(True)
-                head_s[0], start = 0.0, time.perf_counter()
-            n += len(chunk.token_ids)
-        elapsed = time.perf_counter() - start
+        one = batch1(engine, IN_LEN, OUT_LEN, vocab, on_first_token=start_clocks)
         ops = stack.op_seconds()
     finally:
         stack.time_ops(False)
         del model.compute_logits  # the class's own again
-    steps = n - 1
+    steps = one["output_tokens"] - 1
+    step_ms = 1e3 / one["decode_tok_s"]
     split = {op: s / steps * 1e3 for op, s in ops.items()}
     split["lm_head"] = head_s[0] / steps * 1e3
-    split["rest"] = elapsed / steps * 1e3 - sum(split.values())
-    split["step"] = elapsed / steps * 1e3
+    split["rest"] = step_ms - sum(split.values())
+    split["step"] = step_ms
     return split
 
 

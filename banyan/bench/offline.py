@@ -8,6 +8,7 @@ import itertools
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -263,8 +264,10 @@ def run_multi_turn(engine: Any, workload: Workload) -> dict[str, Any]:
     return run_workload(engine, workload)
 
 
-def batch1(engine: Any, input_len: int, output_len: int, vocab: int) -> dict[str, float]:
-    """One request alone: time to first token and decode speed."""
+def batch1(engine: Any, input_len: int, output_len: int, vocab: int,
+           on_first_token: Callable[[], None] | None = None) -> dict[str, float]:
+    """One request alone: time to first token and decode speed. on_first_token: called as the
+    first token arrives, before the decode clock starts (a profile of the decode steps alone)."""
     from banyan.bench.workloads import random_workload
 
     req = random_workload(1, input_len, output_len, vocab, seed=7).requests[0]
@@ -275,6 +278,8 @@ def batch1(engine: Any, input_len: int, output_len: int, vocab: int) -> dict[str
     for chunk in engine.stream(input_ids=req.prompt_ids, sampling_params=params):
         n += len(chunk.token_ids)
         if first is None and chunk.token_ids:
+            if on_first_token is not None:
+                on_first_token()
             first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
