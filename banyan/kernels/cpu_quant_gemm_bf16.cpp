@@ -258,20 +258,13 @@ void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, in
         while (fill->done < vectors) fill->one();  // (a pass's rounding may leave one)
 }
 
-// panel_group's instance for np panels, with or without a tile to fill.
-void group(int np, bool filling, const Panels& tile, const uint16_t* x, int64_t T, int64_t K,
-           int64_t p0, const float* bias, uint16_t* out, int64_t N, Ahead next, Fill* fill) {
-    if (filling) {
-        if (np == 3) panel_group<3, true>(tile, x, T, K, p0, bias, out, N, next, fill);
-        else if (np == 2) panel_group<2, true>(tile, x, T, K, p0, bias, out, N, next, fill);
-        else panel_group<1, true>(tile, x, T, K, p0, bias, out, N, next, fill);
-    } else if (np == 3) {
-        panel_group<3, false>(tile, x, T, K, p0, bias, out, N, next, nullptr);
-    } else if (np == 2) {
-        panel_group<2, false>(tile, x, T, K, p0, bias, out, N, next, nullptr);
-    } else {
-        panel_group<1, false>(tile, x, T, K, p0, bias, out, N, next, nullptr);
-    }
+// panel_group's instance for np panels, with a tile to fill (FILL) or none.
+template <bool FILL>
+void group(int np, const Panels& tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
+           const float* bias, uint16_t* out, int64_t N, Ahead next, Fill* fill) {
+    if (np == 3) panel_group<3, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
+    else if (np == 2) panel_group<2, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
+    else panel_group<1, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
 }
 
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
@@ -309,7 +302,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
             // the codes after the group being filled (the pairs after this group's, in place)
             const int64_t ahead = plain ? np : np + next_np;
             const Ahead next = codes_of(w, p0 + ahead, std::clamp<int64_t>(b - p0 - ahead, 0, NP));
-            group(np, filling != nullptr, panels_at, x, T, w.K, p0, bias, out, N, next, filling);
+            if (filling) group<true>(np, panels_at, x, T, w.K, p0, bias, out, N, next, filling);
+            else group<false>(np, panels_at, x, T, w.K, p0, bias, out, N, next, nullptr);
         }
         std::free(tiles);
     }
