@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.kernels import native
 from banyan.layers.linear import Linear, PackedBf16Method, PairsBf16Method
 
@@ -57,7 +57,7 @@ def main() -> int:
             print(f"{tokens:4d} tokens: oneDNN packed {row['onednn_packed_ms']:.3f} ms, pairs "
                   f"{row['pairs_ms']:.3f} ms ({row['pairs_over_onednn']:.3f}x)", flush=True)
     if ns.out:
-        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+        ns.out.write_text(json.dumps({"command": command_line(),
                                       "machine": machine_info(), "rounds": ns.rounds,
                                       "shape": [VOCAB, HIDDEN], "cases": rows}, indent=2) + "\n")
     return 0

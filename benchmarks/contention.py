@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.worker:
         worker(ns.tokens, ns.threads)
         return 0
-    from banyan.bench.offline import machine_info
+    from banyan.bench.offline import command_line, machine_info
 
     chosen = {name: CONFIGS[name] for name in ns.configs.split(",")}
     sessions = ns.competitor_sessions.split(",")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[name][f"loaded_{session}_over_idle"] = loaded / idle
             line += f"  loaded ({session} session) {loaded:7.1f} ({loaded / idle:.2f}x)"
         print(line, flush=True)
-    result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+    result = {"command": command_line(), "machine": machine_info(),
               "competitor": "2-thread torch matmul loop, 1024 x 1024 float32",
               "runs": runs, "summary": summary}
     if ns.out:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from banyan import Engine, SamplingParams
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             loaded["restart"].append(n)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result: dict[str, Any] = {
-        "command": " ".join(["python", *sys.argv]), "machine": machine_info(), "note": ns.note,
+        "command": command_line(), "machine": machine_info(), "note": ns.note,
         "model": ns.model or "SmolLM2-135M-Instruct (real)", "dtype": ns.dtype,
         "prompt_tokens": ns.prompt_tokens, "reps": ns.reps, "ttft_s": rows,
         "loaded_tokens": loaded, "median_ttft_s": med,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from banyan import Engine, SamplingParams
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.demo import build_random_model
 
 PHASES = ("schedule", "prepare", "output", "forward", "host", "wall")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(ns.reps):
             for mode in ("sequential", "overlap"):
                 runs[mode].append(one_run(model, mode == "overlap", ns.running, ns.steps))
-    result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]),
+    result: dict[str, Any] = {"command": command_line(),
                               "machine": machine_info(), "running": ns.running,
                               "steps": ns.steps, "reps": ns.reps, "runs": runs}
     for mode, rs in runs.items():

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from banyan.batch import ForwardBatch
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.model_files import resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
 
@@ -90,7 +90,7 @@ def main() -> int:
                   f"; the decodes alone {med['decodes alone']:.1f} ms", flush=True)
     runner.split_mixed_steps = True
     if ns.out:
-        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+        ns.out.write_text(json.dumps({"command": command_line(),
                                       "machine": machine_info(), "dtype": ns.dtype,
                                       "model": ns.model or "default", "results": results},
                                      indent=2) + "\n")

@@ -29,7 +29,6 @@ import json
 import random
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import httpx
 
 from banyan.bench.local_server import start_server, stop_server
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 
 SETUPS = {"colocated": [], "dp2": ["--dp", "2"], "pd": ["--pd", "1:1"],
           "pd-mooncake": ["--pd", "1:1", "--disaggregation-transfer-backend", "mooncake"]}
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['long']['itl_max_ms']:.1f} ms, stalls {r['long']['stall_s']:.2f} s, "
               f"chat {r['long']['chat_tokens_per_s']:.0f} tok/s, long TTFT median "
               f"{statistics.median(r['long']['long_ttft_s'] or [0]):.2f} s", flush=True)
-    out = {"benchmark": "pd_interference", "command": " ".join(["python", *sys.argv]),
+    out = {"benchmark": "pd_interference", "command": command_line(),
            "machine": machine_info(), "note": ns.note, "args": vars(ns), "results": results}
     text = json.dumps(out, indent=1)
     if ns.out:

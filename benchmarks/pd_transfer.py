@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.role == "sink":
         return sink(ns)
     from banyan.bench import netns
-    from banyan.bench.offline import machine_info
+    from banyan.bench.offline import command_line, machine_info
 
     rows = []
     for backend in ns.backends.split(","):
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['path']:24s} {r['backend']:9s} {r['kv_GBps']:.2f} GB/s vs plain socket "
               f"{r['raw_GBps']:.2f} GB/s: {r['fraction_of_raw']:.2f}x", flush=True)
-    out = {"benchmark": "pd_transfer", "command": " ".join(["python", *sys.argv]),
+    out = {"benchmark": "pd_transfer", "command": command_line(),
            "machine": machine_info(), "note": ns.note, "tokens": ns.tokens,
            "netns": why_not or "yes", "results": rows}
     if ns.out:

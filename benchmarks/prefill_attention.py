@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from banyan.attention.native_plan import default_max_extend, plan_native
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.kernels import native
 from banyan.mem.kv_pool import dequantize_rows, kv_code_dtype, quantize_rows
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells = "  ".join(f"{name} {row[name]['ms']:8.2f} ms {row[name]['gflops']:6.1f}"
                                   for name in names)
                 print(f"{dname:13} {prefix:5} cached + {n:5} new: {cells}  GFLOP/s", flush=True)
-    result = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+    result = {"command": command_line(), "machine": machine_info(),
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
               "rounds": ns.rounds, "default_max_extend": default_max_extend(),
               "vector_bits": native.vector_bits(), "peak_gflops": peaks, "cases": rows}

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from banyan import Engine, SamplingParams
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 
 PEAK_SHAPE = (2048, 576, 1536)  # M x K x N
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     linear_s = layers * sum(r["ms"] for r in linears
                             if r["rows"] == ns.tokens and r["linear"] != "lm_head") / 1e3
     result = {
-        "command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+        "command": command_line(), "machine": machine_info(),
         "tokens": ns.tokens, "dtype": ns.dtype, "quantization": runner.quantization,
         "activation_quant": ns.activation_quant, "peak_gflops": peaks,
         "flops": flops, "prefill_s": seconds, "seconds_at_peak": at_peak,

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.layers.linear import Linear, LinearMethod, PackedBf16Method, SkinnyBf16Method
 from banyan.layers.quant import Int4Method, Int8Method
 from f32_gemm import best_ms  # (this script's folder)
@@ -83,7 +82,7 @@ def main() -> int:
             results[f"{method} {tokens} tokens"] = ms = best_pass_ms(layers, tokens, args.rounds)
             print(f"{method:12s} {tokens:4d} tokens  {ms:7.2f} ms a pass of {len(layers)} linears")
     if args.out:
-        args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+        args.out.write_text(json.dumps({"command": command_line(),
                                         "machine": machine_info(), "ms": results}, indent=2))
     return 0
 

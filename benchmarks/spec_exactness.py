@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from banyan.bench.grounded import chat_workload, grounded_workload
-from banyan.bench.offline import machine_info
+from banyan.bench.offline import command_line, machine_info
 from banyan.engine import Engine
 from banyan.models.gguf_loader import default_model_file
 from banyan.sampling.params import SamplingParams
@@ -72,7 +72,7 @@ def main() -> int:
         print(f"{algorithm}: equal {results[algorithm]['equal']} of {len(parted)}; first "
               f"differing position per prompt {parted}", flush=True)
     if ns.out:
-        ns.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+        ns.out.write_text(json.dumps({"command": command_line(),
                                       "machine": machine_info(), "dtype": ns.dtype,
                                       "shared_prefix": ns.shared_prefix,
                                       "output_len": ns.output_len, "results": results},

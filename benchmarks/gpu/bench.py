@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from banyan import Engine
-from banyan.bench.offline import batch1, run_workload
+from banyan.bench.offline import batch1, command_line, run_workload
 from banyan.bench.workloads import random_workload
 from banyan.demo import build_random_model
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]),
+    result: dict[str, Any] = {"command": command_line(),
                               "date": time.strftime("%Y-%m-%d %H:%M"),
                               "device": (torch.cuda.get_device_name(0)
                                          if ns.device.startswith("cuda") else ns.device),
