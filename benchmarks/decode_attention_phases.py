@@ -1,0 +1,156 @@
+"""What each phase of the AVX-512 decode-attention loop (cpu_attend512.h) costs, by taking it
+out: the kernel sources are copied, one phase is disabled in each copy (its outputs are then
+wrong: this times, it does not check), each copy is built, and the builds are timed call by
+call in one process on the decode steps of benchmarks/decode_attention.py (SmolLM2-135M's
+heads, 30 layers, bf16):
+
+- shared-prefix 8 x 8 over 1,024 + 100 keys, and random 64 x 192 keys,
+- each cold (30 layers of K/V, ~336 / ~283 MB a step, from memory) and hot (every layer's call
+  on layer 0's K/V, which then stays in the last-level cache: the kernel's own work).
+
+A phase's cost is the base build's time minus the time without it. The phases: the scores
+(block_scores: key transposes and dot products), the key transposes alone, the softmax, the
+values' pair interleaving, their products (add_pairs_rows), the software prefetches, and
+stream_in (each request's own K/V read in slot order first).
+
+    python benchmarks/decode_attention_phases.py [--rounds 9] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from banyan.attention.native_plan import native_attention, plan_native
+from banyan.bench.offline import command_line, machine_info
+from banyan.kernels import native
+from decode_attention import HEAD_DIM, LAYERS, decode_step, workload_rows  # (this folder's)
+
+A512, ATT = "cpu_attend512.h", "cpu_attend.h"
+# phase -> (file, text, the same text with the phase switched off by a condition never true)
+PHASES: dict[str, tuple[str, str, str]] = {
+    "scores": (A512, "            block_scores(sc, qraw, first, rows, kr, d, j0);",
+               "            if (d < 0) block_scores(sc, qraw, first, rows, kr, d, j0);"),
+    "key transposes": (
+        A512, "                transpose16(r);\n                for (int i = 0; i < 16; ++i)",
+        "                if (d < 0) transpose16(r);\n"
+        "                for (int i = 0; i < 16 && d < 0; ++i)"),
+    "softmax": (A512, "            chunk_softmax(sc, rr,",
+                "            if (seen < 0) chunk_softmax(sc, rr,"),
+    "value interleave": (A512, "            for (int jp = 0; jp < (cn + 1) / 2; ++jp) {",
+                         "            for (int jp = 0; jp < (cn + 1) / 2 && d < 0; ++jp) {"),
+    "value products": (A512, "                for (int c0 = 0; c0 < words; c0 += 4)\n",
+                       "                for (int c0 = 0; c0 < words && d < 0; c0 += 4)\n"),
+    "prefetches": (A512, "    for (int64_t j = j0; j < j1; ++j) {",
+                   "    for (int64_t j = j0; j < j1 && d < 0; ++j) {"),
+    "stream_in": (ATT, "    for (int64_t j = 0; j < n; ++j) {\n        const int64_t at = slots[j]",
+                  "    for (int64_t j = 0; j < n && row_bytes < 0; ++j) {\n"
+                  "        const int64_t at = slots[j]"),
+}
+
+
+def build(phase: str | None, work: Path) -> Path:
+    """The kernels' library with `phase` switched off (None: as they are)."""
+    src = work / (phase or "base").replace(" ", "_")
+    shutil.copytree(Path(native.__file__).parent, src,
+                    ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    if phase is not None:
+        name, text, off = PHASES[phase]
+        path = src / name
+        code = path.read_text()
+        if code.count(text) != 1:
+            raise SystemExit(f"{phase}: its text is not once in {name} (the kernel changed: "
+                             "update PHASES)")
+        path.write_text(code.replace(text, off))
+    return native._build("g++", src)
+
+
+def load(path: Path) -> object:
+    """The library at `path`, typed as native.load() types its own."""
+    keep = native._build
+    try:
+        native._build = lambda compiler, source_dir=None: path  # type: ignore[assignment]
+        native.load.cache_clear()
+        lib = native.load()
+    finally:
+        native._build = keep  # type: ignore[assignment]
+        native.load.cache_clear()
+    if lib is None:
+        raise SystemExit(f"could not load {path}")
+    return lib
+
+
+def steps() -> dict[str, Callable[[], None]]:
+    """case -> one decode step's attention over all layers (hot: layer 0's K/V every time)."""
+    random_rows, shared_rows = workload_rows()
+    out = {}
+    for name, rows in (("shared-prefix 8 x 8", shared_rows), ("random 64 x 192", random_rows)):
+        _, pool = decode_step(rows, torch.bfloat16)
+        table = torch.tensor(rows, dtype=torch.int32)
+        n, ctx = len(rows), len(rows[0])
+        plan = plan_native(table, list(range(n)), [ctx - 1] * n, [1] * n, None)
+        q = torch.randn(n, 9, HEAD_DIM, generator=torch.Generator().manual_seed(1)).bfloat16()
+        o = torch.empty_like(q)
+        for temp, layers in (("cold", range(LAYERS)), ("hot", [0] * LAYERS)):
+            kvs = [pool.layer(i) for i in layers]
+
+            def run(kvs: list = kvs, q: torch.Tensor = q, table: torch.Tensor = table,
+                    plan: object = plan, o: torch.Tensor = o) -> None:
+                for kv in kvs:
+                    native_attention(q, kv, table, plan, HEAD_DIM**-0.5, o)
+            out[f"{name}, {temp}"] = run
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    variants: list[str | None] = [None, *PHASES]
+    with tempfile.TemporaryDirectory() as work:
+        libs = {v: load(build(v, Path(work))) for v in variants}
+    cases = steps()
+    seconds = {c: {v: [] for v in variants} for c in cases}
+    keep = native.load
+    try:
+        with torch.inference_mode():
+            for r in range(ns.rounds):
+                for case, run in cases.items():
+                    for v in variants if r % 2 == 0 else variants[::-1]:
+                        native.load = lambda lib=libs[v]: lib  # type: ignore[assignment]
+                        run()  # (warms the caches this build's call will find)
+                        t0 = time.perf_counter()
+                        run()
+                        seconds[case][v].append(time.perf_counter() - t0)
+    finally:
+        native.load = keep  # type: ignore[assignment]
+    results = []
+    for case in cases:
+        base = statistics.median(seconds[case][None]) * 1e3
+        row = {"case": case, "base_ms": round(base, 3), "phase_ms": {}}
+        for phase in PHASES:
+            row["phase_ms"][phase] = round(base - statistics.median(seconds[case][phase]) * 1e3,
+                                           3)
+        results.append(row)
+        print(f"{case:28s} {base:6.2f} ms a step; without each phase, ms saved: "
+              + ", ".join(f"{p} {ms:.2f}" for p, ms in row["phase_ms"].items()))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps({
+            "command": command_line(), "machine": machine_info(),
+            "threads": torch.get_num_threads(), "rounds": ns.rounds, "results": results},
+            indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
