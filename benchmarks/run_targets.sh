@@ -19,7 +19,8 @@
 #   exact      #17: speculation changes no greedy token (dense bf16 and GGUF, alone and after a
 #              shared prefix)
 #   det        the deterministic mode's price on the dense bf16 folder
-#   attn       decode attention alone (the shared-prefix decode step among its cases)
+#   attn       decode attention alone (the shared-prefix decode step among its cases), and
+#              what each phase of its bf16 loop costs (decode_attention_phases.py, ~6 min)
 #
 # Run it on an otherwise idle machine (two-thread runs collapse when anything else runs).
 set -euo pipefail
@@ -131,6 +132,9 @@ for s in $STEPS; do
     step attn
     $PY benchmarks/decode_attention.py --rounds $(q 1 7) --dtype "$DTYPE" \
       --out "$RESULTS/decode-attention-$TAG.json"
+    # what each phase of its AVX-512 bf16 loop costs (builds the kernels once per phase)
+    [ "$DTYPE" = bfloat16 ] && $PY benchmarks/decode_attention_phases.py --rounds $(q 3 9) \
+      --out "$RESULTS/decode-attention-phases-$TAG.json"
     ;;
   *) echo "unknown step $s" >&2; exit 2 ;;
   esac
