@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -71,7 +72,7 @@ def build(phase: str | None, work: Path) -> Path:
             raise SystemExit(f"{phase}: its text is not once in {name} (the kernel changed: "
                              "update PHASES)")
         path.write_text(code.replace(text, off))
-    return native._build("g++", src)
+    return native._build(os.environ.get("CXX") or "g++", src)  # (native.load's compiler)
 
 
 def load(path: Path) -> object:
