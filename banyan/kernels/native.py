@@ -95,9 +95,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("BANYAN_KERNEL_CACHE", user_cache_dir("banyan"))) / "kernels"
 
 
-def _build(compiler: str, source_dir: Path | None = None) -> Path:
-    """The library built from the kernel sources (this folder's, or a copy's in source_dir:
-    benchmarks/decode_attention_phases.py builds altered copies), cached by their hash."""
+def _build(compiler: str, source_dir: Path | None = None) -> Path:  # (or an altered copy's)
     here = source_dir if source_dir is not None else Path(__file__).parent
     key = hashlib.sha256()
     for path in sorted(here.glob("*.[ch]*")):  # the sources and the headers they include
