@@ -33,11 +33,13 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
 
 
 def decode_step(rows: list[list[int]], dtype: torch.dtype, group: bool = True,
-                kv_cache_dtype: str = "auto") -> tuple[Callable[[], None], KVPool]:
+                kv_cache_dtype: str = "auto", hot: bool = False
+                ) -> tuple[Callable[[], None], KVPool]:
     """A pool holding every slot the rows name (random K/V, stored as kv_cache_dtype) and a
     decode step of one token per row over them (grouped by shared prefixes or not) -> (a
-    callable running its attention in every layer, the pool). benchmarks/kv_quant.py times its
-    steps with this too."""
+    callable running its attention in every layer, the pool); hot: every layer's call on layer
+    0's K/V, which then stays in cache. benchmarks/kv_quant.py and decode_attention_phases.py
+    time their steps with this too."""
     slots = max(max(r) for r in rows) + 1
     pool = KVPool(LAYERS, slots, KV_HEADS, HEAD_DIM, dtype, "cpu", kv_code_dtype(kv_cache_dtype))
     gen = torch.Generator().manual_seed(0)
@@ -53,7 +55,7 @@ def decode_step(rows: list[list[int]], dtype: torch.dtype, group: bool = True,
                        max_shared=None if group else 0)
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
-    layers = [pool.layer(i) for i in range(LAYERS)]
+    layers = [pool.layer(0 if hot else i) for i in range(LAYERS)]
 
     def run() -> None:
         for kv in layers:

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from banyan.attention.native_plan import native_attention, plan_native
 from banyan.bench.offline import command_line, machine_info
 from banyan.kernels import native
-from decode_attention import HEAD_DIM, LAYERS, decode_step, workload_rows  # (this folder's)
+from decode_attention import decode_step, workload_rows  # (this folder's)
+from two_builds import typed_libraries
 
 A512, ATT = "cpu_attend512.h", "cpu_attend.h"
 # phase -> (file, text, the same text with the phase switched off by a condition never true)
@@ -75,41 +75,13 @@ def build(phase: str | None, work: Path) -> Path:
     return native._build(os.environ.get("CXX") or "g++", src)  # (native.load's compiler)
 
 
-def load(path: Path) -> object:
-    """The library at `path`, typed as native.load() types its own."""
-    keep = native._build
-    try:
-        native._build = lambda compiler, source_dir=None: path  # type: ignore[assignment]
-        native.load.cache_clear()
-        lib = native.load()
-    finally:
-        native._build = keep  # type: ignore[assignment]
-        native.load.cache_clear()
-    if lib is None:
-        raise SystemExit(f"could not load {path}")
-    return lib
-
-
 def steps() -> dict[str, Callable[[], None]]:
-    """case -> one decode step's attention over all layers (hot: layer 0's K/V every time)."""
+    """case -> one decode step's attention over all layers, cold and hot."""
     random_rows, shared_rows = workload_rows()
-    out = {}
-    for name, rows in (("shared-prefix 8 x 8", shared_rows), ("random 64 x 192", random_rows)):
-        _, pool = decode_step(rows, torch.bfloat16)
-        table = torch.tensor(rows, dtype=torch.int32)
-        n, ctx = len(rows), len(rows[0])
-        plan = plan_native(table, list(range(n)), [ctx - 1] * n, [1] * n, None)
-        q = torch.randn(n, 9, HEAD_DIM, generator=torch.Generator().manual_seed(1)).bfloat16()
-        o = torch.empty_like(q)
-        for temp, layers in (("cold", range(LAYERS)), ("hot", [0] * LAYERS)):
-            kvs = [pool.layer(i) for i in layers]
-
-            def run(kvs: list = kvs, q: torch.Tensor = q, table: torch.Tensor = table,
-                    plan: object = plan, o: torch.Tensor = o) -> None:
-                for kv in kvs:
-                    native_attention(q, kv, table, plan, HEAD_DIM**-0.5, o)
-            out[f"{name}, {temp}"] = run
-    return out
+    return {f"{name}, {temp}": decode_step(rows, torch.bfloat16, hot=temp == "hot")[0]
+            for name, rows in (("shared-prefix 8 x 8", shared_rows),
+                               ("random 64 x 192", random_rows))
+            for temp in ("cold", "hot")}
 
 
 def main() -> int:
@@ -119,7 +91,7 @@ def main() -> int:
     ns = ap.parse_args()
     variants: list[str | None] = [None, *PHASES]
     with tempfile.TemporaryDirectory() as work:
-        libs = {v: load(build(v, Path(work))) for v in variants}
+        libs = typed_libraries({v: build(v, Path(work)) for v in variants})
     cases = steps()
     seconds = {c: {v: [] for v in variants} for c in cases}
     keep = native.load

@@ -60,8 +60,7 @@ def head_inputs(chats: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0)
     for req in workload.requests:
         engine.generate(input_ids=[req.prompt_ids], sampling_params=params)
-    head = model.lm_head if model.lm_head is not None else None
-    weight = head.weight if head is not None else model.embed_tokens.weight
+    weight = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
     return torch.cat(rows).double(), weight.double()
 
 
@@ -81,13 +80,14 @@ def main() -> int:
         bound = norms * (w - wq).norm(dim=1)[None, :]
         floor = (approx - bound).max(dim=1, keepdim=True).values
         cand = ((approx + bound) >= floor).sum(dim=1).double()
-        row = {"bits": bits, "group": group or w.shape[1], "positions": x.shape[0],
+        row_group = group or w.shape[1]
+        row = {"bits": bits, "group": row_group, "positions": x.shape[0],
                "candidates_median": cand.median().item(),
                "candidates_p90": cand.quantile(0.9).item(), "candidates_max": cand.max().item(),
                "bound_median": bound.median().item(),
                "largest_actual_error": (exact - approx).abs().max().item(),
-               "copy_bytes_per_row": w.shape[1] * bits // 8 + 2 * (w.shape[1] // (group or
-                                                                                   w.shape[1]))}
+               # the codes and a float16 scale a group
+               "copy_bytes_per_row": w.shape[1] * bits // 8 + 2 * (w.shape[1] // row_group)}
         results.append(row)
         print(f"int{bits} group {row['group']}: candidates median {row['candidates_median']:.0f}"
               f", p90 {row['candidates_p90']:.0f}, max {row['candidates_max']:.0f} of "

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from banyan.bench.offline import command_line
+
+K = TypeVar("K")
 
 
 def parse_args(doc: str, tokens: str, rounds: int,
@@ -46,11 +49,16 @@ def native_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
     typed), for scripts that call the kernels through native's wrappers: point native.load at
     one or the other (`native.load = lambda: libs[name]`) between calls. Both builds must export
     every entry point native.py types (gemm_libraries asks for one only)."""
+    return typed_libraries({"a": a, "b": b})
+
+
+def typed_libraries(paths: Mapping[K, Path]) -> dict[K, ctypes.CDLL]:
+    """native_libraries for any number of builds, keyed as `paths` is."""
     from banyan.kernels import native
 
     build, libs = native._build, {}
     try:
-        for name, path in (("a", a), ("b", b)):
+        for name, path in paths.items():
             native._build = lambda compiler, p=path: Path(p)  # type: ignore[assignment]
             native.load.cache_clear()
             lib = native.load()
