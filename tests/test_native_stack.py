@@ -22,6 +22,7 @@ from banyan.layers.linear import SkinnyBf16Method
 from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
+from banyan.models import native_stack
 from banyan.models.native_stack import (GEMM_MAX_TOKENS, MAX_TOKENS, STACK_OPS,
                                         NativeLayerStack)
 from banyan.runner.model_runner import ModelRunner
@@ -133,6 +134,23 @@ def test_bf16_stack_equals_the_bf16_model(model_dirs: dict[str, Path], arch: str
                          linear_kernel="native" if quantization == "none" else "auto")
     assert runner.pool.dtype == torch.bfloat16
     _check_steps(runner)
+
+
+def test_rope_tables_grow_and_hold_the_embeddings_own_values(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack gathers each position's cos / sin from tables made by the model's rotary
+    embedding; a step past their end grows them (then runs) and still equals the model."""
+    monkeypatch.setattr(native_stack, "ROPE_ROWS", 8)
+    monkeypatch.setattr(native_stack, "ROPE_BLOCK", 8)
+    runner = make_runner(model_dirs["llama"], dtype="bfloat16")
+    stack = _every_extend_native(runner)
+    assert stack._struct.rope_rows == 8
+    _check_steps(runner)  # positions up to 69 (the last steps on a stack built anew)
+    assert runner.stack is not None and runner.stack._struct.rope_rows >= 40
+    cos, sin = runner.stack._rope
+    for p in (0, 7, 8, 33, 39):
+        one = runner.model.rotary.forward(torch.tensor([p]), torch.bfloat16)
+        assert torch.equal(one[0][0], cos[p]) and torch.equal(one[1][0], sin[p])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

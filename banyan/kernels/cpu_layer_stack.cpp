@@ -1,9 +1,10 @@
 // A whole decoder-layer stack in one call, for steps of a few tokens (decodes, small batches):
-// for each layer, add + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms), the K/V
-// stored into the pool (as they are, or int8 codes with scales), paged attention, the o
-// projection, add + RMSNorm, gate/up, SiLU-and-mul, down; then the final add + RMSNorm. In
-// float32 (any projection kernel), or in bf16 over a bf16 pool (the skinny bf16 kernel, or any
-// float32 projection kernel between a widened copy of its input and a rounded copy of its output).
+// the tokens' embedding rows and their positions' cos / sin rows gathered; for each layer, add
+// + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms), the K/V stored into the pool
+// (as they are, or int8 codes with scales), paged attention, the o projection, add + RMSNorm,
+// gate/up, SiLU-and-mul, down; then the final add + RMSNorm. In float32 (any projection
+// kernel), or in bf16 over a bf16 pool (the skinny bf16 kernel, or any float32 projection
+// kernel between a widened copy of its input and a rounded copy of its output).
 //
 // Why: at one token the kernels themselves take ~half of a step; the rest was Python dispatch
 // around them (~40 calls a layer, each allocating its output and checking its inputs). This
@@ -24,61 +25,7 @@
 #include "cpu_dtypes.h"
 #include "cpu_int4_api.h"
 #include "cpu_paged_attention.h"
-
-extern "C" {
-void banyan_add_rms_norm_f32(float* residual, const float* add, const float* w, float* out,
-                             int64_t rows, int64_t n, float eps, int64_t n_threads);
-void banyan_silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n,
-                             int64_t n_threads);
-void banyan_rope_qk_f32(const float* qkv, int64_t stride, const float* cos, const float* sin,
-                        const float* q_norm, const float* k_norm, float eps, float* q_out,
-                        float* k_out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
-                        int64_t n_threads);
-void banyan_add_rms_norm_bf16(uint16_t* residual, const uint16_t* add, const uint16_t* w,
-                              uint16_t* out, int64_t rows, int64_t n, float eps,
-                              int64_t n_threads);
-void banyan_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n,
-                              int64_t n_threads);
-void banyan_rope_qk_bf16(const uint16_t* qkv, int64_t stride, const uint16_t* cos,
-                         const uint16_t* sin, const uint16_t* q_norm, const uint16_t* k_norm,
-                         float eps, uint16_t* q_out, uint16_t* k_out, int64_t rows,
-                         int64_t heads, int64_t kvh, int64_t d, int64_t n_threads);
-BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
-BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
-BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
-BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_f32, float, float);
-BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_int8, float, int8_t);
-BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_bf16_bf16, uint16_t, uint16_t);
-void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
-                            const void* codes, const void* scale, const void* mins, int64_t group,
-                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
-void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
-                              const float* bias, float* out, int64_t N, int64_t n_threads);
-void banyan_skinny_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w,
-                               const uint16_t* bias, uint16_t* out, int64_t N,
-                               int64_t n_threads);
-void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
-                            const float* scale, const float* bias, float* out, int64_t N,
-                            int64_t n_threads);
-void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                             const int8_t* w, const float* scale, const float* bias, float* out,
-                             int64_t N, int64_t n_threads);
-void banyan_q8_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                               const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
-                               const float* bias, float* out, int64_t N, int64_t n_threads);
-void banyan_q8_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                                const uint8_t* w, const float* scale, const float* mins,
-                                const float* bias, float* out, int64_t N, int64_t n_threads);
-void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
-                               const int8_t* w, const float* scale, const float* bias,
-                               float* out, int64_t N, int64_t n_threads);
-void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
-                               const uint16_t* scale, const uint16_t* mins, const float* bias,
-                               float* out, int64_t N, int64_t n_threads);
-void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
-                           int64_t group, const void* w, const void* scale, const void* mins,
-                           const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
-}
+#include "cpu_stack_api.h"
 
 namespace {
 
@@ -110,7 +57,7 @@ struct StackLinear {
     int64_t gemm, gemm_from;
 };
 
-// Norm weights, embeddings, cos/sin and the stream are of the stack's element type.
+// Norm weights, embeddings, the RoPE tables and the stream are of the stack's element type.
 struct StackLayer {
     const void* input_norm;
     const void* post_norm;
@@ -128,15 +75,20 @@ struct StackModel {
     double eps, scale;  // RMSNorm epsilon, attention softmax scale
     const StackLayer* layer;
     const void* final_norm;
+    const void* embed;  // [vocab, hidden]: the step's tokens' rows are its stream
+    // cos / sin of positions 0 .. rope_rows - 1 [rope_rows, D / 2], made by the model's own
+    // rotary embedding (bit for bit what it gives a step; native_stack.py grows them)
+    const void* rope_cos;
+    const void* rope_sin;
+    int64_t rope_rows;
 };
 
 // One step: T tokens, the attention plan of the native backend (native_plan.py) covering all.
 struct StackStep {
     int64_t tokens;
-    void* hidden;  // in: the embeddings [T, hidden]; used as the residual stream (clobbered)
-    void* out;     // the final-normed hidden states [T, hidden]
-    const void* cos;
-    const void* sin;  // [T, D / 2]
+    const int64_t* input_ids;  // [T]
+    const int64_t* positions;  // [T]
+    void* out;                 // the final-normed hidden states [T, hidden]
     const int64_t* slots;  // [T] where each token's K/V goes
     const int32_t* table;
     int64_t table_stride;
@@ -360,14 +312,36 @@ void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const 
 // Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
 template <typename T>
 struct Scratch {
-    std::vector<T> x, qkv, q, k, attn, a, gate_up, act, mlp;
+    std::vector<T> stream, cos, sin, x, qkv, q, k, attn, a, gate_up, act, mlp;
     std::vector<float> xsum;
 };
 
+// The step's stream (its tokens' embeddings) and the cos / sin rows of its positions, gathered
+// here rather than by torch ops before the call: a decode step's host work runs on caches the
+// weights just streamed through, where each op costs several times its warm time.
 template <typename T>
-void layer_stack(const StackModel* m, const StackStep* s) {
+void gather_inputs(const StackModel* m, const StackStep* s, Scratch<T>& b) {
+    const int64_t T_ = s->tokens, H = m->hidden, half = m->head_dim / 2;
+    b.stream.resize(T_ * H);
+    b.cos.resize(T_ * half);
+    b.sin.resize(T_ * half);
+    const T* embed = static_cast<const T*>(m->embed);
+    const T* cos = static_cast<const T*>(m->rope_cos);
+    const T* sin = static_cast<const T*>(m->rope_sin);
+    for (int64_t t = 0; t < T_; ++t) {
+        std::memcpy(b.stream.data() + t * H, embed + s->input_ids[t] * H, H * sizeof(T));
+        std::memcpy(b.cos.data() + t * half, cos + s->positions[t] * half, half * sizeof(T));
+        std::memcpy(b.sin.data() + t * half, sin + s->positions[t] * half, half * sizeof(T));
+    }
+}
+
+// 0, or (doing nothing) the rows the RoPE tables must have for this step's positions.
+template <typename T>
+int64_t layer_stack(const StackModel* m, const StackStep* s) {
     using K = Kernels<T>;
     const int64_t T_ = s->tokens, H = m->hidden, D = m->head_dim;
+    const int64_t needed = T_ ? *std::max_element(s->positions, s->positions + T_) + 1 : 0;
+    if (needed > m->rope_rows) return needed;
     const int64_t q_size = m->heads * D, kv_size = m->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, nt = s->n_threads;
     const float eps = static_cast<float>(m->eps);
@@ -382,9 +356,10 @@ void layer_stack(const StackModel* m, const StackStep* s) {
     b.act.resize(T_ * m->intermediate);
     b.mlp.resize(T_ * H);
     b.xsum.resize(T_ * (std::max(H, m->intermediate) / 16 + 1));  // int4 group sums (group >= 16)
-    T* stream = static_cast<T*>(s->hidden);
-    const T* cos = static_cast<const T*>(s->cos);
-    const T* sin = static_cast<const T*>(s->sin);
+    gather_inputs(m, s, b);
+    T* stream = b.stream.data();
+    const T* cos = b.cos.data();
+    const T* sin = b.sin.data();
     OpClock clock(s->op_seconds);
     for (int64_t i = 0; i < m->layers; ++i) {
         const StackLayer& L = m->layer[i];
@@ -423,18 +398,19 @@ void layer_stack(const StackModel* m, const StackStep* s) {
                     static_cast<const T*>(m->final_norm), static_cast<T*>(s->out), T_, H, eps,
                     nt);
     clock.lap(kOpNorm);
+    return 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-void banyan_layer_stack_f32(const StackModel* m, const StackStep* s) {
-    layer_stack<float>(m, s);
+int64_t banyan_layer_stack_f32(const StackModel* m, const StackStep* s) {
+    return layer_stack<float>(m, s);
 }
 
-void banyan_layer_stack_bf16(const StackModel* m, const StackStep* s) {
-    layer_stack<uint16_t>(m, s);
+int64_t banyan_layer_stack_bf16(const StackModel* m, const StackStep* s) {
+    return layer_stack<uint16_t>(m, s);
 }
 
 }  // extern "C"

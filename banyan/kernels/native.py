@@ -214,7 +214,7 @@ def load() -> ctypes.CDLL | None:
         skinny.restype = None
         stack = getattr(lib, f"banyan_layer_stack_{suffix}")  # models/native_stack.py
         stack.argtypes = [ptr, ptr]
-        stack.restype = None
+        stack.restype = i64
     lib.banyan_vector_bits.argtypes = []
     lib.banyan_vector_bits.restype = i64
     lib.banyan_prefill_pairs.argtypes = []

@@ -59,6 +59,8 @@ LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int
 # model with --activation-quant int8 ran the per-op path: ~73 ms a step against bf16's ~67).
 ANY_STEP_KINDS = frozenset(LINEAR_KINDS[k] for k in ("q8_int4", "q8_int4_wide", "q8_int8",
                                                      "q8_int5"))
+ROPE_ROWS = 4096  # the RoPE tables' first size (positions); they double as positions need
+ROPE_BLOCK = 512  # positions the tables are made in at a time (see _grow_rope)
 STACK_POOLS = {torch.float32: (None, torch.int8), torch.bfloat16: (None,)}
 # The projection kernels each element type's stack runs: the dense kernel of its own type, and
 # every quantized one (float32 inside).
@@ -89,12 +91,13 @@ class StackModel(ctypes.Structure):
     _fields_ = [("layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("intermediate", c_int64),
                 ("eps", c_double), ("scale", c_double), ("layer", POINTER(StackLayer)),
-                ("final_norm", c_void_p)]
+                ("final_norm", c_void_p), ("embed", c_void_p), ("rope_cos", c_void_p),
+                ("rope_sin", c_void_p), ("rope_rows", c_int64)]
 
 
 class StackStep(ctypes.Structure):
-    _fields_ = [("tokens", c_int64), ("hidden", c_void_p), ("out", c_void_p), ("cos", c_void_p),
-                ("sin", c_void_p), ("slots", c_void_p), ("table", c_void_p),
+    _fields_ = [("tokens", c_int64), ("input_ids", c_void_p), ("positions", c_void_p),
+                ("out", c_void_p), ("slots", c_void_p), ("table", c_void_p),
                 ("table_stride", c_int64), ("req_row", c_void_p), ("req_len", c_void_p),
                 ("q_start", c_void_p), ("n_new", c_void_p), ("order", c_void_p),
                 ("group_start", c_void_p), ("group_prefix", c_void_p), ("n_groups", c_int64),
@@ -126,7 +129,10 @@ class NativeLayerStack:
         self._layers = (StackLayer * len(layers))(*layers)
         self._struct = StackModel(
             cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate,
-            cfg.rms_eps, backend.scale, self._layers, model.norm.weight.data_ptr())
+            cfg.rms_eps, backend.scale, self._layers, model.norm.weight.data_ptr(),
+            model.embed_tokens.weight.data_ptr())
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (_grow_rope)
+        self._grow_rope(min(ROPE_ROWS, backend.table.table.shape[1]))  # (positions < width)
         self._step = StackStep()
         self._op_seconds: torch.Tensor | None = None  # (time_ops)
         self._args = (ctypes.byref(self._struct), ctypes.byref(self._step))  # made once
@@ -141,6 +147,21 @@ class NativeLayerStack:
         self.max_tokens = (GEMM_MAX_TOKENS if bf16 and gemm else
                            min(SkinnyBf16Method.SKINNY_ROWS, BF16_GEMM_MIN_TOKENS - 1) if bf16
                            else MAX_TOKENS)
+
+    def _grow_rope(self, rows: int) -> None:
+        """The cos / sin tables for positions 0 .. rows - 1 (at least), from the model's own
+        rotary embedding, ROPE_BLOCK positions a call: torch's element-wise ops run whole
+        vectors over each (a step's few positions get the vector code too, where a long
+        tensor split between threads may end a part on the scalar code), so a table row is bit
+        for bit what the embedding gives that position in a step (tested)."""
+        rows = -(-max(rows, 2 * self._struct.rope_rows) // ROPE_BLOCK) * ROPE_BLOCK
+        dtype = self.model.embed_tokens.weight.dtype
+        parts = [self.model.rotary.forward(torch.arange(p, p + ROPE_BLOCK), dtype)
+                 for p in range(0, rows, ROPE_BLOCK)]
+        self._rope = cos, sin = (torch.cat([c for c, _ in parts]),
+                                 torch.cat([s for _, s in parts]))
+        self._struct.rope_cos, self._struct.rope_sin = cos.data_ptr(), sin.data_ptr()
+        self._struct.rope_rows = rows
 
     def time_ops(self, on: bool = True) -> None:
         """From the next call on, add each kind of op's seconds up (from zero), or stop."""
@@ -215,9 +236,10 @@ class NativeLayerStack:
             layers.append(StackLayer(
                 *(_ptr(n.weight) if n is not None else None for n in norms), *projections,
                 kv.k.data_ptr(), kv.v.data_ptr(), _ptr(kv.k_scale), _ptr(kv.v_scale)))
-        if not _vector(model.norm.weight, cfg.hidden, dtype):
+        if not _vector(model.norm.weight, cfg.hidden, dtype) or \
+                not model.embed_tokens.weight.is_contiguous():
             return None
-        keep.append(model.norm.weight)
+        keep += [model.norm.weight, model.embed_tokens.weight]
         return cls(model, backend, layers, keep, methods)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -235,15 +257,12 @@ class NativeLayerStack:
             if any(layer.method is not method for layer, method in self._methods):
                 return None  # one of these projections was converted after the stack was built
             self._generation = Linear.generation  # (another model's)
-        # [T, hidden], a fresh tensor: the stream (nn.Embedding's own lookup, without the
-        # module call around it)
-        h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)
-        cos, sin = self.model.rotary.forward(positions, h.dtype)  # [T, D / 2], contiguous
-        out = torch.empty_like(h)
+        # the stream (the tokens' embedding rows) and their cos / sin rows are gathered inside
+        out = torch.empty(T, self._struct.hidden, dtype=self.model.embed_tokens.weight.dtype)
         table = self.backend.table.table
         s = self._step
-        s.tokens, s.hidden, s.out, s.cos, s.sin = T, h.data_ptr(), out.data_ptr(), \
-            cos.data_ptr(), sin.data_ptr()
+        s.tokens, s.input_ids, s.positions, s.out = T, input_ids.data_ptr(), \
+            positions.data_ptr(), out.data_ptr()
         s.slots, s.table, s.table_stride = meta.out_slots.data_ptr(), table.data_ptr(), \
             table.shape[1]
         if plan is None:
@@ -263,5 +282,8 @@ class NativeLayerStack:
             s.pf_reqs = long.n_new.shape[0]
         s.n_threads = torch.get_num_threads()
         with native.kernel_range("banyan::layer_stack"):
-            self._call(*self._args)
+            rows = self._call(*self._args)
+            if rows:  # a position past the RoPE tables: nothing was done
+                self._grow_rope(rows)
+                self._call(*self._args)
         return out

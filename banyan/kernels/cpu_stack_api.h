@@ -1,0 +1,63 @@
+// The C entry points the layer stack (cpu_layer_stack.cpp) calls, defined in the other files
+// of this library: its element-wise ops, attention and projection kernels (int4's are in
+// cpu_int4_api.h).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_paged_attention.h"
+
+extern "C" {
+void banyan_add_rms_norm_f32(float* residual, const float* add, const float* w, float* out,
+                             int64_t rows, int64_t n, float eps, int64_t n_threads);
+void banyan_silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n,
+                             int64_t n_threads);
+void banyan_rope_qk_f32(const float* qkv, int64_t stride, const float* cos, const float* sin,
+                        const float* q_norm, const float* k_norm, float eps, float* q_out,
+                        float* k_out, int64_t rows, int64_t heads, int64_t kvh, int64_t d,
+                        int64_t n_threads);
+void banyan_add_rms_norm_bf16(uint16_t* residual, const uint16_t* add, const uint16_t* w,
+                              uint16_t* out, int64_t rows, int64_t n, float eps,
+                              int64_t n_threads);
+void banyan_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n,
+                              int64_t n_threads);
+void banyan_rope_qk_bf16(const uint16_t* qkv, int64_t stride, const uint16_t* cos,
+                         const uint16_t* sin, const uint16_t* q_norm, const uint16_t* k_norm,
+                         float eps, uint16_t* q_out, uint16_t* k_out, int64_t rows,
+                         int64_t heads, int64_t kvh, int64_t d, int64_t n_threads);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_f32, float, float);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_int8, float, int8_t);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_bf16_bf16, uint16_t, uint16_t);
+void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
+                            const void* codes, const void* scale, const void* mins, int64_t group,
+                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
+void banyan_skinny_linear_f32(const float* x, int64_t T, int64_t K, const float* w,
+                              const float* bias, float* out, int64_t N, int64_t n_threads);
+void banyan_skinny_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w,
+                               const uint16_t* bias, uint16_t* out, int64_t N,
+                               int64_t n_threads);
+void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
+                            const float* scale, const float* bias, float* out, int64_t N,
+                            int64_t n_threads);
+void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                             const int8_t* w, const float* scale, const float* bias, float* out,
+                             int64_t N, int64_t n_threads);
+void banyan_q8_int4_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                               const uint8_t* w, const uint16_t* scale, const uint16_t* mins,
+                               const float* bias, float* out, int64_t N, int64_t n_threads);
+void banyan_q8_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                                const uint8_t* w, const float* scale, const float* mins,
+                                const float* bias, float* out, int64_t N, int64_t n_threads);
+void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t group,
+                               const int8_t* w, const float* scale, const float* bias,
+                               float* out, int64_t N, int64_t n_threads);
+void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
+                               const uint16_t* scale, const uint16_t* mins, const float* bias,
+                               float* out, int64_t N, int64_t n_threads);
+void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
+                           int64_t group, const void* w, const void* scale, const void* mins,
+                           const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
+}
