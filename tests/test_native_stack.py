@@ -7,9 +7,11 @@ aside where a piece has no native kernel."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from banyan.models import native_stack
 from banyan.models.native_stack import (GEMM_MAX_TOKENS, MAX_TOKENS, STACK_OPS,
                                         NativeLayerStack)
 from banyan.runner.model_runner import ModelRunner
+from banyan.sampling.greedy import argmax_rows
 from tests.model_helpers import ARCHS, Seq, build_batch, make_runner, random_ids
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU kernels unavailable")
@@ -58,6 +61,14 @@ def _step(runner: ModelRunner, alloc: SlotAllocator, work: list[tuple[Seq, int]]
         else:
             runner.pool.scatter(stored, batch.out_slots)
     return want, got
+
+
+def _greedy_step(runner: ModelRunner, alloc: SlotAllocator,
+                 work: list[tuple[Seq, int]]) -> list[int] | None:
+    """A step of decodes through ModelRunner.greedy_tokens (None where it declines)."""
+    batch = build_batch(alloc, work)
+    batch.sample_indices = list(range(batch.batch_size))  # every token samples
+    return runner.greedy_tokens(runner.prepare(batch), runner.vocab_size)
 
 
 def _check_steps(runner: ModelRunner) -> None:
@@ -201,7 +212,8 @@ def test_stack_stands_aside_without_native_pieces(llama_dir: Path) -> None:
 
 def test_the_stack_times_its_ops_when_asked(model_dirs: dict[str, Path]) -> None:
     """A profile sees the stack as one call: asked, it adds up each kind of op's time itself
-    (every kind runs in a decode step, and together they fit in the step's wall time)."""
+    (every kind but the head runs in a decode step's forward, the head in a greedy one, and
+    together they fit in the steps' wall time)."""
     runner = make_runner(model_dirs["llama"], dtype="float32", linear_kernel="native")
     stack = _every_extend_native(runner)
     alloc = SlotAllocator(runner.num_slots)
@@ -214,8 +226,68 @@ def test_the_stack_times_its_ops_when_asked(model_dirs: dict[str, Path]) -> None
     _, got = _step(runner, alloc, [(seqs[0], 1), (seqs[1], 1)])
     wall = time.perf_counter() - t0
     seconds = stack.op_seconds()
-    assert got is not None and all(v > 0 for v in seconds.values()), seconds
+    assert got is not None and seconds.pop("head") == 0, seconds
+    assert all(v > 0 for v in seconds.values()), seconds
     assert sum(seconds.values()) < wall
+    t0 = time.perf_counter()
+    tokens = _greedy_step(runner, alloc, [(seqs[0], 1), (seqs[1], 1)])
+    wall += time.perf_counter() - t0
+    seconds = stack.op_seconds()
+    assert tokens is not None and seconds["head"] > 0 and sum(seconds.values()) < wall
     stack.time_ops(False)
     _step(runner, alloc, [(seqs[0], 1), (seqs[1], 1)])
     assert stack.op_seconds() == {} and not stack._step.op_seconds
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
+                                                ("bfloat16", "int8"), ("bfloat16", "int4")])
+def test_greedy_tokens_are_the_samplers_argmax(model_dirs: dict[str, Path], arch: str,
+                                               dtype: str, quantization: str) -> None:
+    """The stack's greedy step (LM head and argmax in its one call) picks, for one decode and
+    for a batch of them, the tokens the sampler's argmax takes from compute()'s logits."""
+    if dtype == "bfloat16" and quantization == "none" and not SkinnyBf16Method.available(
+            torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing in this torch")
+    runner = make_runner(model_dirs[arch], dtype=dtype, quantization=quantization,
+                         linear_kernel="native" if quantization == "none" else "auto")
+    _every_extend_native(runner)
+    alloc = SlotAllocator(runner.num_slots)
+    seqs = [Seq(i, random_ids(40, 30 + i)) for i in range(4)]
+    for seq in seqs:
+        _step(runner, alloc, [(seq, 30)])
+    for work in ([(seqs[0], 1)], [(s, 1) for s in seqs], [(seqs[2], 1), (seqs[3], 1)]):
+        batch = build_batch(alloc, work)
+        batch.sample_indices = list(range(batch.batch_size))
+        with torch.inference_mode():
+            inputs = runner.prepare(batch)
+            want = argmax_rows(runner.compute(inputs)[0][:, : runner.vocab_size]).tolist()
+        assert runner.greedy_tokens(inputs, runner.vocab_size) == want, work
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_argmax_is_numpys(dtype: torch.dtype) -> None:
+    """The stack's argmax over each row's first n values (a row stride past them) is numpy's
+    over the float32 values: the first of equal maxima (0 and -0 alike), the first NaN."""
+    lib = native.load()
+    fn = getattr(lib, "banyan_argmax_rows_" + ("bf16" if dtype == torch.bfloat16 else "f32"))
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64]
+    torch.manual_seed(0)
+    for n, stride in ((1, 1), (15, 16), (16, 20), (77, 80), (1000, 1003)):
+        x = torch.randn(9, stride).to(dtype)
+        x[1, n // 2] = x[1, n - 1] = 100.0  # a tie: the first
+        x[2, :n] = -float("inf")
+        x[3, :n] = 0.0
+        x[3, n - 1] = -0.0
+        x[4, :n] = -0.0
+        x[4, n - 1] = 0.0
+        x[5, n - 1] = float("nan")
+        x[6, n // 3] = float("nan")
+        x[6, n - 1] = float("inf")
+        x[7, n - 1] = float("inf")
+        x[8, n - 1] = 1e30  # (bf16: beyond every random value too)
+        out = torch.full((9,), -1, dtype=torch.int64)
+        for threads in (1, 2):
+            fn(x.data_ptr(), 9, n, stride, out.data_ptr(), threads)
+            assert out.tolist() == np.argmax(x[:, :n].float().numpy(), axis=1).tolist(), n

@@ -81,6 +81,7 @@ struct StackModel {
     const void* rope_cos;
     const void* rope_sin;
     int64_t rope_rows;
+    StackLinear head;  // the LM head (weight null: none runs here)
 };
 
 // One step: T tokens, the attention plan of the native backend (native_plan.py) covering all.
@@ -108,6 +109,10 @@ struct StackStep {
     const int64_t* pf_n_new;
     int64_t pf_reqs;  // 0: none
     double* op_seconds;  // null, or [kStackOps]: each kind of op's seconds added (OpClock)
+    // null, or [T]: each token's greedy next token (the LM head over every token's final
+    // hidden state, then each row's argmax over its first `vocab` logits)
+    int64_t* greedy_out;
+    int64_t vocab;
 };
 
 // Where a step's time goes inside the one call, by kind of op (native_stack.py: STACK_OPS, in
@@ -115,7 +120,7 @@ struct StackStep {
 // caller passes op_seconds.
 enum StackOp : int {
     kOpNorm, kOpQkv, kOpRope, kOpKvStore, kOpAttention, kOpO, kOpGateUp, kOpSilu, kOpDown,
-    kStackOps
+    kOpHead, kStackOps
 };
 
 struct OpClock {
@@ -265,6 +270,7 @@ struct Kernels<float> {
     static constexpr auto rope_qk = banyan_rope_qk_f32;
     static constexpr auto attention = banyan_paged_attention_f32_f32;
     static constexpr auto prefill = banyan_prefill_attention_f32_f32;
+    static constexpr auto argmax = banyan_argmax_rows_f32;
 };
 
 template <>
@@ -274,6 +280,7 @@ struct Kernels<uint16_t> {
     static constexpr auto rope_qk = banyan_rope_qk_bf16;
     static constexpr auto attention = banyan_paged_attention_bf16_bf16;
     static constexpr auto prefill = banyan_prefill_attention_bf16_bf16;
+    static constexpr auto argmax = banyan_argmax_rows_bf16;
 };
 
 // The row kernel's requests, then the prefill kernel's (each writes its own rows of out), over
@@ -312,7 +319,7 @@ void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const 
 // Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
 template <typename T>
 struct Scratch {
-    std::vector<T> stream, cos, sin, x, qkv, q, k, attn, a, gate_up, act, mlp;
+    std::vector<T> stream, cos, sin, x, qkv, q, k, attn, a, gate_up, act, mlp, logits;
     std::vector<float> xsum;
 };
 
@@ -398,6 +405,12 @@ int64_t layer_stack(const StackModel* m, const StackStep* s) {
                     static_cast<const T*>(m->final_norm), static_cast<T*>(s->out), T_, H, eps,
                     nt);
     clock.lap(kOpNorm);
+    if (s->greedy_out != nullptr && m->head.weight != nullptr) {
+        b.logits.resize(T_ * m->head.out);
+        linear(m->head, static_cast<const T*>(s->out), T_, b.logits.data(), b.xsum.data(), nt);
+        K::argmax(b.logits.data(), T_, s->vocab, m->head.out, s->greedy_out, nt);
+        clock.lap(kOpHead);
+    }
     return 0;
 }
 

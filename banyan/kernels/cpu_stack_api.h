@@ -57,6 +57,10 @@ void banyan_q8_int8_linear_f32(const float* x, int64_t T, int64_t K, int64_t gro
 void banyan_q8_int5_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* w,
                                const uint16_t* scale, const uint16_t* mins, const float* bias,
                                float* out, int64_t N, int64_t n_threads);
+void banyan_argmax_rows_f32(const float* x, int64_t rows, int64_t n, int64_t stride,
+                            int64_t* out, int64_t n_threads);
+void banyan_argmax_rows_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t stride,
+                             int64_t* out, int64_t n_threads);
 void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
                            int64_t group, const void* w, const void* scale, const void* mins,
                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);

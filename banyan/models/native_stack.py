@@ -92,7 +92,7 @@ class StackModel(ctypes.Structure):
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("intermediate", c_int64),
                 ("eps", c_double), ("scale", c_double), ("layer", POINTER(StackLayer)),
                 ("final_norm", c_void_p), ("embed", c_void_p), ("rope_cos", c_void_p),
-                ("rope_sin", c_void_p), ("rope_rows", c_int64)]
+                ("rope_sin", c_void_p), ("rope_rows", c_int64), ("head", StackLinear)]
 
 
 class StackStep(ctypes.Structure):
@@ -103,12 +103,13 @@ class StackStep(ctypes.Structure):
                 ("group_start", c_void_p), ("group_prefix", c_void_p), ("n_groups", c_int64),
                 ("n_threads", c_int64), ("pf_req_row", c_void_p), ("pf_req_len", c_void_p),
                 ("pf_q_start", c_void_p), ("pf_n_new", c_void_p), ("pf_reqs", c_int64),
-                ("op_seconds", c_void_p)]
+                ("op_seconds", c_void_p), ("greedy_out", c_void_p), ("vocab", c_int64)]
 
 
 # The kinds of op the stack times when asked (cpu_layer_stack.cpp: StackOp, in this order):
 # what a profile of a step sees inside its one native call.
-STACK_OPS = ("norms", "qkv", "rope", "kv_store", "attention", "o", "gate_up", "silu", "down")
+STACK_OPS = ("norms", "qkv", "rope", "kv_store", "attention", "o", "gate_up", "silu", "down",
+             "head")
 
 
 def _vector(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
@@ -240,12 +241,34 @@ class NativeLayerStack:
                 not model.embed_tokens.weight.is_contiguous():
             return None
         keep += [model.norm.weight, model.embed_tokens.weight]
-        return cls(model, backend, layers, keep, methods)
+        stack = cls(model, backend, layers, keep, methods)
+        head = model.lm_head if model.lm_head is not None else model.tied_head
+        spec = linear(head) if head is not None else None  # (its method checked as theirs)
+        if spec is not None:  # else greedy() declines: the model's own head runs
+            stack._struct.head = spec
+        return stack
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor | None:
         """The model's forward (final-normed hidden states [T, hidden]) in one native call, or
         None when this step is not one the stack runs."""
+        return self._run(input_ids, positions, meta, None, 0)
+
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               vocab: int) -> torch.Tensor | None:
+        """Each token's greedy next token (int64 [T]: the LM head over its final hidden state,
+        the first of its largest logits among the first `vocab`, as the sampler's argmax picks
+        it) in the same native call, or None where the stack does not run the step or has no
+        kernel for the head. The head's kernel and bits are the per-op path's."""
+        if not self._struct.head.weight:
+            return None
+        tokens = torch.empty(input_ids.shape[0], dtype=torch.int64)
+        vocab = min(vocab, self._struct.head.out_features)
+        return tokens if self._run(input_ids, positions, meta, tokens, vocab) is not None \
+            else None
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+             greedy_out: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
         T = input_ids.shape[0]
         if T > self.max_tokens or not isinstance(meta, NativeMetadata) or \
                 meta.backend is not self.backend:
@@ -281,6 +304,7 @@ class NativeLayerStack:
             s.pf_q_start, s.pf_n_new = long.q_start.data_ptr(), long.n_new.data_ptr()
             s.pf_reqs = long.n_new.shape[0]
         s.n_threads = torch.get_num_threads()
+        s.greedy_out, s.vocab = _ptr(greedy_out), vocab
         with native.kernel_range("banyan::layer_stack"):
             rows = self._call(*self._args)
             if rows:  # a position past the RoPE tables: nothing was done

@@ -27,6 +27,7 @@ from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
 from banyan.models.native_stack import NativeLayerStack
+from banyan.runner.batch_checks import BatchChecks
 from banyan.runner.batch_invariant import make_batch_invariant
 from banyan.runner.cuda_graph import DecodeGraphs, GraphApi
 from banyan.runner.cpu_dtype import compute_dtype
@@ -121,8 +122,8 @@ class ModelRunner:
         if activation_quant == "int8":
             enable_int8_activations(self.model)
         self.max_rows = max_rows
-        self._checked_rows: list[int] = []  # the last rows validated
         self.max_context = max_context or cfg.max_position_embeddings
+        self.checks = BatchChecks(max_rows, self.max_context)
         # before the pool: the warm-up step writes it, and its size is then no longer free
         self.table = ReqToTokenTable(self.max_rows, self.max_context, self.device)
         self.kv_sizing: KVSizing | None = None  # the warm-up's figures, when it sized the pool
@@ -204,7 +205,7 @@ class ModelRunner:
             ) from exc
         finally:
             del self.pool, self.backend
-            self._checked_rows = []
+            self.checks.checked_rows = []
 
     @classmethod
     def from_engine_args(
@@ -281,6 +282,19 @@ class ModelRunner:
         if inputs.long_part is not None:  # each part whole, the LM head too
             return merge_parts([self._logits(p) for p in inputs.parts()], inputs.long_part)
         return self._logits(inputs)
+
+    def greedy_tokens(self, inputs: StepInputs, vocab: int) -> list[int] | None:
+        """Each logit row's argmax over the first `vocab` logits, for a step of plain greedy
+        rows, in the layer stack's one call (head and argmax included: the same bits and
+        tokens as compute + the sampler's argmax), or None where that does not apply (then
+        compute and sample)."""
+        if self.stack is None or not inputs.every_token or inputs.long_part is not None \
+                or inputs.prompt is not None or inputs.graph is not None:
+            return None
+        with torch.inference_mode():
+            tokens = self.stack.greedy(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                       vocab)
+        return None if tokens is None else tokens.tolist()
 
     def _logits(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
         """compute for one forward (a step, or a part of a mixed one)."""
@@ -385,64 +399,4 @@ class ModelRunner:
 
     def validate(self, batch: ForwardBatch) -> None:
         """ValueError on a batch that would index out of the pool, table or vocabulary."""
-        b = batch.batch_size
-        if b == 0:
-            raise ValueError("empty ForwardBatch")
-        if len(batch.prefix_lens) != b or len(batch.extend_lens) != b:
-            raise ValueError(
-                f"ForwardBatch: rows/prefix_lens/extend_lens lengths differ "
-                f"({b}, {len(batch.prefix_lens)}, {len(batch.extend_lens)})"
-            )
-        t = batch.num_tokens
-        if len(batch.out_slots) != t or sum(batch.extend_lens) != t:
-            raise ValueError(
-                f"ForwardBatch: {t} input_ids, {len(batch.out_slots)} out_slots, "
-                f"sum(extend_lens)={sum(batch.extend_lens)}"
-            )
-        if min(batch.extend_lens) < 1 or min(batch.prefix_lens) < 0:
-            raise ValueError("ForwardBatch: extend_lens must be >= 1 and prefix_lens >= 0")
-        # (steady decode steps repeat their rows: checked once, compared after)
-        if batch.rows != self._checked_rows:
-            if min(batch.rows) < 0 or max(batch.rows) >= self.max_rows \
-                    or len(set(batch.rows)) != b:
-                raise ValueError(f"ForwardBatch: rows must be distinct and in "
-                                 f"[0, {self.max_rows}), got {batch.rows}")
-            self._checked_rows = list(batch.rows)
-        if t == b:  # decodes only (every extend is 1): no Python loop over the batch
-            longest = max(batch.prefix_lens) + 1
-        else:
-            longest = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens,
-                                                strict=True))
-        if longest > self.max_context:
-            raise ValueError(
-                f"ForwardBatch: a sequence reaches {longest} tokens, "
-                f"over max_context={self.max_context}"
-            )
-        # Slot 0 (padding) is allowed: padded tokens may write there.
-        _check_range("out_slots", batch.out_slots, self.num_slots)
-        _check_range("input_ids", batch.input_ids, self.vocab_size)
-        if batch.sample_indices:
-            _check_range("sample_indices", batch.sample_indices, b)
-        if batch.proposed:
-            if len(batch.proposed) != len(batch.sample_indices):
-                raise ValueError("ForwardBatch: proposed needs one list per sampling request")
-            for i, p in zip(batch.sample_indices, batch.proposed, strict=True):
-                if len(p) >= batch.extend_lens[i]:
-                    raise ValueError(f"ForwardBatch: {len(p)} proposed tokens do not fit an "
-                                     f"extend of {batch.extend_lens[i]}")
-        if batch.deferred_inputs:
-            _check_range("deferred_inputs", batch.deferred_inputs, t)
-        for p in batch.row_prefixes:
-            if not 0 <= p.row < self.max_rows or len(p.slots) > self.max_context:
-                raise ValueError(
-                    f"ForwardBatch: row_prefix for row {p.row} with {len(p.slots)} slots "
-                    "is out of range"
-                )
-            if p.slots:
-                _check_range("row_prefixes slots", p.slots, self.num_slots)
-
-
-def _check_range(what: str, values: list[int], end: int) -> None:
-    lo, hi = min(values), max(values)
-    if lo < 0 or hi >= end:
-        raise ValueError(f"ForwardBatch: {what} must be in [0, {end}), got values in [{lo}, {hi}]")
+        self.checks.check(batch, self.num_slots, self.vocab_size)

@@ -26,7 +26,7 @@ from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
 from banyan.host_tensors import int64_tensor, to_device
 from banyan.runner.model_runner import ModelRunner, StepInputs
 from banyan.runner.threads import ThreadGovernor
-from banyan.sampling.sampler import Sampler
+from banyan.sampling.sampler import SampleResult, Sampler
 from banyan.structured.masks import advance_grammars, fill_token_masks
 
 
@@ -104,11 +104,18 @@ class ModelStepRunner:
             if part.deferred is not None:
                 d = part.deferred
                 part.input_ids.index_copy_(0, d.flat, self._row_tokens.index_select(0, d.rows))
-        logits, prompt_logprobs = self.model_runner.compute(inputs)
-        t1 = time.perf_counter()
         rows = self._logit_rows(batch)
         masks = fill_token_masks(batch.sampling, batch.proposed, self.sampler.vocab_size)
-        result = self.sampler.sample(logits, rows, token_masks=masks)
+        greedy = None  # plain greedy rows: their tokens from the forward's own native call
+        if masks is None and all(r.plain for r in rows):
+            greedy = self.model_runner.greedy_tokens(inputs, self.sampler.vocab_size)
+        if greedy is not None:
+            t1 = time.perf_counter()
+            result, prompt_logprobs = SampleResult(greedy, [None] * len(greedy)), []
+        else:
+            logits, prompt_logprobs = self.model_runner.compute(inputs)
+            t1 = time.perf_counter()
+            result = self.sampler.sample(logits, rows, token_masks=masks)
         tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
         if masks is not None:  # here, on the worker, so matchers see tokens in step order
             advance_grammars(batch.sampling, tokens)
