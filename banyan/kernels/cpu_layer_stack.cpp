@@ -82,6 +82,12 @@ struct StackModel {
     const void* rope_sin;
     int64_t rope_rows;
     StackLinear head;  // the LM head (weight null: none runs here)
+    // a bf16 head in pairs: its int8 copy and bounds for one-token greedy steps
+    // (cpu_head_screen.cpp; null: none), and [2] counts of steps screened / fallen back
+    const int8_t* screen_codes;
+    const float* screen_scale;
+    const float* screen_slack;
+    int64_t* screen_counts;
 };
 
 // One step: T tokens, the attention plan of the native backend (native_plan.py) covering all.
@@ -406,6 +412,19 @@ int64_t layer_stack(const StackModel* m, const StackStep* s) {
                     nt);
     clock.lap(kOpNorm);
     if (s->greedy_out != nullptr && m->head.weight != nullptr) {
+        if constexpr (std::is_same<T, uint16_t>::value) {
+            if (T_ == 1 && m->screen_codes != nullptr) {
+                s->greedy_out[0] = banyan_head_screen_bf16(
+                    static_cast<const uint16_t*>(s->out), H,
+                    static_cast<const int32_t*>(m->head.weight), m->screen_codes,
+                    m->screen_scale, m->screen_slack, m->head.out, s->vocab, nt);
+                ++m->screen_counts[s->greedy_out[0] < 0];
+                if (s->greedy_out[0] >= 0) {
+                    clock.lap(kOpHead);
+                    return 0;
+                }
+            }
+        }
         b.logits.resize(T_ * m->head.out);
         linear(m->head, static_cast<const T*>(s->out), T_, b.logits.data(), b.xsum.data(), nt);
         K::argmax(b.logits.data(), T_, s->vocab, m->head.out, s->greedy_out, nt);

@@ -39,6 +39,7 @@ from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyBf16Method
 from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
 from banyan.mem.kv_pool import KVPool
+from banyan.models import head_screen
 from banyan.models.llama import LlamaForCausalLM
 
 # The kernels' own switches: skinny float32 up to SKINNY_ROWS tokens, quantized GEMV-style
@@ -92,7 +93,9 @@ class StackModel(ctypes.Structure):
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("intermediate", c_int64),
                 ("eps", c_double), ("scale", c_double), ("layer", POINTER(StackLayer)),
                 ("final_norm", c_void_p), ("embed", c_void_p), ("rope_cos", c_void_p),
-                ("rope_sin", c_void_p), ("rope_rows", c_int64), ("head", StackLinear)]
+                ("rope_sin", c_void_p), ("rope_rows", c_int64), ("head", StackLinear),
+                ("screen_codes", c_void_p), ("screen_scale", c_void_p),
+                ("screen_slack", c_void_p), ("screen_counts", c_void_p)]
 
 
 class StackStep(ctypes.Structure):
@@ -125,6 +128,7 @@ class NativeLayerStack:
         cfg = model.config
         self.model, self.backend = model, backend
         self._keep = keep  # every tensor a pointer below refers to
+        self.screen_counts: torch.Tensor | None = None  # (_add_screen)
         self._methods = methods
         self._generation = Linear.generation  # of the methods the pointers were taken from
         self._layers = (StackLayer * len(layers))(*layers)
@@ -246,7 +250,26 @@ class NativeLayerStack:
         spec = linear(head) if head is not None else None  # (its method checked as theirs)
         if spec is not None:  # else greedy() declines: the model's own head runs
             stack._struct.head = spec
+            step_bytes = sum(m.weight_bytes() for m in model.modules() if isinstance(m, Linear))
+            if spec.kind == LINEAR_KINDS["pairs_bf16"] and not spec.bias and \
+                    head_screen.wanted(head.weight_bytes(), step_bytes):
+                stack._add_screen(head)
         return stack
+
+    def _add_screen(self, head: Linear) -> None:
+        """One-token greedy steps through the head's int8 copy (models/head_screen.py)."""
+        pairs = head.pairs  # [ceil(N / 16), K / 2, 16] int32: lane i of word j, row i's 2j, 2j+1
+        weight = pairs.view(torch.bfloat16).view(*pairs.shape, 2).permute(0, 2, 1, 3)
+        screen = head_screen.make_head_screen(
+            weight.reshape(-1, head.in_features)[: head.out_features])
+        if screen is None:
+            return
+        self.screen_counts = torch.zeros(2, dtype=torch.int64)  # steps screened, fallen back
+        self._keep += [screen.codes, screen.scale, screen.slack, self.screen_counts]
+        self._struct.screen_codes, self._struct.screen_scale = screen.codes.data_ptr(), \
+            screen.scale.data_ptr()
+        self._struct.screen_slack = screen.slack.data_ptr()
+        self._struct.screen_counts = self.screen_counts.data_ptr()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor | None:
