@@ -16,6 +16,8 @@ from banyan import Engine, SamplingParams
 from banyan.kernels import native
 from banyan.layers.panels import pack_bf16_pairs
 from banyan.models import head_screen
+from banyan.server.ipc import EngineStats
+from banyan.server.metrics import ServerMetrics
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU kernels unavailable")
 
@@ -98,13 +100,23 @@ def test_a_bf16_model_takes_the_same_tokens_with_the_screen(llama_dir: Path,
                 pytest.skip("no native layer stack here")
             outputs.append([engine.generate(sampling_params=params, input_ids=[p],
                                             use_tqdm=False)[0].output_ids for p in prompts])
-            counts = stack.screen_counts
+            counts = engine.core.stats().head_screen
             if switch == "1":
                 if counts is None:
                     pytest.skip("no screen for this head (no bf16 pairs here)")
-                assert counts[0] > 0 and counts[1] == 0
+                assert counts[0] >= len(prompts) * 20 and counts[1] == 0
             else:
                 assert counts is None
         finally:
             engine.close()
     assert outputs[0] == outputs[1]
+
+
+def test_the_screens_counts_are_metrics() -> None:
+    metrics = ServerMetrics("tiny")
+    text = metrics.render().decode()
+    assert "banyan:head_screen_steps" not in text  # no screen: no series
+    metrics.engine = EngineStats(head_screen=[41, 2])
+    text = metrics.render().decode()
+    assert 'banyan:head_screen_steps_total{model_name="tiny"} 41.0' in text
+    assert 'banyan:head_screen_fallbacks_total{model_name="tiny"} 2.0' in text

@@ -51,6 +51,9 @@ class CoreStats:
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
     tier: dict[str, float] | None = None  # the KV tier's counters (KVTier.counters), when on
     disagg: dict[str, float] | None = None  # the KV transfer's counters (P/D workers)
+    # one-token greedy steps whose token the LM head's screen gave / that fell back to the
+    # whole head (models/head_screen.py), when the model has a screen
+    head_screen: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -264,7 +267,13 @@ class EngineCore:
             spec=sched.speculation.stats if sched.speculation is not None else None,
             tier=kv.tier.counters() if kv.tier is not None else None,
             disagg=self._disagg_counters(),
+            head_screen=self._head_screen_counts(),
         )
+
+    def _head_screen_counts(self) -> tuple[int, int] | None:
+        stack = getattr(getattr(self.scheduler.runner, "model_runner", None), "stack", None)
+        counts = getattr(stack, "screen_counts", None)
+        return None if counts is None else (int(counts[0]), int(counts[1]))
 
     def _disagg_counters(self) -> dict[str, float] | None:
         end = self.kv_sink if self.kv_sink is not None else self.kv_source

@@ -250,6 +250,7 @@ class EngineLoop:
             **_spec_fields(core.spec),
             hicache=core.tier or {},
             disagg=core.disagg or {},
+            head_screen=list(core.head_screen or ()),
             times=StepTimes(**{f: getattr(c.times, f) for f in StepTimes.__struct_fields__}),
             busy_fraction=(min(sum(b for _, b in c.recent) / recent_wall, 1.0)
                            if recent_wall else 0.0),

@@ -128,6 +128,7 @@ class EngineStats(msgspec.Struct):
     spec_accepted_per_pos: list[int] = []
     hicache: dict[str, float] = {}  # the KV tier's counters (KVTier.counters); empty when off
     disagg: dict[str, float] = {}  # P/D: the KV transfer's counters; empty for a plain worker
+    head_screen: list[int] = []  # [screened, fallen back] one-token greedy steps; empty: none
 
     @property
     def kv_usage(self) -> float:

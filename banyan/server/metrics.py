@@ -157,6 +157,11 @@ class _EngineCollector(Collector):
             doc = DISAGG_COUNTERS.get(key)
             if doc is not None:
                 yield counter(f"banyan:disagg_{key}", doc, value)
+        if s.head_screen:  # a bf16 head read through its int8 screen (models/head_screen.py)
+            yield counter("banyan:head_screen_steps", "One-token greedy steps whose token the "
+                          "LM head's int8 screen proved.", s.head_screen[0])
+            yield counter("banyan:head_screen_fallbacks", "One-token greedy steps the screen "
+                          "could not decide (the whole head ran).", s.head_screen[1])
         phase = CounterMetricFamily(
             "banyan:step_phase_seconds",
             "Engine loop time by phase: schedule, prepare (inputs), forward, sample, output "
