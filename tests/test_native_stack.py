@@ -244,8 +244,9 @@ def test_the_stack_times_its_ops_when_asked(model_dirs: dict[str, Path]) -> None
                                                 ("bfloat16", "int8"), ("bfloat16", "int4")])
 def test_greedy_tokens_are_the_samplers_argmax(model_dirs: dict[str, Path], arch: str,
                                                dtype: str, quantization: str) -> None:
-    """The stack's greedy step (LM head and argmax in its one call) picks, for one decode and
-    for a batch of them, the tokens the sampler's argmax takes from compute()'s logits."""
+    """The stack's greedy step (LM head and argmax in its one call) picks, for one decode, a
+    batch of them and speculative checks, the tokens the sampler's argmax takes from
+    compute()'s logits."""
     if dtype == "bfloat16" and quantization == "none" and not SkinnyBf16Method.available(
             torch.device("cpu"), torch.bfloat16):
         pytest.skip("no oneDNN bf16 packing in this torch")
@@ -263,6 +264,15 @@ def test_greedy_tokens_are_the_samplers_argmax(model_dirs: dict[str, Path], arch
             inputs = runner.prepare(batch)
             want = argmax_rows(runner.compute(inputs)[0][:, : runner.vocab_size]).tolist()
         assert runner.greedy_tokens(inputs, runner.vocab_size) == want, work
+    # speculative checks: each request's k guesses and the token before them, every logit row
+    batch = build_batch(alloc, [(seqs[0], 4), (seqs[1], 1), (seqs[3], 3)])
+    batch.sample_indices = [0, 1, 2]
+    batch.proposed = [seqs[0].tokens[-3:], [], seqs[3].tokens[-2:]]
+    with torch.inference_mode():
+        inputs = runner.prepare(batch)
+        assert inputs.every_token
+        want = argmax_rows(runner.compute(inputs)[0][:, : runner.vocab_size]).tolist()
+    assert len(want) == 8 and runner.greedy_tokens(inputs, runner.vocab_size) == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -393,8 +393,11 @@ class ModelRunner:
             prompt = prompt_logprob_inputs(batch, first.tolist(), dev)
         graph = ((batch, out_slots) if self.graphs is not None and decode_only
                  and not batch.prompt_logprobs else None)
-        every = decode_only and not any(batch.proposed) and \
-            batch.sample_indices == list(range(batch.batch_size))  # (so non-empty)
+        # every token's logits, in order: decodes, and speculative checks whose k guesses
+        # are all of their k + 1 new tokens but one
+        every = batch.sample_indices == list(range(batch.batch_size)) and (  # (non-empty)
+            all(n == len(p) + 1 for n, p in zip(batch.extend_lens, batch.proposed, strict=True))
+            if any(batch.proposed) else decode_only)
         return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt, graph, every)
 
     def validate(self, batch: ForwardBatch) -> None:
