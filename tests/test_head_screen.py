@@ -24,7 +24,9 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU kernel
 
 def _screen_fn() -> ctypes._CFuncPtr:
     fn = native.load().banyan_head_screen_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     fn.restype = ctypes.c_int64
     return fn
 
@@ -34,8 +36,9 @@ def _screened(w: torch.Tensor, x: torch.Tensor, vocab: int) -> tuple[int, int]:
     pairs = pack_bf16_pairs(w)
     screen = head_screen.make_head_screen(w)
     assert screen is not None
-    got = _screen_fn()(x.data_ptr(), w.shape[1], pairs.data_ptr(), screen.codes.data_ptr(),
-                       screen.scale.data_ptr(), screen.slack.data_ptr(), w.shape[0], vocab, 2)
+    got = _screen_fn()(x.data_ptr(), w.shape[1], pairs.data_ptr(), native.PAIRS_BF16_KIND,
+                       screen.codes.data_ptr(), screen.scale.data_ptr(), head_screen.GROUP,
+                       screen.slack.data_ptr(), w.shape[0], vocab, 2)
     logits = native.bf16_pairs_gemm(x[None], pairs, w.shape[0])[0, :vocab]
     return got, int(np.argmax(logits.float().numpy()))
 

@@ -22,13 +22,12 @@
 #include <vector>
 
 #include "cpu_dtypes.h"
+#include "cpu_quant_common.h"
 #include "cpu_stack_api.h"
 
 namespace {
 
-constexpr int64_t kPanel = 16;     // rows a panel of the pairs (and of the int8 copy)
 constexpr int64_t kMaxPanels = 8;  // panels worth recomputing; more: the whole head
-constexpr int64_t kPairsKind = 5;  // cpu_quant_gemm_bf16.cpp: kBf16Pairs
 
 // A bf16 ulp of values up to twice |v|: the most rounding can move a logit near v, doubled.
 float bf16_margin(float v) {
@@ -41,12 +40,14 @@ float bf16_margin(float v) {
 
 extern "C" {
 
-// x: one bf16 row [K]; pairs: the head [ceil(N / 16), K / 2, 16] of bf16 pairs, no bias;
-// codes, scale: the int8 copy as GroupInt8Method keeps it (group 32); slack [N]; the argmax over
-// the first `vocab` rows (numpy's: the first of equal maxima), or -1.
+// x: one bf16 row [K]; pairs: the head [ceil(N / 16), K / 2, 16] of bf16 pairs, no bias, which
+// banyan_quant_gemm_bf16 reads as `kind`; codes, scale: the int8 copy as GroupInt8Method keeps
+// it (a scale per `group` inputs); slack [N]; the argmax over the first `vocab` rows (numpy's:
+// the first of equal maxima), or -1.
 int64_t banyan_head_screen_bf16(const uint16_t* x, int64_t K, const int32_t* pairs,
-                                const int8_t* codes, const float* scale, const float* slack,
-                                int64_t N, int64_t vocab, int64_t n_threads) {
+                                int64_t kind, const int8_t* codes, const float* scale,
+                                int64_t group, const float* slack, int64_t N, int64_t vocab,
+                                int64_t n_threads) {
     static thread_local std::vector<float> wide, approx;
     wide.resize(K);
     approx.resize(N);
@@ -57,7 +58,7 @@ int64_t banyan_head_screen_bf16(const uint16_t* x, int64_t K, const int32_t* pai
     }
     const float norm = static_cast<float>(std::sqrt(norm2) * (1.0 + 1e-6));
     if (!std::isfinite(norm)) return -1;
-    banyan_int8g_linear_f32(wide.data(), 1, K, 32, codes, scale, nullptr, approx.data(), N,
+    banyan_int8g_linear_f32(wide.data(), 1, K, group, codes, scale, nullptr, approx.data(), N,
                             n_threads);
     float low = -INFINITY;
     bool finite = true;
@@ -71,7 +72,7 @@ int64_t banyan_head_screen_bf16(const uint16_t* x, int64_t K, const int32_t* pai
     int64_t count = 0;
     for (int64_t j = 0; j < vocab; ++j) {
         if (approx[j] + norm * slack[j] < floor) continue;
-        const int64_t p = j / kPanel;
+        const int64_t p = j / PANEL;
         if (count > 0 && panels[count - 1] == p) continue;
         if (count == kMaxPanels) return -1;
         panels[count++] = p;
@@ -79,14 +80,14 @@ int64_t banyan_head_screen_bf16(const uint16_t* x, int64_t K, const int32_t* pai
     int64_t best = -1;
     float best_logit = 0.0f;
     for (int64_t i = 0; i < count; ++i) {  // in row order: a tie keeps the first
-        alignas(64) uint16_t exact[kPanel];
-        banyan_quant_gemm_bf16(x, 1, K, kPairsKind, pairs + panels[i] * (K / 2) * kPanel,
-                               nullptr, nullptr, 0, nullptr, exact, kPanel, 1);
-        for (int64_t r = 0; r < kPanel && panels[i] * kPanel + r < vocab; ++r) {
+        alignas(64) uint16_t exact[PANEL];
+        banyan_quant_gemm_bf16(x, 1, K, kind, pairs + panels[i] * (K / 2) * PANEL, nullptr,
+                               nullptr, 0, nullptr, exact, PANEL, 1);
+        for (int64_t r = 0; r < PANEL && panels[i] * PANEL + r < vocab; ++r) {
             const float v = bf16_to_f32(exact[r]);
             if (std::isnan(v)) return -1;
             if (best < 0 || v > best_logit) {
-                best = panels[i] * kPanel + r;
+                best = panels[i] * PANEL + r;
                 best_logit = v;
             }
         }

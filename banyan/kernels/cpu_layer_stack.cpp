@@ -87,6 +87,7 @@ struct StackModel {
     const int8_t* screen_codes;
     const float* screen_scale;
     const float* screen_slack;
+    int64_t screen_group;
     int64_t* screen_counts;
 };
 
@@ -348,6 +349,25 @@ void gather_inputs(const StackModel* m, const StackStep* s, Scratch<T>& b) {
     }
 }
 
+// A one-token bf16 step's greedy token through the head's int8 screen (cpu_head_screen.cpp):
+// false where the stack has none, or where it could not decide (then the whole head runs).
+template <typename T>
+bool screened(const StackModel* m, const StackStep* s) {
+    if constexpr (std::is_same<T, uint16_t>::value) {
+        if (s->tokens != 1 || m->screen_codes == nullptr) return false;
+        const int64_t token = banyan_head_screen_bf16(
+            static_cast<const uint16_t*>(s->out), m->hidden,
+            static_cast<const int32_t*>(m->head.weight), m->head.gemm, m->screen_codes,
+            m->screen_scale, m->screen_group, m->screen_slack, m->head.out, s->vocab,
+            s->n_threads);
+        ++m->screen_counts[token < 0];  // [screened, fallen back]
+        if (token < 0) return false;
+        s->greedy_out[0] = token;
+        return true;
+    }
+    return false;
+}
+
 // 0, or (doing nothing) the rows the RoPE tables must have for this step's positions.
 template <typename T>
 int64_t layer_stack(const StackModel* m, const StackStep* s) {
@@ -412,22 +432,12 @@ int64_t layer_stack(const StackModel* m, const StackStep* s) {
                     nt);
     clock.lap(kOpNorm);
     if (s->greedy_out != nullptr && m->head.weight != nullptr) {
-        if constexpr (std::is_same<T, uint16_t>::value) {
-            if (T_ == 1 && m->screen_codes != nullptr) {
-                s->greedy_out[0] = banyan_head_screen_bf16(
-                    static_cast<const uint16_t*>(s->out), H,
-                    static_cast<const int32_t*>(m->head.weight), m->screen_codes,
-                    m->screen_scale, m->screen_slack, m->head.out, s->vocab, nt);
-                ++m->screen_counts[s->greedy_out[0] < 0];
-                if (s->greedy_out[0] >= 0) {
-                    clock.lap(kOpHead);
-                    return 0;
-                }
-            }
+        if (!screened<T>(m, s)) {
+            b.logits.resize(T_ * m->head.out);
+            linear(m->head, static_cast<const T*>(s->out), T_, b.logits.data(), b.xsum.data(),
+                   nt);
+            K::argmax(b.logits.data(), T_, s->vocab, m->head.out, s->greedy_out, nt);
         }
-        b.logits.resize(T_ * m->head.out);
-        linear(m->head, static_cast<const T*>(s->out), T_, b.logits.data(), b.xsum.data(), nt);
-        K::argmax(b.logits.data(), T_, s->vocab, m->head.out, s->greedy_out, nt);
         clock.lap(kOpHead);
     }
     return 0;

@@ -62,8 +62,9 @@ void banyan_argmax_rows_f32(const float* x, int64_t rows, int64_t n, int64_t str
 void banyan_argmax_rows_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t stride,
                              int64_t* out, int64_t n_threads);
 int64_t banyan_head_screen_bf16(const uint16_t* x, int64_t K, const int32_t* pairs,
-                                const int8_t* codes, const float* scale, const float* slack,
-                                int64_t N, int64_t vocab, int64_t n_threads);
+                                int64_t kind, const int8_t* codes, const float* scale,
+                                int64_t group, const float* slack, int64_t N, int64_t vocab,
+                                int64_t n_threads);
 void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
                            int64_t group, const void* w, const void* scale, const void* mins,
                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from banyan.kernels import native
-from banyan.layers.panels import from_panels, pack_bf16_pairs
+from banyan.layers.panels import pack_bf16_pairs, unpack_bf16_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +282,7 @@ class PairsBf16Method(LinearMethod):
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         """The weight [N, K] (float32) out of its pairs, as the quantized methods give theirs."""
-        pairs = from_panels(layer.pairs, layer.out_features).contiguous()
-        return pairs.view(torch.bfloat16).float()
+        return unpack_bf16_pairs(layer.pairs, layer.out_features).float()
 
 
 def _store_pairs(layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

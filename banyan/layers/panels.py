@@ -32,6 +32,11 @@ def from_panels(packed: torch.Tensor, rows: int) -> torch.Tensor:
     return packed.movedim(-1, 1).reshape(-1, *packed.shape[1:-1])[:rows]
 
 
+def unpack_bf16_pairs(pairs: torch.Tensor, rows: int) -> torch.Tensor:
+    """pack_bf16_pairs undone -> the bf16 weight [rows, K]."""
+    return from_panels(pairs, rows).contiguous().view(torch.bfloat16)
+
+
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [N, K] weight (K even) in the panels the bf16 GEMM's vdpbf16ps reads (kBf16Pairs):
     lane i of word j = row i's inputs 2j, 2j + 1 -> int32 [ceil(N / 16), K / 2, 16], a fresh

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.layers.panels import pad_rows, to_panels
+from banyan.layers.quant import quantize_int8
 
 GROUP = 32  # inputs a scale of the copy covers (the kernel's int8 group kernel, group 32)
 SCREEN_SHARE = 0.1  # the head's least share of a step's weight bytes for a screen to be made
@@ -35,21 +36,19 @@ def wanted(head_bytes: int, step_bytes: int) -> bool:
 
 
 def make_head_screen(weight: torch.Tensor) -> HeadScreen | None:
-    """The screen of a bf16 head weight [N, K], or None where K is not whole groups."""
+    """The screen of a head weight [N, K] (bf16 values), or None where K is not whole groups."""
     n, k = weight.shape
     if k % GROUP:
         return None
     codes, scales, slacks = [], [], []
     for r in range(0, n, _ROWS):
-        w = weight[r : r + _ROWS].double()
-        g = w.view(-1, k // GROUP, GROUP)
-        scale = (g.abs().amax(-1, keepdim=True) / 127).float()  # as the kernel reads it
-        scale[scale == 0] = 1.0
-        q = torch.round(g / scale.double()).clamp(-127, 127)
-        approx = (q * scale.double()).view(-1, k)  # exact in float64 (8 x 24 bits)
+        w = weight[r : r + _ROWS]
+        q, scale = quantize_int8(w.reshape(-1, GROUP))  # each group as a row: a scale each
+        w = w.double()
+        approx = (q.double() * scale.double()[:, None]).view(-1, k)  # exact (8 x 24 bits)
         slack = (w - approx).norm(dim=1) + 2 * (k + k // GROUP) * _U * (
             w.norm(dim=1) + approx.norm(dim=1))
-        codes.append(q.to(torch.int8).view(-1, k))
+        codes.append(q.view(-1, k))
         scales.append(scale.view(-1, k // GROUP))
         slacks.append(slack * (1 + 1e-6))
     slack = torch.cat(slacks).float()

@@ -37,6 +37,7 @@ from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
 from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyBf16Method
+from banyan.layers.panels import unpack_bf16_pairs
 from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
 from banyan.mem.kv_pool import KVPool
 from banyan.models import head_screen
@@ -95,7 +96,8 @@ class StackModel(ctypes.Structure):
                 ("final_norm", c_void_p), ("embed", c_void_p), ("rope_cos", c_void_p),
                 ("rope_sin", c_void_p), ("rope_rows", c_int64), ("head", StackLinear),
                 ("screen_codes", c_void_p), ("screen_scale", c_void_p),
-                ("screen_slack", c_void_p), ("screen_counts", c_void_p)]
+                ("screen_slack", c_void_p), ("screen_group", c_int64),
+                ("screen_counts", c_void_p)]
 
 
 class StackStep(ctypes.Structure):
@@ -258,17 +260,16 @@ class NativeLayerStack:
 
     def _add_screen(self, head: Linear) -> None:
         """One-token greedy steps through the head's int8 copy (models/head_screen.py)."""
-        pairs = head.pairs  # [ceil(N / 16), K / 2, 16] int32: lane i of word j, row i's 2j, 2j+1
-        weight = pairs.view(torch.bfloat16).view(*pairs.shape, 2).permute(0, 2, 1, 3)
-        screen = head_screen.make_head_screen(
-            weight.reshape(-1, head.in_features)[: head.out_features])
+        # (the pairs of PairsBf16Method or SkinnyBf16Method, whichever holds the head)
+        screen = head_screen.make_head_screen(unpack_bf16_pairs(head.pairs, head.out_features))
         if screen is None:
             return
         self.screen_counts = torch.zeros(2, dtype=torch.int64)  # steps screened, fallen back
         self._keep += [screen.codes, screen.scale, screen.slack, self.screen_counts]
         self._struct.screen_codes, self._struct.screen_scale = screen.codes.data_ptr(), \
             screen.scale.data_ptr()
-        self._struct.screen_slack = screen.slack.data_ptr()
+        self._struct.screen_slack, self._struct.screen_group = screen.slack.data_ptr(), \
+            head_screen.GROUP
         self._struct.screen_counts = self.screen_counts.data_ptr()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -289,7 +289,7 @@ class ModelRunner:
         tokens as compute + the sampler's argmax), or None where that does not apply (then
         compute and sample)."""
         if self.stack is None or not inputs.every_token or inputs.long_part is not None \
-                or inputs.prompt is not None or inputs.graph is not None:
+                or inputs.prompt is not None:
             return None
         with torch.inference_mode():
             tokens = self.stack.greedy(inputs.input_ids, inputs.positions, inputs.attn_meta,
