@@ -78,15 +78,13 @@ struct StackModel {
     const void* embed;  // [vocab, hidden]: the step's tokens' rows are its stream
     // cos / sin of positions 0 .. rope_rows - 1 [rope_rows, D / 2], made by the model's own
     // rotary embedding (bit for bit what it gives a step; native_stack.py grows them)
-    const void* rope_cos;
-    const void* rope_sin;
+    const void *rope_cos, *rope_sin;
     int64_t rope_rows;
     StackLinear head;  // the LM head (weight null: none runs here)
     // a bf16 head in pairs: its int8 copy and bounds for one-token greedy steps
     // (cpu_head_screen.cpp; null: none), and [2] counts of steps screened / fallen back
     const int8_t* screen_codes;
-    const float* screen_scale;
-    const float* screen_slack;
+    const float *screen_scale, *screen_slack;
     int64_t screen_group;
     int64_t* screen_counts;
 };
@@ -330,15 +328,12 @@ struct Scratch {
     std::vector<float> xsum;
 };
 
-// The step's stream (its tokens' embeddings) and the cos / sin rows of its positions, gathered
-// here rather than by torch ops before the call: a decode step's host work runs on caches the
-// weights just streamed through, where each op costs several times its warm time.
+// The step's stream (its tokens' embeddings) and its positions' cos / sin rows, here rather
+// than by torch ops before the call, which ran on caches the weights had just streamed through.
 template <typename T>
 void gather_inputs(const StackModel* m, const StackStep* s, Scratch<T>& b) {
     const int64_t T_ = s->tokens, H = m->hidden, half = m->head_dim / 2;
-    b.stream.resize(T_ * H);
-    b.cos.resize(T_ * half);
-    b.sin.resize(T_ * half);
+    b.stream.resize(T_ * H), b.cos.resize(T_ * half), b.sin.resize(T_ * half);
     const T* embed = static_cast<const T*>(m->embed);
     const T* cos = static_cast<const T*>(m->rope_cos);
     const T* sin = static_cast<const T*>(m->rope_sin);
@@ -361,9 +356,8 @@ bool screened(const StackModel* m, const StackStep* s) {
             m->screen_scale, m->screen_group, m->screen_slack, m->head.out, s->vocab,
             s->n_threads);
         ++m->screen_counts[token < 0];  // [screened, fallen back]
-        if (token < 0) return false;
-        s->greedy_out[0] = token;
-        return true;
+        if (token >= 0) s->greedy_out[0] = token;
+        return token >= 0;
     }
     return false;
 }
@@ -391,8 +385,6 @@ int64_t layer_stack(const StackModel* m, const StackStep* s) {
     b.xsum.resize(T_ * (std::max(H, m->intermediate) / 16 + 1));  // int4 group sums (group >= 16)
     gather_inputs(m, s, b);
     T* stream = b.stream.data();
-    const T* cos = b.cos.data();
-    const T* sin = b.sin.data();
     OpClock clock(s->op_seconds);
     for (int64_t i = 0; i < m->layers; ++i) {
         const StackLayer& L = m->layer[i];
@@ -402,9 +394,9 @@ int64_t layer_stack(const StackModel* m, const StackStep* s) {
         clock.lap(kOpNorm);
         linear(L.qkv, b.x.data(), T_, b.qkv.data(), b.xsum.data(), nt);
         clock.lap(kOpQkv);
-        K::rope_qk(b.qkv.data(), qkv_n, cos, sin, static_cast<const T*>(L.q_norm),
-                   static_cast<const T*>(L.k_norm), eps, b.q.data(), b.k.data(), T_, m->heads,
-                   m->kv_heads, D, nt);
+        K::rope_qk(b.qkv.data(), qkv_n, b.cos.data(), b.sin.data(),
+                   static_cast<const T*>(L.q_norm), static_cast<const T*>(L.k_norm), eps,
+                   b.q.data(), b.k.data(), T_, m->heads, m->kv_heads, D, nt);
         clock.lap(kOpRope);
         for (int64_t t = 0; t < T_; ++t) {  // rotated k and the untouched v into the pool
             store_row(b.k.data() + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool,
