@@ -168,6 +168,17 @@ inline void transpose16(__m512i (&r)[16]) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16 lanes' values at inputs 2j and 2j + 1 (a weight's rows; a softmax's rows at two keys)
+// -> 16 bf16 pairs, input 2j in each lane's low half (the order of a broadcast pair in memory):
+// both rounded by one vcvtne2ps2bf16 (even in the low 16 words, odd in the high) and
+// interleaved by one word permute, 2 instructions where rounding each and widening took 6.
+inline __m512i pair_bf16(__m512 even, __m512 odd) {
+    const __m512i interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
 // 32 codes of a quantized pool (cpu_dtypes.h: I8, E4M3, E5M2) -> 32 bf16, in order, exactly:
 // int8 |code| <= 127; an fp8 code through half precision as fp8_row_to_f32 does it (e4m3 at
 // 2^-8 of its value: code_unit). Every such value has at most 4 significant bits.

@@ -116,24 +116,42 @@ BANYAN_ALWAYS_INLINE float exp_nonpos_fma(float x) {
 // st [nk][rp] scores in, probabilities out (0 where masked); corr: the rows' new maxima in
 // (merged by the score tiles, unless kCausal), exp(m_old - m_new) out. kCausal (the diagonal
 // blocks only): row r sees keys < lim[r]; the scores of the others become -inf.
+// A diagonal block's scores (st [nk][rp], keys from k0): those of keys a row does not see
+// (key >= lim[r]) become -inf, the others taken into the rows' maxima (corr).
+inline void mask_block(Buffers& b, int64_t k0, int64_t nk) {
+    const int64_t rp = b.rp;
+    float* mx = b.corr.data();
+    const int32_t* lim = b.lim.data();
+    for (int64_t j = 0; j < nk; ++j) {
+        float* s = b.st.data() + j * rp;
+        const int32_t key = static_cast<int32_t>(k0 + j);
+#pragma omp simd
+        for (int64_t r = 0; r < rp; ++r) {
+            const float v = key < lim[r] ? s[r] : -INFINITY;
+            s[r] = v;
+            mx[r] = mx[r] > v ? mx[r] : v;
+        }
+    }
+}
+
+// The rows' state after a block whose maxima corr holds: m moves to them, corr becomes the
+// correction exp(m_old - m_new) of their sums l (sum: this block's) and accumulators. Rows that
+// have seen no key yet hold m = -inf: the correction clamps to ~1e-38 and multiplies l = 0 and
+// o = 0 (never NaN). A row whose max stays: exactly 1.
+BANYAN_ALWAYS_INLINE void move_max(Buffers& b, int64_t r, float sum) {
+    const float c = exp_nonpos_fma(b.m[r] - b.corr[r]);
+    b.m[r] = b.corr[r];
+    b.corr[r] = c;
+    b.l[r] = fmadd(b.l[r], c, sum);
+}
+
 template <bool kCausal>
 void softmax_block(Buffers& b, int64_t k0, int64_t nk) {
     const int64_t rp = b.rp;
     float* st = b.st.data();
     float* mx = b.corr.data();
     const int32_t* lim = b.lim.data();
-    if constexpr (kCausal) {
-        for (int64_t j = 0; j < nk; ++j) {
-            float* s = st + j * rp;
-            const int32_t key = static_cast<int32_t>(k0 + j);
-#pragma omp simd
-            for (int64_t r = 0; r < rp; ++r) {
-                const float v = key < lim[r] ? s[r] : -INFINITY;
-                s[r] = v;
-                mx[r] = mx[r] > v ? mx[r] : v;
-            }
-        }
-    }
+    if constexpr (kCausal) mask_block(b, k0, nk);
     // NV rows at a time, their maxima and sums in registers
     for (int64_t r0 = 0; r0 < rp; r0 += NV) {
         float mv[NV], sum[NV];
@@ -153,15 +171,8 @@ void softmax_block(Buffers& b, int64_t k0, int64_t nk) {
                 sum[r] += s[r];
             }
         }
-        // Rows that have seen no key yet hold m = -inf: the correction clamps to ~1e-38 and
-        // multiplies l = 0 and o = 0 (never NaN). A row whose max stays: exactly 1.
 #pragma omp simd
-        for (int r = 0; r < NV; ++r) {
-            const float c = exp_nonpos_fma(b.m[r0 + r] - mv[r]);
-            b.m[r0 + r] = mv[r];
-            mx[r0 + r] = c;
-            b.l[r0 + r] = fmadd(b.l[r0 + r], c, sum[r]);
-        }
+        for (int r = 0; r < NV; ++r) move_max(b, r0 + r, sum[r]);
     }
 }
 

@@ -74,24 +74,43 @@ void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* q
     });
 }
 
-// pp[q][r] = (bf16(st[2q][r] vmul[2q]), bf16(st[2q + 1][r] vmul[2q + 1])) for rows [0, rp)
-// (rp % 16 == 0; vmul: a quantized pool's value scales, as the row kernel applies them, or
-// null for 1); a lone last key pairs with a probability of 0.
-inline void prob_pairs(const float* st, int64_t rp, int64_t nk, const float* vmul,
-                       uint32_t* pp) {
-    for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
-        const float* a = st + 2 * q * rp;
-        const bool lone = 2 * q + 1 >= nk;
-        const __m512 ma = _mm512_set1_ps(vmul ? vmul[2 * q] : 1.0f);
-        const __m512 mb = _mm512_set1_ps(vmul && !lone ? vmul[2 * q + 1] : 1.0f);
-        for (int64_t r = 0; r < rp; r += 16) {
-            __m512 av = _mm512_loadu_ps(a + r);
-            __m512 bv = lone ? _mm512_setzero_ps() : _mm512_loadu_ps(a + rp + r);
-            if (vmul) av = _mm512_mul_ps(av, ma), bv = _mm512_mul_ps(bv, mb);
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(av));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(bv));
-            _mm512_storeu_si512(pp + q * rp + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+// softmax_block's update of rows [0, rp) for the pair path, each probability in one fused
+// step from its score s and its row's new maximum m, 2^(s log2(e) - m log2(e)) (exp2_nonpos512:
+// nine operations where exp_nonpos_fma takes seventeen), written straight into pp as bf16
+// pairs of keys, pp[q][r] = (bf16(p[2q][r] vmul[2q]), bf16(p[2q + 1][r] vmul[2q + 1])) (vmul:
+// a quantized pool's value scales, as the row kernel applies them, or null for 1; a lone last
+// key pairs with a probability of 0), with no float copy of them stored and read back. (A
+// separate softmax and packing pass: ~20% of a 2,048-token prefill's attention on Zen 5.)
+template <bool kCausal>
+inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul) {
+    if constexpr (kCausal) mask_block(b, k0, nk);
+    const int64_t rp = b.rp;
+    const float* st = b.st.data();
+    uint32_t* pp = b.pp.data();  // (b's members reloaded after every store otherwise)
+    constexpr float kLog2e = 1.44269504088896341f;
+    const __m512 log2e = _mm512_set1_ps(kLog2e);
+    for (int64_t r = 0; r < rp; r += 16) {
+        const __m512 off = _mm512_mul_ps(_mm512_loadu_ps(&b.corr[r]), _mm512_set1_ps(-kLog2e));
+        const __m512i lim = _mm512_loadu_si512(&b.lim[r]);
+        __m512 sum = _mm512_setzero_ps();
+        auto prob = [&](int64_t j) {  // keys past a row's limit: 0 (exp2 clamps, never 0)
+            __m512 p = exp2_nonpos512(_mm512_fmadd_ps(_mm512_loadu_ps(st + j * rp + r), log2e,
+                                                      off));
+            if constexpr (kCausal)
+                p = _mm512_maskz_mov_ps(
+                    _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + j)), lim),
+                    p);
+            sum = _mm512_add_ps(sum, p);
+            return vmul ? _mm512_mul_ps(p, _mm512_set1_ps(vmul[j])) : p;
+        };
+        for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
+            const __m512 pa = prob(2 * q);
+            const __m512 pb = 2 * q + 1 < nk ? prob(2 * q + 1) : _mm512_setzero_ps();
+            _mm512_storeu_si512(pp + q * rp + r, pair_bf16(pa, pb));
         }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, sum);
+        for (int i = 0; i < 16; ++i) move_max(b, r + i, sums[i]);
     }
 }
 
@@ -169,18 +188,30 @@ inline void fit_pairs(Buffers& b, int64_t rows, int64_t d) {
     at_least(b.pp, BK / 2 * b.rp);
     at_least(b.vp, BK / 2 * d);
     at_least(b.kb16, BK * d);
-    std::fill(b.qp.begin(), b.qp.begin() + d / 2 * b.rp, 0u);  // padding rows: zero
     std::fill(b.m.begin(), b.m.begin() + b.rp, -INFINITY);
     std::fill(b.l.begin(), b.l.begin() + b.rp, 0.0f);
     std::fill(b.o.begin(), b.o.begin() + b.rp * b.dv, 0.0f);
 }
 
-// Row r's query (d bf16, unscaled) as pairs of dims in column r of qp.
-inline void set_query_pairs(Buffers& b, int64_t r, const uint16_t* src, int64_t d) {
-    for (int64_t p = 0; p < d / 2; ++p) std::memcpy(&b.qp[p * b.rp + r], src + 2 * p, 4);
+// The rows' queries (d bf16, unscaled; row r's at row(r), rows past `rows` zero) as pairs of
+// dims in qp's columns: 16 rows' words transposed at a time (a word stored per row and pair,
+// strided across qp, took ~4% of a 2,048-token prefill's attention on Zen 5).
+template <typename Row>
+inline void set_queries(Buffers& b, int64_t rows, int64_t d, Row row) {
+    for (int64_t r0 = 0; r0 < b.rp; r0 += 16) {
+        const uint16_t* src[16];
+        for (int i = 0; i < 16; ++i) src[i] = r0 + i < rows ? row(r0 + i) : nullptr;
+        for (int64_t w0 = 0; w0 < d / 2; w0 += 16) {
+            __m512i w[16];
+            for (int i = 0; i < 16; ++i)
+                w[i] = src[i] ? _mm512_loadu_si512(src[i] + 2 * w0) : _mm512_setzero_si512();
+            transpose16(w);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(&b.qp[(w0 + i) * b.rp + r0], w[i]);
+        }
+    }
 }
 
-// The online softmax of rows [0, rows) (set up by fit_pairs, set_query_pairs and b.lim) over
+// The online softmax of rows [0, rows) (set up by fit_pairs, set_queries and b.lim) over
 // keys slots[0, kend) of KV head h, BK at a time; blocks past `unmasked` (the fewest keys any
 // row sees) apply the rows' limits. Codes: void for a bf16 pool (P uint16_t), or a quantized
 // pool's (I8, E4M3, E5M2) with their (slot, head) scales kscale, vscale: the codes are exact
@@ -232,10 +263,9 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
                                      kCodes ? kmul : nullptr, &b.st[r0], rp, &b.corr[r0]);
         }
         if (masked)
-            softmax_block<true>(b, k0, nk);
+            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr);
         else
-            softmax_block<false>(b, k0, nk);
-        prob_pairs(b.st.data(), rp, nk, kCodes ? vmul : nullptr, b.pp.data());
+            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr);
         const int64_t pairs = (nk + 1) / 2;
         if (d % 64 == 0)
             for (int64_t c0 = 0; c0 < d; c0 += 64)
@@ -261,9 +291,9 @@ inline void attend_block_pairs(Buffers& b, const uint16_t* q, const P* kpool, co
     const int64_t kend = prefix + t0 + bq;
     for (int64_t r = 0; r < b.rp; ++r)  // row r = (position t, head gh) = t * g + gh
         b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
-    for (int64_t t = 0; t < bq; ++t)
-        for (int64_t gh = 0; gh < g; ++gh)
-            set_query_pairs(b, t * g + gh, q + ((t0 + t) * heads + h * g + gh) * d, d);
+    set_queries(b, rows, d, [&](int64_t r) {
+        return q + ((t0 + r / g) * heads + h * g + r % g) * d;
+    });
     attend_pairs<Codes>(b, rows, kpool, vpool, kscale, vscale, slots, kend, prefix + t0 + 1,
                         kvh, h, d, scale);
     for (int64_t t = 0; t < bq; ++t)

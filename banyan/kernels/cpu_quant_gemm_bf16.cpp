@@ -44,17 +44,6 @@ struct QuantWeight {
 constexpr int NP = 3;  // panels a pass: 3 x 8 sums + 3 weights + a broadcast of 32 registers
 constexpr int TB = 8;
 
-// 16 rows' values at inputs 2j and 2j + 1 -> 16 bf16 pairs, input 2j in each lane's low half
-// (the order of a broadcast activation pair in memory): both rounded by one vcvtne2ps2bf16
-// (even in the low 16 words, odd in the high) and interleaved by one word permute, 2 of the
-// dequantizer's ~12 instructions a vector where rounding each and widening took 6.
-inline __m512i pair_bf16(__m512 even, __m512 odd) {
-    const __m512i interleave = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
-}
-
 inline __m512 scale16(const void* s, int64_t at, bool half) {
     return half ? load_scale16(static_cast<const uint16_t*>(s) + at)
                 : _mm512_loadu_ps(static_cast<const float*>(s) + at);
