@@ -22,12 +22,14 @@ from tests.test_scheduler import make_request, random_prompts
 
 
 def build(overlap: bool, num_slots: int = 2000, cache: bool = False, chunk: int = 48,
-          proposer: object = None, max_proposed: int = 0) -> tuple[Scheduler, FakeRunner]:
+          proposer: object = None, max_proposed: int = 0,
+          max_step_tokens: int = 16) -> tuple[Scheduler, FakeRunner]:
     runner = FakeRunner(num_slots)
     allocator = SlotAllocator(num_slots)
     config = SchedulerConfig(max_model_len=400, budget=BudgetConfig(8, 96, chunk),
                              overlap=overlap, check_integrity=True,
-                             speculation=SpeculationConfig(num_tokens=max(max_proposed, 1)))
+                             speculation=SpeculationConfig(num_tokens=max(max_proposed, 1),
+                                                           max_step_tokens=max_step_tokens))
     prefix_cache = RadixCache(allocator) if cache else NoPrefixCache()
     return Scheduler(runner, config, allocator, prefix_cache, proposer), runner  # type: ignore[arg-type]
 
@@ -168,6 +170,34 @@ def test_proposals_keep_outputs_and_hand_back_slots(wrong: int) -> None:
     if wrong == 0:  # all accepted: k + 1 tokens per verify step
         assert decode_steps < produced / 3
     assert any(len(p) == 4 for b in runner.batches for p in b.proposed)
+
+
+def test_a_batch_too_big_to_guess_takes_the_decode_lane() -> None:
+    """Decodes that alone fill the speculative step budget get no guesses (the batch under
+    load): their steps go through the decode lane as without speculation, with the same
+    outputs, and guesses come back once the batch has shrunk."""
+    prompts = random_prompts(8, seed=5)
+    sched, runner = build(overlap=False, proposer=ReferenceProposer(0), max_proposed=4,
+                          max_step_tokens=6)
+    lane_steps = 0
+    build_lane = sched.lane.build
+
+    def counted(running: list[Request]) -> object:
+        nonlocal lane_steps
+        step = build_lane(running)
+        lane_steps += step is not None
+        return step
+
+    sched.lane.build = counted  # type: ignore[method-assign]
+    for i, p in enumerate(prompts):  # different lengths: the batch shrinks as they end
+        sched.add_request(make_request(str(i), p, 10 + 5 * i))
+    out = drain(sched)
+    for i, p in enumerate(prompts):
+        assert out[str(i)] == reference(p, 10 + 5 * i)
+    assert lane_steps > 5
+    big = [b for b in runner.batches if len(b.rows) >= 6 and b.num_tokens == len(b.rows)]
+    assert big and not any(any(b.proposed) for b in big)
+    assert any(any(b.proposed) for b in runner.batches)  # the small batch guessed again
 
 
 def test_stop_inside_accepted_proposals_drops_the_rest() -> None:

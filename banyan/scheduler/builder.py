@@ -109,8 +109,11 @@ class BatchBuilder:
                 decoding.remove(victim)
             if victim in chunked:
                 chunked.remove(victim)
-        if self.speculation is None or not decoding:
+        if self.speculation is None or not decoding or \
+                self.speculation.guesses_nothing(len(decoding)):  # (a batch under load)
             self._add_decodes(step, decoding)
+            if self.speculation is not None:  # (a guess list per sampled row, as _add keeps)
+                step.batch.proposed.extend([] for _ in decoding)
             return chunked
         # Guesses only take slots that are free now beyond what the decodes need.
         guesses = self.speculation.plan(decoding, self.kv.allocator.num_free - len(decoding))

@@ -12,12 +12,12 @@ stream its text, make its update.
 
 It runs only when it gives exactly what the general path would (tests/test_step_pipeline.py
 compares both, batch for batch and update for update): no overlap (a request's pending and
-in-flight counts stay 0 between sequential steps, so the lane need not count them), no
-speculation, nothing waiting, every member decoding with sampling that reads no history (its
-SamplingRow is reused), no logprobs, no grammar. A sampled stop token, a short pool, a failed step
-or a change of members hands the step back to the general path (`settle`); stop strings (the
-text stream reports them) and length limits (checked only in the steps where one may be
-reached) end members inline.
+in-flight counts stay 0 between sequential steps, so the lane need not count them), no guesses
+(no speculation, or a batch too big for any: Speculation.guesses_nothing), nothing waiting,
+every member decoding with sampling that reads no history (its SamplingRow is reused), no
+logprobs, no grammar. A sampled stop token, a short pool, a failed step or a change of members
+hands the step back to the general path (`settle`); stop strings (the text stream reports them)
+and length limits (checked only in the steps where one may be reached) end members inline.
 """
 
 from __future__ import annotations

@@ -196,8 +196,9 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Build the next step: admit, chunk, retract; allocates its KV slots."""
         step = None
-        if self.use_decode_lane and not (self.config.overlap or self.speculation is not None
-                                         or self._nothing_to_do) \
+        guessing = self.speculation is not None and \
+            not self.speculation.guesses_nothing(len(self.running))
+        if self.use_decode_lane and not (self.config.overlap or guessing or self._nothing_to_do) \
                 and (not self.waiting or self.builder.admission_closed(self.running)):
             step = self.lane.build(self.running)
         if step is None:

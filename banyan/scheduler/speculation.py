@@ -186,9 +186,9 @@ class Speculation:
         """Guesses for each of this step's decodes (empty lists where none), never using more
         than free_slots KV slots (a guess never evicts cache or retracts anyone)."""
         cfg = self.config
-        room = min(cfg.max_step_tokens - len(decoding), free_slots)
-        if room <= 0:  # a compute-bound batch, or no free slot: the common case under load
+        if self.guesses_nothing(len(decoding)) or free_slots <= 0:  # the common case under load
             return [[] for _ in decoding]
+        room = min(cfg.max_step_tokens - len(decoding), free_slots)
         wanted: list[int] = []
         for req in decoding:
             k = 0
@@ -207,6 +207,11 @@ class Speculation:
             for i, guess in zip(asked, guesses, strict=True):
                 out[i] = list(guess[: wanted[i]])
         return out
+
+    def guesses_nothing(self, decodes: int) -> bool:
+        """Whether a step of this many decodes gets no guess at all: its decodes alone fill
+        max_step_tokens (a compute-bound batch). Such steps may go through the decode lane."""
+        return decodes >= self.config.max_step_tokens
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode-only step (decodes plus guesses) took `seconds` of forward."""
