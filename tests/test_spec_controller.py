@@ -1,6 +1,7 @@
 """The speculation controller and the n-gram lookup, model-free: which decodes get guesses and
 how many (step fill, back-off, pauses and probes), priced by the measured step and proposer
-costs, prices that one slow step cannot freeze; prompt lookup's matches."""
+costs, prices that one slow step cannot freeze; prompt lookup's matches; a batch too big for
+any guess built as without speculation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from banyan.scheduler import Request
 from banyan.scheduler.speculation import (EXPLORE, PROBE_EVERY, Speculation, SpeculationConfig,
                                          StepCost)
 from banyan.spec.ngram import NgramProposer
+from tests.fake_runner import reference
+from tests.test_scheduler import make_request, random_prompts
+from tests.test_step_pipeline import ReferenceProposer, build, drain
 
 
 class EchoProposer:
@@ -169,3 +173,31 @@ def test_a_slow_moment_does_not_price_a_size_out_for_good() -> None:
         dear.observe_step(tokens, 0.010)
     sizes = [len(dear.plan([_req("b")], 100)[0]) for _ in range(PROBE_EVERY)]
     assert sizes[-1] == 2 and not any(sizes[:-1])
+
+
+def test_a_batch_too_big_to_guess_takes_the_decode_lane() -> None:
+    """Decodes that alone fill the speculative step budget get no guesses (the batch under
+    load): their steps go through the decode lane as without speculation, with the same
+    outputs, and guesses come back once the batch has shrunk."""
+    prompts = random_prompts(8, seed=5)
+    sched, runner = build(overlap=False, proposer=ReferenceProposer(0), max_proposed=4,
+                          max_step_tokens=6)
+    lane_steps = 0
+    build_lane = sched.lane.build
+
+    def counted(running: list[Request]) -> object:
+        nonlocal lane_steps
+        step = build_lane(running)
+        lane_steps += step is not None
+        return step
+
+    sched.lane.build = counted  # type: ignore[method-assign]
+    for i, p in enumerate(prompts):  # different lengths: the batch shrinks as they end
+        sched.add_request(make_request(str(i), p, 10 + 5 * i))
+    out = drain(sched)
+    for i, p in enumerate(prompts):
+        assert out[str(i)] == reference(p, 10 + 5 * i)
+    assert lane_steps > 5
+    big = [b for b in runner.batches if len(b.rows) >= 6 and b.num_tokens == len(b.rows)]
+    assert big and not any(any(b.proposed) for b in big)
+    assert any(any(b.proposed) for b in runner.batches)  # the small batch guessed again

@@ -172,34 +172,6 @@ def test_proposals_keep_outputs_and_hand_back_slots(wrong: int) -> None:
     assert any(len(p) == 4 for b in runner.batches for p in b.proposed)
 
 
-def test_a_batch_too_big_to_guess_takes_the_decode_lane() -> None:
-    """Decodes that alone fill the speculative step budget get no guesses (the batch under
-    load): their steps go through the decode lane as without speculation, with the same
-    outputs, and guesses come back once the batch has shrunk."""
-    prompts = random_prompts(8, seed=5)
-    sched, runner = build(overlap=False, proposer=ReferenceProposer(0), max_proposed=4,
-                          max_step_tokens=6)
-    lane_steps = 0
-    build_lane = sched.lane.build
-
-    def counted(running: list[Request]) -> object:
-        nonlocal lane_steps
-        step = build_lane(running)
-        lane_steps += step is not None
-        return step
-
-    sched.lane.build = counted  # type: ignore[method-assign]
-    for i, p in enumerate(prompts):  # different lengths: the batch shrinks as they end
-        sched.add_request(make_request(str(i), p, 10 + 5 * i))
-    out = drain(sched)
-    for i, p in enumerate(prompts):
-        assert out[str(i)] == reference(p, 10 + 5 * i)
-    assert lane_steps > 5
-    big = [b for b in runner.batches if len(b.rows) >= 6 and b.num_tokens == len(b.rows)]
-    assert big and not any(any(b.proposed) for b in big)
-    assert any(any(b.proposed) for b in runner.batches)  # the small batch guessed again
-
-
 def test_stop_inside_accepted_proposals_drops_the_rest() -> None:
     prompt = [20, 21, 22]
     full = reference(prompt, 40)
