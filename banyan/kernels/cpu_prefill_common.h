@@ -112,10 +112,6 @@ BANYAN_ALWAYS_INLINE float exp_nonpos_fma(float x) {
     return y * scale;
 }
 
-// The online-softmax update of rows [0, rp) for one block of nk keys starting at key k0:
-// st [nk][rp] scores in, probabilities out (0 where masked); corr: the rows' new maxima in
-// (merged by the score tiles, unless kCausal), exp(m_old - m_new) out. kCausal (the diagonal
-// blocks only): row r sees keys < lim[r]; the scores of the others become -inf.
 // A diagonal block's scores (st [nk][rp], keys from k0): those of keys a row does not see
 // (key >= lim[r]) become -inf, the others taken into the rows' maxima (corr).
 inline void mask_block(Buffers& b, int64_t k0, int64_t nk) {
@@ -145,6 +141,10 @@ BANYAN_ALWAYS_INLINE void move_max(Buffers& b, int64_t r, float sum) {
     b.l[r] = fmadd(b.l[r], c, sum);
 }
 
+// The online-softmax update of rows [0, rp) for one block of nk keys starting at key k0:
+// st [nk][rp] scores in, probabilities out (0 where masked); corr: the rows' new maxima in
+// (merged by the score tiles, unless kCausal), exp(m_old - m_new) out. kCausal (the diagonal
+// blocks only): row r sees keys < lim[r]; the scores of the others become -inf.
 template <bool kCausal>
 void softmax_block(Buffers& b, int64_t k0, int64_t nk) {
     const int64_t rp = b.rp;
