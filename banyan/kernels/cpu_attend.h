@@ -31,7 +31,8 @@ constexpr int CHUNK = 128;  // keys the AVX-512 loop scores at once (cpu_attend5
 // ~22 ms a step cold against ~8 ms with the same K/V in cache; with this sequential read
 // first, 16-17 ms (13 ms without those software prefetches, kept because they measured 1.1x
 // on Zen 5). Every line, not every other one: the adjacent lines are not fetched with them
-// (27 ms).
+// (27 ms). The request's lines read ahead, spread over the one before (ReadAhead), beat this
+// read; it stays for a thread's first request and the loops that do not read ahead.
 template <typename T>
 inline void stream_in(const T* kpool, const T* vpool, const int32_t* slots, int64_t n,
                       int64_t row_elems) {
@@ -48,8 +49,45 @@ inline void stream_in(const T* kpool, const T* vpool, const int32_t* slots, int6
     static_cast<void>(sink);
 }
 
+// The K/V rows (every KV head) of the request a thread attends next, read ahead a few lines
+// at each block of keys of the one it attends now (`issue`: attend512 calls it at each block of
+// 16 keys it scores, and again at each block whose values it adds), so that they are in cache
+// when the next request starts, instead of its stream_in waiting on memory. Spread out, not
+// issued at once: 64 decodes x 192 keys (decode_attention.py) took 0.88x the time of
+// stream_in alone on Zen 5; all of a request's lines in the first half of the one before
+// took 1.16x the time of spreading them (bursts of prefetches stall the loads they share
+// the miss buffers with). prefetcht1: into L2 on Intel (a request's K/V is ~3x an L1), all
+// levels on AMD, where t0, t1 and t2 measured alike.
+struct ReadAhead {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    const int32_t* slots = nullptr;
+    int64_t n = 0, row_bytes = 0, j = 0, off = 0;
+    int64_t per_issue = 0;  // lines of K (and as many of V) an issue
+
+    // Rows slots[0, count) of pools k and v (row_bytes a slot), spread over `issues` calls.
+    void start(const void* kpool, const void* vpool, const int32_t* s, int64_t count,
+               int64_t bytes, int64_t issues) {
+        k = static_cast<const char*>(kpool), v = static_cast<const char*>(vpool), slots = s;
+        n = count, row_bytes = bytes, j = 0, off = 0;
+        issues = std::max<int64_t>(issues, 1);
+        per_issue = (count * ((bytes + 63) / 64) + issues - 1) / issues;
+    }
+    void stop() { n = 0; }
+    void issue() {
+        for (int64_t i = 0; i < per_issue && j < n; ++i) {
+            const int64_t at = slots[j] * row_bytes + off;
+            __builtin_prefetch(k + at, 0, 2);
+            __builtin_prefetch(v + at, 0, 2);
+            off += 64;
+            if (off >= row_bytes) off = 0, ++j;
+        }
+    }
+};
+
 // Per-thread scratch of one work item.
 struct Scratch {
+    ReadAhead ahead;
     std::vector<float> q, m, l, acc, s, kt, vb, corr;
     std::vector<int64_t> lim;  // keys of the current segment each row may see (causal extends)
     std::vector<int> vis;  // keys of the current chunk each row sees (AVX-512)

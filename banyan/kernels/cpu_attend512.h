@@ -271,6 +271,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                     kr[j] = kpool + row * d;
                 }
             }
+            sc.ahead.issue();
             block_scores(sc, qraw, first, rows, kr, d, j0);
             if constexpr (kCodes) {  // the keys' scales
                 const __m512 kv = _mm512_load_ps(ks);
@@ -301,9 +302,11 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             __m512i* vi = reinterpret_cast<__m512i*>(sc.vb.data());
             const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
             for (int jp = 0; jp < (cn + 1) / 2; ++jp) {
-                if (jp % (VBLK / 2) == 0)
+                if (jp % (VBLK / 2) == 0) {
+                    sc.ahead.issue();
                     prefetch_rows(vpool, cs, 2 * jp + 2 * VBLK, std::min(cn, 2 * jp + 3 * VBLK),
                                   kvh, h, d);
+                }
                 const P* va = vpool + (static_cast<int64_t>(cs[2 * jp]) * kvh + h) * d;
                 const P* vb2 =
                     vpool + (static_cast<int64_t>(cs[std::min(2 * jp + 1, cn - 1)]) * kvh + h) * d;

@@ -19,9 +19,11 @@
 // through ctypes; it links the libgomp torch already loaded, so it shares torch's thread pool.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -126,28 +128,38 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
             m += count;
         }
     }
+    // A group's shared part in whole parts, so that each member's parts are those it has alone:
+    // its bits do not depend on whom it shares a step with.
+    auto shared_keys = [&](int64_t g) { return group_prefix[g] / kPartKeys * kPartKeys; };
+    // The keys of member i of slice `it` past that part: (their slots, how many).
+    auto own_span = [&](int64_t it, int64_t i) {
+        const int64_t b = order[item_first[it] + i], prefix = shared_keys(item_group[it]);
+        return std::make_pair(table + req_row[b] * table_stride + prefix, req_len[b] - prefix);
+    };
     const int64_t slices = static_cast<int64_t>(item_group.size());
+    // Items go to threads one at a time as they come free (a dynamic schedule), each thread
+    // claiming its next item as it starts one, so that it reads that one's keys ahead (below).
+    std::atomic<int64_t> claimed{0};
     // Fewer slices than threads (a few short decodes): each KV head of a slice is a work item
     // of its own, so the threads share them.
-    const int64_t split = slices < n_threads ? kvh : 1;
+    const int64_t split = slices < n_threads ? kvh : 1, items = slices * split;
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
         std::vector<int64_t> offset;  // first state row of each member of the slice
-#pragma omp for schedule(dynamic, 1)
+        bool read_ahead = false;  // the next member's K/V read ahead
         // Otherwise a slice's KV heads all run on one thread, and each member's own keys are
         // walked for every head before the next member's: a slot's K (V) for all heads is one
         // contiguous run, so heads 1.. find the rows head 0 pulled still in cache (a member's
         // few hundred keys; a whole slice's, walked head by head, had left the L2 by then:
         // decodes of 64 x 192 read K/V at a third of the memory's rate on Zen 5).
-        for (int64_t wi = 0; wi < slices * split; ++wi) {
+        for (int64_t wi = claimed.fetch_add(1), next; wi < items; wi = next) {
+            next = claimed.fetch_add(1);
             const int64_t it = wi / split, nh = kvh / split, h0 = wi % split * nh;
             const int64_t g = item_group[it];
             const int64_t first = item_first[it];
             const int64_t members = item_count[it];
-            // the shared part in whole parts, so that each member's parts are those it has
-            // alone: its bits do not depend on whom it shares a step with
-            const int64_t prefix = group_prefix[g] / kPartKeys * kPartKeys;
+            const int64_t prefix = shared_keys(g);
             offset.assign(1, 0);
             for (int64_t i = 0; i < members; ++i)
                 offset.push_back(offset.back() + n_new[order[first + i]] * g_heads);
@@ -172,19 +184,36 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                              h0 + hh);
             for (int64_t i = 0; i < members; ++i) {
                 const int64_t b = order[first + i];
-                const int32_t* slots = table + req_row[b] * table_stride;
-                if (nh == kvh)  // (a work item of one head leaves the others' lines alone)
-                    stream_in(kpool, vpool, slots + prefix, req_len[b] - prefix, kvh * d);
+                const auto [own, n_own] = own_span(it, i);
+                if (nh == kvh) {  // (a work item of one head leaves the others' lines alone)
+                    // its K/V into cache: read ahead while this thread's member before it was
+                    // attended (the AVX-512 loops), else now (and after a shared prefix, which
+                    // may have pushed them out)
+                    if (!read_ahead || (i == 0 && prefix > 0))
+                        stream_in(kpool, vpool, own, n_own, kvh * d);
+                    // then the next member's, or (split is 1 here) the first of the item this
+                    // thread attends next, read ahead meanwhile: the 16-key blocks of this
+                    // member's keys and of its values, for each head
+                    const bool last = i + 1 == members;
+                    read_ahead = at.wide && (!last || next < items);
+                    if (read_ahead) {
+                        const auto [ahead, count] = last ? own_span(next, 0) : own_span(it, i + 1);
+                        at.sc.ahead.start(kpool, vpool, ahead, count,
+                                          kvh * d * static_cast<int64_t>(sizeof(typename K::T)),
+                                          2 * nh * ((n_own + 15) / 16));
+                    }
+                }
                 for (int64_t hh = 0; hh < nh; ++hh) {
                     const int64_t r0 = hh * rows + offset[i];
                     at.own_keys(static_cast<int>(r0), static_cast<int>(offset[i + 1] - offset[i]),
-                                slots + prefix, req_len[b] - prefix, h0 + hh, prefix == 0);
+                                own, n_own, h0 + hh, prefix == 0);
                     for (int64_t t = 0; t < n_new[b]; ++t)
                         for (int64_t gh = 0; gh < g_heads; ++gh)
                             at.finish_row(r0 + t * g_heads + gh,
                                           out + ((q_start[b] + t) * heads + (h0 + hh) * g_heads +
                                                  gh) * d);
                 }
+                at.sc.ahead.stop();
             }
         }
     }
