@@ -59,19 +59,24 @@ inline void stream_in(const T* kpool, const T* vpool, const int32_t* slots, int6
 // the miss buffers with). prefetcht1: into L2 on Intel (a request's K/V is ~3x an L1), all
 // levels on AMD, where t0, t1 and t2 measured alike.
 struct ReadAhead {
+    static constexpr int64_t kBlock = 16;  // keys between issues (attend512's VBLK)
     const char* k = nullptr;
     const char* v = nullptr;
     const int32_t* slots = nullptr;
     int64_t n = 0, row_bytes = 0, j = 0, off = 0;
     int64_t per_issue = 0;  // lines of K (and as many of V) an issue
 
-    // Rows slots[0, count) of pools k and v (row_bytes a slot), spread over `issues` calls.
-    void start(const void* kpool, const void* vpool, const int32_t* s, int64_t count,
-               int64_t bytes, int64_t issues) {
-        k = static_cast<const char*>(kpool), v = static_cast<const char*>(vpool), slots = s;
-        n = count, row_bytes = bytes, j = 0, off = 0;
-        issues = std::max<int64_t>(issues, 1);
-        per_issue = (count * ((bytes + 63) / 64) + issues - 1) / issues;
+    // Rows slots[0, count) of the pools (row_elems values a slot, as stream_in takes them),
+    // spread over the issues of the request attended meanwhile: `keys` keys walked for `heads`
+    // KV heads, two issues per kBlock keys and head (its keys' blocks, then its values').
+    template <typename T>
+    void start(const T* kpool, const T* vpool, const int32_t* s, int64_t count,
+               int64_t row_elems, int64_t keys, int64_t heads) {
+        k = reinterpret_cast<const char*>(kpool), v = reinterpret_cast<const char*>(vpool);
+        slots = s, n = count, j = 0, off = 0;
+        row_bytes = row_elems * static_cast<int64_t>(sizeof(T));
+        const int64_t issues = std::max<int64_t>(2 * heads * ((keys + kBlock - 1) / kBlock), 1);
+        per_issue = (count * ((row_bytes + 63) / 64) + issues - 1) / issues;
     }
     void stop() { n = 0; }
     void issue() {

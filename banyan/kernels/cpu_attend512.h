@@ -271,6 +271,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                     kr[j] = kpool + row * d;
                 }
             }
+            static_assert(VBLK == ReadAhead::kBlock, "an issue per block of keys");
             sc.ahead.issue();
             block_scores(sc, qraw, first, rows, kr, d, j0);
             if constexpr (kCodes) {  // the keys' scales

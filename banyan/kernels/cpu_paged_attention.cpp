@@ -192,15 +192,12 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                     if (!read_ahead || (i == 0 && prefix > 0))
                         stream_in(kpool, vpool, own, n_own, kvh * d);
                     // then the next member's, or (split is 1 here) the first of the item this
-                    // thread attends next, read ahead meanwhile: the 16-key blocks of this
-                    // member's keys and of its values, for each head
+                    // thread attends next, read ahead meanwhile
                     const bool last = i + 1 == members;
                     read_ahead = at.wide && (!last || next < items);
                     if (read_ahead) {
                         const auto [ahead, count] = last ? own_span(next, 0) : own_span(it, i + 1);
-                        at.sc.ahead.start(kpool, vpool, ahead, count,
-                                          kvh * d * static_cast<int64_t>(sizeof(typename K::T)),
-                                          2 * nh * ((n_own + 15) / 16));
+                        at.sc.ahead.start(kpool, vpool, ahead, count, kvh * d, n_own, nh);
                     }
                 }
                 for (int64_t hh = 0; hh < nh; ++hh) {
