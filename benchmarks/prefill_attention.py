@@ -17,7 +17,9 @@ on a 2,048-token prefill. One layer of SmolLM2-135M's attention (9 query heads, 
 Every variant of a case runs once per round, interleaved, ROUNDS rounds; the fastest round is
 kept (the median too). GFLOP/s count causal FLOPs: 4 x H x D x the keys each query row sees;
 `of_peak` divides them by the higher of the two peaks. `--codes int8,fp8_e4m3` adds bf16
-queries over a pool of those codes (the kernels read them with their scales, in place).
+queries over a pool of those codes (the kernels read them with their scales, in place). On a
+CPU with AMX the bf16 cases add `prefill_tiles`: the prefill kernel with its products on AMX
+tiles (cpu_prefill_tiles.h).
 
     flock /tmp/banyan-cpu.lock python benchmarks/prefill_attention.py [--rounds 7] [--out FILE]
         [--codes int8,fp8_e4m3]
@@ -107,7 +109,12 @@ def case(prefix: int, n: int, dtype: torch.dtype,
         F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=True)
 
-    return {"prefill_kernel": prefill_kernel, "row_kernel": row_kernel, "sdpa": sdpa}
+    def prefill_tiles() -> None:  # (AMX CPUs, bf16 queries: cpu_prefill_tiles.h)
+        native.prefill_attention(q, pk, pv, table, zero, req_len, zero, n_new, scale, out,
+                                 k_scale, v_scale, tiles=2)
+
+    return {"prefill_kernel": prefill_kernel, "prefill_tiles": prefill_tiles,
+            "row_kernel": row_kernel, "sdpa": sdpa}
 
 
 def timed(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, dict[str, float]]:
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         for dname, dtype, codes in pools:
             for prefix, n in shapes:
                 variants = case(prefix, n, dtype, codes)
-                got = timed({k: variants[k] for k in names}, ns.rounds)
+                tiles = dtype == torch.bfloat16 and native.prefill_tiles() == 2  # (AMX)
+                wanted = (*names, "prefill_tiles") if tiles else names
+                got = timed({k: variants[k] for k in wanted}, ns.rounds)
                 flops = causal_flops(prefix, n)
                 row: dict[str, Any] = {"set": label, "dtype": dname, "cached": prefix,
                                        "tokens": n, "gflop": flops / 1e9}
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "of_peak": flops / t["best_s"] / 1e9 / peak}
                 rows.append(row)
                 cells = "  ".join(f"{name} {row[name]['ms']:8.2f} ms {row[name]['gflops']:6.1f}"
-                                  for name in names)
+                                  for name in wanted)
                 print(f"{dname:13} {prefix:5} cached + {n:5} new: {cells}  GFLOP/s", flush=True)
     result = {"command": command_line(), "machine": machine_info(),
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},

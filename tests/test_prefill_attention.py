@@ -42,9 +42,17 @@ def scattered(counter: list[int], n: int, seed: int) -> list[int]:
     return random.Random(seed).sample(fresh(counter, 2 * n), n)
 
 
-def prefill_backend(scene: Scene) -> CpuNativeBackend:
-    """Every extend (2 tokens and more) on the prefill kernel, decodes on the row kernel."""
-    return CpuNativeBackend(scene.pool, scene.table, max_extend=1, prefill_kernel=True)
+def prefill_backend(scene: Scene, tiles: int = 0) -> CpuNativeBackend:
+    """Every extend (2 tokens and more) on the prefill kernel, decodes on the row kernel; the
+    kernel's products on `tiles` (1: emulated, 2: AMX)."""
+    return CpuNativeBackend(scene.pool, scene.table, max_extend=1, prefill_kernel=True,
+                            tiles=tiles)
+
+
+# The tile path (cpu_prefill_tiles.h): emulated in memory wherever it is built, and on AMX
+# itself where this CPU has it.
+TILES = [t for t in (1, 2) if native.prefill_tiles() >= t]
+needs_tiles = pytest.mark.skipif(not TILES, reason="no tile path in this build (not AVX512-BF16)")
 
 
 def tile_edge_requests(group: int) -> list[Req]:
@@ -76,6 +84,54 @@ def test_chunks_match_the_reference(heads: int, kv_heads: int, dim: int,
     assert meta.prefill is not None and meta.prefill.num_tokens == len(scene.out_slots) - 1
     assert meta.native is not None and meta.native.n_new.tolist() == [1]
     assert not meta.extends and meta.dec_count == 0  # nothing on SDPA
+
+
+@needs_tiles
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [s for s in SHAPES if s[2] % 32 == 0])
+def test_chunks_on_tiles_match_the_reference(heads: int, kv_heads: int, dim: int,
+                                             tiles: int) -> None:
+    """The products on tiles: every tile edge of the pair path's requests, 2 x 2 output tiles
+    of 16 (keys and rows past a block's own: stale or padding, never read)."""
+    reqs = tile_edge_requests(heads // kv_heads)
+    scene = Scene(reqs, heads, kv_heads, dim=dim, dtype=torch.bfloat16, layers=1)
+    meta = scene.check(prefill_backend(scene, tiles), atol=2e-2)
+    assert meta.prefill is not None and not meta.extends
+
+
+@needs_tiles
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e5m2"])
+def test_quantized_pools_on_tiles(kv_cache_dtype: str, tiles: int) -> None:
+    c = [1]
+    shapes = [(0, 33), (150, 65), (5, 130)]
+    reqs = [Req(scattered(c, p + n, seed=i), extend=n) for i, (p, n) in enumerate(shapes)]
+    scene = Scene(reqs, 6, 2, dim=64, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype,
+                  layers=1)
+    meta = scene.check(prefill_backend(scene, tiles), atol=4e-2)
+    assert meta.prefill is not None and meta.prefill.n_new.tolist() == [33, 65, 130]
+
+
+@needs_tiles
+@pytest.mark.parametrize("tiles", TILES)
+def test_tiles_agree_with_the_pair_path(tiles: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up check an AMX CPU runs before its tiles take chunks (prefill_choice), here
+    on the tiles this CPU has; a tile path whose output is off (one key block's worth of
+    weight moved) or not finite fails it."""
+    assert prefill_choice.tiles_agree(2, 64, tiles=tiles, tokens=120)
+    kernel = native.prefill_attention
+
+    def off_by(shift: float) -> None:
+        def wrong(*args: object, tiles: int = 0) -> torch.Tensor:
+            out = kernel(*args, tiles=tiles)  # type: ignore[arg-type]
+            return out + shift if tiles else out
+
+        monkeypatch.setattr(native, "prefill_attention", wrong)
+
+    off_by(0.1)
+    assert not prefill_choice.tiles_agree(2, 64, tiles=tiles, tokens=120)
+    off_by(float("nan"))
+    assert not prefill_choice.tiles_agree(2, 64, tiles=tiles, tokens=120)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
@@ -133,7 +189,7 @@ def long_chunk_path(monkeypatch: pytest.MonkeyPatch, amx: bool, times: PrefillTi
     monkeypatch.setattr(prefill_choice.native, "amx_here", lambda: amx)
     probed: list[int] = []
 
-    def measure(kv_heads: int, head_dim: int, dt: torch.dtype) -> PrefillTimes:
+    def measure(kv_heads: int, head_dim: int, dt: torch.dtype, tiles: int) -> PrefillTimes:
         probed.append(kv_heads)
         assert (head_dim, dt) == (64, dtype)
         return times
@@ -176,14 +232,15 @@ def test_the_probe_times_both_paths() -> None:
     assert 0 < times.kernel_s < 1 and 0 < times.sdpa_s < 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_output_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, 0), (torch.bfloat16, 0),
+                                         *((torch.bfloat16, t) for t in TILES)])
+def test_the_output_does_not_depend_on_the_thread_count(dtype: torch.dtype, tiles: int) -> None:
     """The kernel shrinks its query blocks when it has fewer work items than threads; each row's
     arithmetic stays the same, so the bits do too (the engine may change its thread count
-    between steps)."""
+    between steps); on tiles as well."""
     c = [1]
     scene = Scene([Req(fresh(c, 90 + 70), extend=70)], 6, 3, dim=64, dtype=dtype, layers=1)
-    backend = prefill_backend(scene)
+    backend = prefill_backend(scene, tiles)
     meta = backend.plan(scene.batch, scene.out_slots)
     assert isinstance(meta, NativeMetadata) and meta.prefill is not None
     q = torch.randn(70, 6, 64, generator=torch.Generator().manual_seed(3)).to(dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from banyan.kernels import native
+from banyan.kernels import choices, native
 from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, PackedBf16Method, PairsBf16Method, SkinnyBf16Method
 from banyan.layers.linear_choice import CHOICE_RULE
@@ -191,7 +191,7 @@ def test_the_onednn_choice_is_measured_once_per_shape_and_bucket(monkeypatch: ob
         asked.append(question)
         return "at 64 rows" in question
 
-    monkeypatch.setattr(native, "remembered", remembered)  # type: ignore[attr-defined]
+    monkeypatch.setattr(choices, "remembered", remembered)  # type: ignore[attr-defined]
     method = SkinnyF32Method()
     Linear.from_weight(torch.randn(12, 32)).convert(method)
     assert asked == [f"onednn-f32 12x32 at 64 rows{CHOICE_RULE}",
@@ -246,15 +246,15 @@ def test_a_pairs_head_gives_each_row_the_same_bits_whatever_the_step() -> None:
 _ASK = """
 import random, sys, time
 from pathlib import Path
-from banyan.kernels import native
+from banyan.kernels import choices, native
 native.load()
-native._cache_dir = lambda: Path(sys.argv[1])
+native.cache_dir = lambda: Path(sys.argv[1])
 measured = []
 def measure():
     measured.append(1)
     time.sleep(0.2)
     return random.random() < 0.5
-answer = native.remembered("question", measure)
+answer = choices.remembered("question", measure)
 print(answer, len(measured))
 """
 

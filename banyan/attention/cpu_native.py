@@ -6,8 +6,10 @@ Decodes and prefill chunks of up to `max_extend` tokens go to the row kernel
 the prefill kernel is switched off: `prefill_kernel=False`, BANYAN_NATIVE_PREFILL=0 for a whole
 process (the A/B switch of benchmarks/prefill_roofline.py); and by default, on a CPU with AMX
 where SDPA (on AMX tiles) measured faster at start-up (prefill_choice.py), the fresh ones (no
-cached prefix: the case the probe times). The registry picks the "sdpa" backend itself where
-the kernels cannot load or the dtype is unsupported.
+cached prefix: the case the probe times). There the prefill kernel runs its products on AMX
+tiles (cpu_prefill_tiles.h) once a start-up check finds their output the vector path's. The
+registry picks the "sdpa" backend itself where the kernels cannot load or the dtype is
+unsupported.
 
 On Zen 3 (SmolLM2's 9 x 3 heads of 64, 2 threads; benchmarks/prefill_attention.py) the prefill
 kernel took a fresh 2,048-token prefill in 38-48 ms against SDPA's 47-60 (float32; 100-126
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.attention.base import AttentionMetadata
-from banyan.attention.prefill_choice import kernel_takes_prefills
+from banyan.attention.prefill_choice import prefill_route
 from banyan.attention.prefix_groups import CascadePolicy
 from banyan.attention.native_plan import (
     NativePlan,
@@ -55,7 +57,8 @@ class NativeMetadata(TorchAttentionMetadata):
 class CpuNativeBackend(SdpaBackend):
     def __init__(self, pool: KVPool, table: ReqToTokenTable, scale: float | None = None, *,
                  cascade: CascadePolicy | None = CascadePolicy(),
-                 max_extend: int | None = None, prefill_kernel: bool | None = None) -> None:
+                 max_extend: int | None = None, prefill_kernel: bool | None = None,
+                 tiles: int | None = None) -> None:
         super().__init__(pool, table, scale, cascade=cascade)
         # Extends of up to this many tokens go to the row kernel (decodes always do).
         if max_extend is None:
@@ -64,13 +67,19 @@ class CpuNativeBackend(SdpaBackend):
         # Longer ones to the prefill kernel, else to the SDPA paths: all of them where it is
         # switched off; only fresh ones (no cached prefix: what the AMX probe timed) where
         # fresh_on_sdpa.
+        # Its products on AMX tiles (2), emulated ones (1: tests), or its vector paths (0):
+        # `tiles` where given (bf16 only), else as the start-up route decides.
         self.fresh_on_sdpa = False
+        self.tiles = 0
         if prefill_kernel is None:
             switch = os.environ.get(PREFILL_SWITCH)
             prefill_kernel = switch != "0"
             if switch is None:
-                self.fresh_on_sdpa = not kernel_takes_prefills(
-                    pool.kv_heads, pool.head_dim, pool.dtype, pool.code_dtype)
+                route = prefill_route(pool.kv_heads, pool.head_dim, pool.dtype, pool.code_dtype)
+                self.tiles, self.fresh_on_sdpa = route.tiles, route.fresh_on_sdpa
+        if tiles is not None:
+            assert pool.dtype == torch.bfloat16 or not tiles, "tiles take bf16 queries"
+            self.tiles = tiles
         self.prefill_kernel = prefill_kernel
 
     def take_every_extend(self) -> None:
@@ -139,7 +148,7 @@ class CpuNativeBackend(SdpaBackend):
         if nat is not None:
             native_attention(q, layer, self.table.table, nat, self.scale, out)
         if pre is not None:
-            prefill_attention(q, layer, self.table.table, pre, self.scale, out)
+            prefill_attention(q, layer, self.table.table, pre, self.scale, out, self.tiles)
         if covered < T:
             self._attend_paths(q, k, v, layer_id, meta, out)
         return out

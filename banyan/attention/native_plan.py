@@ -213,8 +213,10 @@ def prefill_attention(
     plan: PrefillPlan,
     scale: float,
     out: torch.Tensor,
+    tiles: int = 0,
 ) -> torch.Tensor:
-    """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written)."""
+    """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written); tiles:
+    native.prefill_attention's."""
     return native.prefill_attention(q, layer.k, layer.v, table, plan.req_row, plan.req_len,
                                     plan.q_start, plan.n_new, scale, out, layer.k_scale,
-                                    layer.v_scale)
+                                    layer.v_scale, tiles)

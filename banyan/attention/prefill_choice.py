@@ -1,16 +1,20 @@
-"""Which path takes long prefill chunks on a CPU with AMX: the native prefill kernel or SDPA,
-decided by timing both once, at start-up, on the pool's own head shape.
+"""Which path takes long prefill chunks on a CPU with AMX: the native prefill kernel (its
+products on AMX tiles where they check out) or SDPA, decided by timing both once, at start-up,
+on the pool's own head shape.
 
 The prefill kernel (cpu_prefill_attention.cpp) runs both of its products on vdpbf16ps: on Zen 4
 a fresh 2,048-token bf16 prefill of SmolLM2's heads takes 16.2 ms (298 GFLOP/s, 70% of the
 bf16 matmul peak) against SDPA's 40.1 ms (benchmarks/prefill_attention.py, 2026-12-04). On
 Intel Xeons with AMX, torch's SDPA (its flash kernel's batch-reduce GEMMs, oneDNN brgemm) runs
 QK^T and PV on AMX tiles, whose bf16 matmul peak measured ~6x vdpbf16ps's on 2 cores (#13:
-~2,400 GFLOP/s); vLLM-CPU's prefill attention takes that route. The kernel has no AMX path, so
-on those CPUs the faster of the two is measured rather than assumed: one fresh prefill of
-PROBE_TOKENS tokens through each, as the engine calls them (the kernel reading a paged pool,
-SDPA given the chunk's own K/V), median of a few runs. Elsewhere (no AMX, a float32 or quantized
-pool: SDPA would need a dequantized copy) the kernel keeps every chunk without a probe.
+~2,400 GFLOP/s); vLLM-CPU's prefill attention takes that route. So does the kernel's tile path
+(cpu_prefill_tiles.h), written on CPUs without AMX and checked there against tiles emulated in
+memory: on an AMX CPU it takes chunks only once its output on random inputs has matched the
+pair path's (bf16 rounding apart). Then the faster of the kernel and SDPA is measured rather
+than assumed: one fresh prefill of PROBE_TOKENS tokens through each, as the engine calls them
+(the kernel reading a paged pool, SDPA given the chunk's own K/V), median of a few runs.
+Elsewhere (no AMX, a float32 or quantized pool: SDPA would need a dequantized copy) the kernel
+keeps every chunk without a probe.
 """
 
 from __future__ import annotations
@@ -42,49 +46,86 @@ class PrefillTimes:
         return self.sdpa_s < SDPA_MARGIN * self.kernel_s
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillRoute:
+    tiles: int  # the kernel's products: 2 on AMX tiles, 0 its vector paths
+    fresh_on_sdpa: bool  # fresh long chunks to SDPA (chunks over a cached prefix: the kernel)
+
+
+@dataclass(slots=True)
+class _Probe:
+    """One layer's fresh `tokens`-token prefill (random inputs), as the engine calls each path."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tokens: int
+
+    @classmethod
+    def make(cls, kv_heads: int, head_dim: int, dtype: torch.dtype, tokens: int,
+             group: int) -> _Probe:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(tokens + 1, kv_heads, head_dim, generator=gen).to(dtype)
+                for _ in range(2))  # (slot 0: padding)
+        return cls(q, k, v, tokens)
+
+    def kernel(self, tiles: int = 0) -> torch.Tensor:
+        table = torch.arange(1, self.tokens + 1, dtype=torch.int32)[None]
+        zero, length = torch.zeros(1, dtype=torch.int64), torch.tensor([self.tokens])
+        return native.prefill_attention(self.q, self.k, self.v, table, zero, length, zero,
+                                        length, self.q.shape[-1]**-0.5,
+                                        torch.empty_like(self.q), tiles=tiles)
+
+    def sdpa(self) -> None:  # the views the SDPA path hands it (torch_backend._attend_extend)
+        from banyan.attention.torch_backend import sdpa_gqa
+
+        qi = self.q.transpose(0, 1).unsqueeze(0)
+        ki, vi = (x[1:].transpose(0, 1).unsqueeze(0) for x in (self.k, self.v))
+        sdpa_gqa(qi, ki, vi, None, True, self.q.shape[-1]**-0.5)
+
+
 def time_prefill_paths(kv_heads: int, head_dim: int, dtype: torch.dtype,
                        tokens: int = PROBE_TOKENS, group: int = PROBE_GROUP,
-                       rounds: int = 3) -> PrefillTimes:
+                       rounds: int = 3, tiles: int = 0) -> PrefillTimes:
     """Median seconds of one layer's causal attention over a fresh `tokens`-token prefill, on
-    the native prefill kernel and on SDPA (random inputs; nothing else runs meanwhile)."""
-    from banyan.attention.torch_backend import sdpa_gqa
-
-    gen = torch.Generator().manual_seed(0)
-    heads = kv_heads * group
-    q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(tokens + 1, kv_heads, head_dim, generator=gen).to(dtype)  # slot 0: padding
-    v = torch.randn(tokens + 1, kv_heads, head_dim, generator=gen).to(dtype)
-    out = torch.empty_like(q)
-    table = torch.arange(1, tokens + 1, dtype=torch.int32)[None]
-    zero = torch.zeros(1, dtype=torch.int64)
-    length = torch.tensor([tokens])
-    scale = head_dim**-0.5
-
-    def kernel() -> None:
-        native.prefill_attention(q, k, v, table, zero, length, zero, length, scale, out)
-
-    def sdpa() -> None:  # the views the SDPA path hands it (torch_backend._attend_extend)
-        qi = q.transpose(0, 1).unsqueeze(0)
-        ki, vi = (x[1:].transpose(0, 1).unsqueeze(0) for x in (k, v))
-        sdpa_gqa(qi, ki, vi, None, True, scale)
-
-    return PrefillTimes(_median_s(kernel, rounds), _median_s(sdpa, rounds))
+    the native prefill kernel (its products on `tiles`) and on SDPA (nothing else running)."""
+    probe = _Probe.make(kv_heads, head_dim, dtype, tokens, group)
+    return PrefillTimes(_median_s(lambda: probe.kernel(tiles), rounds),
+                        _median_s(probe.sdpa, rounds))
 
 
-def kernel_takes_prefills(kv_heads: int, head_dim: int, dtype: torch.dtype,
-                          code_dtype: torch.dtype | None) -> bool:
-    """Whether the prefill kernel should take the long chunks here (else the SDPA paths)."""
-    if not (native.amx_here() and dtype == torch.bfloat16 and code_dtype in (None, dtype)):
-        return True
-    times = time_prefill_paths(kv_heads, head_dim, dtype)
+def tiles_agree(kv_heads: int, head_dim: int, tiles: int = 2, tokens: int = 300) -> bool:
+    """Whether the kernel's output with its products on `tiles` is its pair path's on random
+    bf16 inputs, to within what the two paths' different bf16 roundings allow."""
+    probe = _Probe.make(kv_heads, head_dim, torch.bfloat16, tokens, PROBE_GROUP)
+    want, got = probe.kernel().float(), probe.kernel(tiles).float()
+    return bool(torch.isfinite(got).all()) and torch.allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+def prefill_route(kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  code_dtype: torch.dtype | None) -> PrefillRoute:
+    """Where long chunks go here (module docstring): AMX tiles where they check out; fresh
+    chunks to SDPA where it measured faster."""
+    if not (native.amx_here() and dtype == torch.bfloat16):
+        return PrefillRoute(0, False)
+    tiles = 0
+    if native.prefill_tiles() == 2 and head_dim % 32 == 0:
+        tiles = 2 if tiles_agree(kv_heads, head_dim) else 0
+        logger.log(logging.INFO if tiles else logging.WARNING,
+                   "prefill attention on AMX tiles: %s", "checked, in use" if tiles else
+                   "output differs from the vector path's, not used")
+    if code_dtype not in (None, dtype):
+        return PrefillRoute(tiles, False)
+    times = time_prefill_paths(kv_heads, head_dim, dtype, tiles=tiles)
     logger.info("prefill attention on this AMX CPU: a fresh %d-token prefill took %.2f ms in "
-                "the native kernel, %.2f ms in SDPA: long chunks go to %s", PROBE_TOKENS,
-                times.kernel_s * 1e3, times.sdpa_s * 1e3,
-                "SDPA" if times.sdpa_wins else "the kernel")
-    return not times.sdpa_wins
+                "the native kernel%s, %.2f ms in SDPA: long fresh chunks go to %s",
+                PROBE_TOKENS, times.kernel_s * 1e3, " (tiles)" if tiles else "",
+                times.sdpa_s * 1e3, "SDPA" if times.sdpa_wins else "the kernel")
+    return PrefillRoute(tiles, times.sdpa_wins)
 
 
-def _median_s(fn: Callable[[], None], rounds: int) -> float:
+def _median_s(fn: Callable[[], object], rounds: int) -> float:
     fn()  # warm-up: first-call set-up (oneDNN's kernels are generated on first use)
     seconds = []
     for _ in range(rounds):

@@ -38,11 +38,20 @@
 #include "cpu_paged_attention.h"
 #include "cpu_prefill_common.h"
 #include "cpu_prefill_pairs.h"
+#include "cpu_prefill_tiles.h"
 
 namespace {
 
 constexpr int KM = 6;         // keys per S^T tile (6 x 2 accumulator registers)
 constexpr int PM = 6;         // rows per P V tile
+
+// A thread's tile set: none (void), or SoftTiles / AmxTiles (cpu_prefill_tiles.h).
+struct NoTiles {
+    void begin() {}
+    void end() {}
+};
+template <typename Tiles>
+using TileSet = typename std::conditional<std::is_same<Tiles, void>::value, NoTiles, Tiles>::type;
 
 // st[j][0, NV) = sum_e kb[j][e] * qt[e][0, NV) for the M keys j of the tile; kMax: and
 // mx[0, NV) = max(mx, the tile's scores) (a block no row stops inside: no mask to apply).
@@ -214,7 +223,9 @@ void attend_block(Buffers& b, const typename C::T* q, const typename K::T* kpool
         }
 }
 
-template <typename C, typename K>
+// Tiles: void, or the tile set (cpu_prefill_tiles.h) bf16 queries' items take where the head
+// dim fits the pairs.
+template <typename C, typename K, typename Tiles = void>
 void prefill_attention(const typename C::T* q, const typename K::T* kpool,
                        const typename K::T* vpool, const float* kscale, const float* vscale,
                        const int32_t* table, int64_t table_stride, const int64_t* req_row,
@@ -251,15 +262,33 @@ void prefill_attention(const typename C::T* q, const typename K::T* kpool,
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, n_threads)))
     {
         Buffers buf;
+        TileSet<Tiles> tl;
+        tl.begin();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < n_items; ++it) {
             const Item& w = items[it];
             const int64_t i = w.req, prefix = req_len[i] - n_new[i];
             const int64_t bqi = std::min(bq, n_new[i] - w.t0);
+            const int32_t* slots = table + req_row[i] * table_stride;
+#if defined(BANYAN_PREFILL_TILES)
+            if constexpr (!std::is_same<Tiles, void>::value) {
+                static_assert(std::is_same<C, BF16>::value, "tiles take bf16 queries");
+                if (pairs_fit(d)) {
+                    constexpr bool kCodes = !std::is_same<K, BF16>::value;
+                    using Codes = typename std::conditional<kCodes, K, void>::type;
+                    attend_block_tiles<Tiles, Codes>(tl, buf, q + q_start[i] * heads * d, kpool,
+                                                     vpool, kscale, vscale, slots, prefix, w.t0,
+                                                     bqi, w.h, heads, kvh, d, scale,
+                                                     out + q_start[i] * heads * d);
+                    continue;
+                }
+            }
+#endif
             attend_block<C, K>(buf, q + q_start[i] * heads * d, kpool, vpool, kscale, vscale,
-                               table + req_row[i] * table_stride, prefix, w.t0, bqi, w.h, heads,
-                               kvh, d, scale, out + q_start[i] * heads * d);
+                               slots, prefix, w.t0, bqi, w.h, heads, kvh, d, scale,
+                               out + q_start[i] * heads * d);
         }
+        tl.end();
     }
 }
 
@@ -287,6 +316,42 @@ BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e4m3, F32, E4M3)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e4m3, BF16, E4M3)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e5m2, F32, E5M2)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
+
+#if defined(BANYAN_PREFILL_TILES)
+// The same for bf16 queries with the products on tiles (cpu_prefill_tiles.h): hardware 1, AMX
+// (call banyan_amx_tiles first), else 0, the tiles emulated in memory (tests).
+#define BANYAN_PREFILL_TILES_ENTRY(NAME, K)                                                   \
+    void NAME(const BF16::T* q, const K::T* k, const K::T* v, const float* kscale,           \
+              const float* vscale, const int32_t* table, int64_t table_stride,               \
+              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,        \
+              const int64_t* n_new, int64_t n_reqs, BF16::T* out, int64_t heads, int64_t kvh, \
+              int64_t d, float scale, int64_t n_threads, int hardware) {                     \
+        if (hardware)                                                                         \
+            prefill_attention<BF16, K, AmxTiles>(q, k, v, kscale, vscale, table, table_stride, \
+                                                 req_row, req_len, q_start, n_new, n_reqs,     \
+                                                 out, heads, kvh, d, scale, n_threads);        \
+        else                                                                                  \
+            prefill_attention<BF16, K, SoftTiles>(q, k, v, kscale, vscale, table,              \
+                                                  table_stride, req_row, req_len, q_start,     \
+                                                  n_new, n_reqs, out, heads, kvh, d, scale,    \
+                                                  n_threads);                                 \
+    }
+
+BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_bf16, BF16)
+BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_int8, I8)
+BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e4m3, E4M3)
+BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e5m2, E5M2)
+#endif
+
+// 2: this build has the tile path and Linux granted this process AMX's tile state; 1: the
+// tile path only emulated (no AMX here, or not granted); 0: no tile path in this build.
+int banyan_prefill_tiles() {
+#if defined(BANYAN_PREFILL_TILES)
+    return amx_granted() ? 2 : 1;
+#else
+    return 0;
+#endif
+}
 
 // 1 when bf16 queries over a bf16 pool take the vdpbf16ps pair path (cpu_prefill_pairs.h).
 int banyan_prefill_pairs() {

@@ -66,8 +66,9 @@ struct Buffers {
     std::vector<float> qt, kb, vb, st, o, m, l, corr;
     std::vector<int32_t> lim;  // keys each row sees (contexts < 2^31)
     // the bf16 pair path's (cpu_prefill_pairs.h): Q^T, probabilities and values as bf16 pairs
-    // in 32-bit words, and the block's key rows copied out of the pool
-    std::vector<uint32_t> qp, pp, vp;
+    // in 32-bit words, and the block's key rows copied out of the pool; on tiles
+    // (cpu_prefill_tiles.h) the values' pairs transposed too
+    std::vector<uint32_t> qp, pp, vp, vt;
     std::vector<uint16_t> kb16;
     int64_t rp = 0, dv = 0;  // this item's; the arrays hold `cap` rows
     int64_t cap = 0;

@@ -124,6 +124,38 @@ inline __m512i row_bf16x32(const P* p) {
         return codes_bf16x32<Codes>(p);
 }
 
+// The key rows of the block [k0, k0 + nk) of KV head h as bf16 (kb16 [nk][d]), a quantized
+// pool's key and value scales (kmul, vmul; Codes void: not touched), and the next block's K and
+// V rows requested meanwhile, into L2: a few dozen rows (a short chunk) do too little work a
+// block to hide the loads of its slots, and a whole block requested at once into L1 was
+// evicted before its turn (perf: half the time on the K loads). (A memcpy call a row cost
+// more than the copy.)
+template <typename Codes, typename P>
+inline void key_block(Buffers& b, const P* kpool, const P* vpool, const float* kscale,
+                      const float* vscale, const int32_t* slots, int64_t k0, int64_t nk,
+                      int64_t kend, int64_t kvh, int64_t h, int64_t d, float* kmul, float* vmul) {
+    const int64_t ahead = std::min<int64_t>(kend - k0 - nk, BK);
+    for (int64_t j = 0; j < nk; ++j) {
+        const int64_t row = static_cast<int64_t>(slots[k0 + j]) * kvh + h;
+        const P* src = kpool + row * d;
+        for (int64_t e = 0; e < d; e += 32)
+            _mm512_storeu_si512(&b.kb16[j * d + e], row_bf16x32<Codes>(src + e));
+        if constexpr (!std::is_same<Codes, void>::value) {
+            kmul[j] = kscale[row] * code_unit<Codes>;
+            vmul[j] = vscale[row] * code_unit<Codes>;
+        }
+        if (j < ahead) {
+            const int64_t next = (static_cast<int64_t>(slots[k0 + nk + j]) * kvh + h) * d;
+            const char* kn = reinterpret_cast<const char*>(kpool + next);
+            const char* vn = reinterpret_cast<const char*>(vpool + next);
+            for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(P)); off += 64) {
+                _mm_prefetch(kn + off, _MM_HINT_T1);
+                _mm_prefetch(vn + off, _MM_HINT_T1);
+            }
+        }
+    }
+}
+
 // vp[q][x] = (V[2q][x], V[2q + 1][x]) for the nk keys of the block at k0 (a lone last key:
 // zeros beside it), read from the pool rows of KV head h.
 template <typename Codes, typename P>
@@ -227,30 +259,8 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
     alignas(64) float kmul[BK], vmul[BK];
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = std::min<int64_t>(BK, kend - k0);
-        // K rows copied (a memcpy call a row cost more than the copy), and the next block's
-        // K and V rows requested meanwhile, into L2: a few dozen rows (a short chunk) do too
-        // little work a block to hide the loads of its slots, and a whole block requested at
-        // once into L1 was evicted before its turn (perf: half the time on the K loads)
-        const int64_t ahead = std::min<int64_t>(kend - k0 - nk, BK);
-        for (int64_t j = 0; j < nk; ++j) {
-            const int64_t row = static_cast<int64_t>(slots[k0 + j]) * kvh + h;
-            const P* src = kpool + row * d;
-            for (int64_t e = 0; e < d; e += 32)
-                _mm512_storeu_si512(&b.kb16[j * d + e], row_bf16x32<Codes>(src + e));
-            if constexpr (kCodes) {
-                kmul[j] = kscale[row] * code_unit<Codes>;
-                vmul[j] = vscale[row] * code_unit<Codes>;
-            }
-            if (j < ahead) {
-                const int64_t next = (static_cast<int64_t>(slots[k0 + nk + j]) * kvh + h) * d;
-                const char* kn = reinterpret_cast<const char*>(kpool + next);
-                const char* vn = reinterpret_cast<const char*>(vpool + next);
-                for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(P)); off += 64) {
-                    _mm_prefetch(kn + off, _MM_HINT_T1);
-                    _mm_prefetch(vn + off, _MM_HINT_T1);
-                }
-            }
-        }
+        key_block<Codes>(b, kpool, vpool, kscale, vscale, slots, k0, nk, kend, kvh, h, d, kmul,
+                         vmul);
         value_pairs<Codes>(vpool, slots, k0, nk, kvh, h, d, b.vp.data());
         const bool masked = k0 + nk > unmasked;  // some row stops inside the block
         std::copy_n(b.m.begin(), rp, b.corr.begin());
@@ -278,6 +288,20 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
     }
 }
 
+// A work item's rows (query positions [t0, t0 + bq) of a request after `prefix` cached keys,
+// the G query heads of KV head h: row r = (position t, head gh) = t * g + gh) set up for
+// attend_pairs: fresh states, each row's key limit, the queries as pairs of dims.
+inline void item_rows(Buffers& b, const uint16_t* q, int64_t prefix, int64_t t0, int64_t bq,
+                      int64_t h, int64_t heads, int64_t kvh, int64_t d) {
+    const int64_t g = heads / kvh, rows = bq * g, kend = prefix + t0 + bq;
+    fit_pairs(b, rows, d);
+    for (int64_t r = 0; r < b.rp; ++r)
+        b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
+    set_queries(b, rows, d, [&](int64_t r) {
+        return q + ((t0 + r / g) * heads + h * g + r % g) * d;
+    });
+}
+
 // One work item of attend_block (query positions [t0, t0 + bq) of a request, the G query
 // heads of KV head h), bf16 queries over a bf16 pool or a quantized one (attend_pairs),
 // pairs_fit(d).
@@ -286,14 +310,8 @@ inline void attend_block_pairs(Buffers& b, const uint16_t* q, const P* kpool, co
                                const float* kscale, const float* vscale, const int32_t* slots,
                                int64_t prefix, int64_t t0, int64_t bq, int64_t h, int64_t heads,
                                int64_t kvh, int64_t d, float scale, uint16_t* out) {
-    const int64_t g = heads / kvh, rows = bq * g;
-    fit_pairs(b, rows, d);
-    const int64_t kend = prefix + t0 + bq;
-    for (int64_t r = 0; r < b.rp; ++r)  // row r = (position t, head gh) = t * g + gh
-        b.lim[r] = static_cast<int32_t>(r < rows ? prefix + t0 + r / g + 1 : kend);
-    set_queries(b, rows, d, [&](int64_t r) {
-        return q + ((t0 + r / g) * heads + h * g + r % g) * d;
-    });
+    const int64_t g = heads / kvh, rows = bq * g, kend = prefix + t0 + bq;
+    item_rows(b, q, prefix, t0, bq, h, heads, kvh, d);
     attend_pairs<Codes>(b, rows, kpool, vpool, kscale, vscale, slots, kend, prefix + t0 + 1,
                         kvh, h, d, scale);
     for (int64_t t = 0; t < bq; ++t)

@@ -16,9 +16,7 @@ one that would spin against it.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -89,7 +87,8 @@ def cpu_flags() -> str:
     return ""
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where the built libraries (and choices.py's answers) are kept."""
     from platformdirs import user_cache_dir
 
     return Path(os.environ.get("BANYAN_KERNEL_CACHE", user_cache_dir("banyan"))) / "kernels"
@@ -101,7 +100,7 @@ def _build(compiler: str, source_dir: Path | None = None) -> Path:  # (or an alt
     for path in sorted(here.glob("*.[ch]*")):  # the sources and the headers they include
         key.update(path.read_bytes())
     key.update(" ".join((compiler, *FLAGS, cpu_flags())).encode())
-    out = _cache_dir() / f"banyan_cpu_{key.hexdigest()[:16]}.so"
+    out = cache_dir() / f"banyan_cpu_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +143,7 @@ def load() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels failed to build, PyTorch ops in use: %s", detail)
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.banyan_prefill_tiles.restype = ctypes.c_int
     for q_sfx in _DTYPE_SUFFIX.values():
         for kv_sfx in (q_sfx, *_KV_CODE_SUFFIX.values()):
             fn = getattr(lib, f"banyan_paged_attention_{q_sfx}_{kv_sfx}")
@@ -154,6 +154,9 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
                            i64, i64, f32, i64]
             fn.restype = None
+            if q_sfx == "bf16" and lib.banyan_prefill_tiles():  # (cpu_prefill_tiles.h)
+                tiles = getattr(lib, f"banyan_prefill_attention_tiles_{q_sfx}_{kv_sfx}")
+                tiles.argtypes, tiles.restype = [*fn.argtypes, ctypes.c_int], None
     for sfx in ("f32", "bf16"):
         signatures = {
             "banyan_add_rms_norm_": [ptr, ptr, ptr, ptr, i64, i64, f32],
@@ -228,6 +231,14 @@ def vector_bits() -> int:
     the portable loops alone (or no kernels)."""
     lib = load()
     return 0 if lib is None else int(lib.banyan_vector_bits())
+
+
+@cache
+def prefill_tiles() -> int:
+    """2 where the prefill kernel can run its products on AMX tiles (cpu_prefill_tiles.h; Linux
+    granted the tile state), 1 where only emulated in memory (tests), 0 no tile path."""
+    lib = load()
+    return 0 if lib is None else int(lib.banyan_prefill_tiles())
 
 
 @cache
@@ -313,34 +324,6 @@ def bf16_gemm_applies(in_features: int) -> bool:
     return in_features % 2 == 0 and bf16_gemm_here()
 
 
-def remembered(question: str, measure: Callable[[], bool]) -> bool:
-    """The answer to a timing question about the kernels ("is the skinny kernel faster than
-    F.linear for this weight?"), measured once per machine and kept beside the library (keyed by
-    it: sources, flags, CPU), torch's version and thread count. Under a file lock, so processes
-    started together (server replicas) all take the first one's answer: a timing decided per
-    process let two replicas of one model pick different kernels and differ in the last bits."""
-    lib = load()
-    assert lib is not None, "native kernels unavailable"
-    key = f"{Path(lib._name).stem} torch-{torch.__version__} threads-{torch.get_num_threads()} "
-    key += question
-    folder = _cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "choices.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        path = folder / "choices.json"
-        try:
-            answers = json.loads(path.read_text())
-        except (OSError, ValueError):
-            answers = {}
-        if not isinstance(answers.get(key), bool):
-            answers[key] = bool(measure())
-            fd, tmp = tempfile.mkstemp(suffix=".json", dir=folder)
-            with os.fdopen(fd, "w") as f:
-                json.dump(answers, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        return answers[key]
-
-
 def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
              ) -> bool:
     """Whether the kernel can serve a pool on this device with this compute dtype and these
@@ -348,6 +331,24 @@ def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | N
     return (device.type == "cpu" and dtype in _DTYPE_SUFFIX and
             (kv_dtype is None or kv_dtype == dtype or kv_dtype in _KV_CODE_SUFFIX) and
             load() is not None)
+
+
+def _attention_entry(kind: str, q: torch.Tensor, pool_k: torch.Tensor,
+                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                     tensors: tuple[torch.Tensor, ...]) -> tuple[Callable[..., None], bool]:
+    """The attention entry point banyan_{kind}_{queries}_{pool} for these operands (all
+    contiguous; a quantized pool's float32 scales given), and whether the pool is quantized."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable: check supports() first"
+    quantized = pool_k.dtype != q.dtype
+    kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
+    if quantized:
+        assert k_scale is not None and v_scale is not None
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        tensors += (k_scale, v_scale)
+    for t in tensors:
+        assert t.is_contiguous()
+    return getattr(lib, f"banyan_{kind}_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}"), quantized
 
 
 def paged_attention(
@@ -375,19 +376,9 @@ def paged_attention(
     group_start: [G + 1]; group_prefix: [G] slots every member of the group shares (0 alone).
     A quantized pool (int8 / fp8 codes) comes with k_scale, v_scale: [slots, KVH] float32.
     Returns out."""
-    lib = load()
-    assert lib is not None, "native kernels unavailable: check supports() first"
-    quantized = pool_k.dtype != q.dtype
-    kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
-    fn = getattr(lib, f"banyan_paged_attention_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}")
-    tensors = (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new, order,
-               group_start, group_prefix)
-    if quantized:
-        assert k_scale is not None and v_scale is not None
-        assert k_scale.dtype == v_scale.dtype == torch.float32
-        tensors += (k_scale, v_scale)
-    for t in tensors:
-        assert t.is_contiguous()
+    fn, quantized = _attention_entry("paged_attention", q, pool_k, k_scale, v_scale, (
+        q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new, order, group_start,
+        group_prefix))
     _, H, D = q.shape
     with kernel_range("banyan::paged_attention"):
         fn(
@@ -416,6 +407,7 @@ def prefill_attention(
     out: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiles: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the given requests' new tokens (prefill chunks: blocks of queries
     against blocks of keys, cpu_prefill_attention.cpp) over their whole context, read in place
@@ -423,19 +415,12 @@ def prefill_attention(
     contiguous (only the listed requests' rows are read and written); pool_k/v [slots, KVH, D]
     of one layer; table [rows, stride] int32; per request (int64 [R]) req_row, req_len (context
     with its new tokens, all stored), q_start, n_new; k_scale, v_scale [slots, KVH] float32 for
-    a quantized pool. Returns out."""
-    lib = load()
-    assert lib is not None, "native kernels unavailable: check supports() first"
-    quantized = pool_k.dtype != q.dtype
-    kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
-    fn = getattr(lib, f"banyan_prefill_attention_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}")
-    tensors = (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new)
-    if quantized:
-        assert k_scale is not None and v_scale is not None
-        assert k_scale.dtype == v_scale.dtype == torch.float32
-        tensors += (k_scale, v_scale)
-    for t in tensors:
-        assert t.is_contiguous()
+    a quantized pool. tiles (bf16 queries): 1 the products on tiles emulated in memory (tests),
+    2 on AMX's (where prefill_tiles() is 2); 0 the vector paths. Returns out."""
+    assert tiles < 2 or prefill_tiles() == 2, "no AMX tiles here (the instructions would fault)"
+    fn, quantized = _attention_entry(
+        "prefill_attention_tiles" if tiles else "prefill_attention", q, pool_k, k_scale,
+        v_scale, (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new))
     _, H, D = q.shape
     with kernel_range("banyan::prefill_attention"):
         fn(
@@ -445,6 +430,6 @@ def prefill_attention(
             table.data_ptr(), table.shape[1],
             req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             req_row.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,
-            torch.get_num_threads(),
+            torch.get_num_threads(), *((tiles == 2,) if tiles else ()),
         )
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from banyan.kernels import native
+from banyan.kernels import choices, native
 from banyan.layers.linear import DenseMethod, Linear, NativeLinear
 from banyan.layers.linear_choice import CHOICE_RULE, beats_linear
 
@@ -77,7 +77,7 @@ class SkinnyF32Method(DenseMethod):
     def chosen_here(cls, weight: torch.Tensor) -> bool:
         """`faster_here` for this weight's shape, as first measured on this machine."""
         rows, cols = weight.shape
-        return native.remembered(f"skinny-f32 {rows}x{cols}{CHOICE_RULE}",
+        return choices.remembered(f"skinny-f32 {rows}x{cols}{CHOICE_RULE}",
                                  lambda: cls.faster_here(weight))
 
     @classmethod
@@ -92,7 +92,7 @@ class SkinnyF32Method(DenseMethod):
         """Whether oneDNN's float32 GEMM beats F.linear for `rows` tokens through this weight's
         shape, as first measured on this machine."""
         out_f, in_f = weight.shape
-        return native.remembered(
+        return choices.remembered(
             f"onednn-f32 {out_f}x{in_f} at {rows} rows{CHOICE_RULE}",
             lambda: beats_linear("oneDNN float32 linear", onednn_linear, weight, rows,
                                   reps=1 if out_f * in_f * rows > 2**30 else 3))
