@@ -7,7 +7,10 @@
 // a prefill; with them on tiles the softmax (AVX-512, unchanged) is most of what is left.
 //
 // Tiles: 0-3 accumulate (2 x 2 output tiles), 4-5 hold A (16 rows x 32 bf16 each), 6-7 B (16
-// pairs x 16 columns), every tile 16 rows of 64 bytes (one configuration for the whole call).
+// pairs x 16 columns), every tile 16 rows of 64 bytes: one configuration, loaded by each thread
+// as a call starts and released as it ends. (oneDNN's and torch's tile code, in the same
+// threads, are expected to load theirs before using tiles, as torch's flash attention releases
+// its tiles at the end of its regions: to be confirmed by the first AMX run.)
 //   S^T [keys][rows]: A = the block's key rows (kb16, 32 dims a step), B = Q^T as pairs of dims
 //     (qp), as the pair path lays them out; the scale (and a quantized pool's key scales) and
 //     the rows' maxima in a pass over the tile's output after.
