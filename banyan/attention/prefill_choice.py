@@ -59,7 +59,8 @@ class _Probe:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    tokens: int
+    table: torch.Tensor  # the request's slots 1..tokens (slot 0: padding)
+    length: torch.Tensor
 
     @classmethod
     def make(cls, kv_heads: int, head_dim: int, dtype: torch.dtype, tokens: int,
@@ -67,14 +68,14 @@ class _Probe:
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
         k, v = (torch.randn(tokens + 1, kv_heads, head_dim, generator=gen).to(dtype)
-                for _ in range(2))  # (slot 0: padding)
-        return cls(q, k, v, tokens)
+                for _ in range(2))
+        table = torch.arange(1, tokens + 1, dtype=torch.int32)[None]
+        return cls(q, k, v, table, torch.tensor([tokens]))
 
     def kernel(self, tiles: int = 0) -> torch.Tensor:
-        table = torch.arange(1, self.tokens + 1, dtype=torch.int32)[None]
-        zero, length = torch.zeros(1, dtype=torch.int64), torch.tensor([self.tokens])
-        return native.prefill_attention(self.q, self.k, self.v, table, zero, length, zero,
-                                        length, self.q.shape[-1]**-0.5,
+        zero = torch.zeros(1, dtype=torch.int64)
+        return native.prefill_attention(self.q, self.k, self.v, self.table, zero, self.length,
+                                        zero, self.length, self.q.shape[-1]**-0.5,
                                         torch.empty_like(self.q), tiles=tiles)
 
     def sdpa(self) -> None:  # the views the SDPA path hands it (torch_backend._attend_extend)

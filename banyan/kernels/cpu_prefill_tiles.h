@@ -35,6 +35,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstring>
 
 namespace {
@@ -139,6 +140,10 @@ struct AmxTiles {
     }
 };
 #undef BANYAN_TILE_CASE
+// (ldtilecfg's 64-byte layout: palette, start row, 14 reserved, 16 x colsb, 16 x rows)
+static_assert(sizeof(AmxTiles::Config) == 64 && offsetof(AmxTiles::Config, colsb) == 16 &&
+                  offsetof(AmxTiles::Config, rows) == 48,
+              "tile configuration layout");
 
 // Asks Linux for the tile registers' state (once a process; without it the first tile
 // instruction faults): true where granted (a kernel before 5.16, or no AMX, refuses).
