@@ -9,6 +9,9 @@ greedy generation against the SDPA backend."""
 from __future__ import annotations
 
 import random
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -97,6 +100,22 @@ def test_chunks_on_tiles_match_the_reference(heads: int, kv_heads: int, dim: int
     scene = Scene(reqs, heads, kv_heads, dim=dim, dtype=torch.bfloat16, layers=1)
     meta = scene.check(prefill_backend(scene, tiles), atol=2e-2)
     assert meta.prefill is not None and not meta.extends
+
+
+@needs_tiles
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+def test_the_tile_instructions_are_the_emulated_ones() -> None:
+    """What the emulation cannot see on a CPU without AMX: the built library's tdpbf16ps
+    instructions are the four products SoftTiles::dot computes (C = 2 (A - 4) + (B - 6))."""
+    lib = native.load()
+    assert lib is not None
+    listing = subprocess.run(["objdump", "-d", "-M", "intel", lib._name], capture_output=True,
+                             text=True, check=True).stdout
+    found = set(re.findall(r"tdpbf16ps\s+tmm(\d),tmm(\d),tmm(\d)", listing))
+    assert found == {("0", "4", "6"), ("1", "4", "7"), ("2", "5", "6"), ("3", "5", "7")}
+    loads = set(re.findall(r"tileloadd\s+tmm(\d),", listing))
+    stores = set(re.findall(r"tilestored\s+\[[^]]+\],tmm(\d)", listing))
+    assert loads == {str(t) for t in range(8)} and stores == {"0", "1", "2", "3"}
 
 
 @needs_tiles
