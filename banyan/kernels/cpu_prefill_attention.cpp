@@ -45,13 +45,11 @@ namespace {
 constexpr int KM = 6;         // keys per S^T tile (6 x 2 accumulator registers)
 constexpr int PM = 6;         // rows per P V tile
 
-// A thread's tile set: none (void), or SoftTiles / AmxTiles (cpu_prefill_tiles.h).
+// A thread's tile set: none (the vector paths), or SoftTiles / AmxTiles (cpu_prefill_tiles.h).
 struct NoTiles {
     void begin() {}
     void end() {}
 };
-template <typename Tiles>
-using TileSet = typename std::conditional<std::is_same<Tiles, void>::value, NoTiles, Tiles>::type;
 
 // st[j][0, NV) = sum_e kb[j][e] * qt[e][0, NV) for the M keys j of the tile; kMax: and
 // mx[0, NV) = max(mx, the tile's scores) (a block no row stops inside: no mask to apply).
@@ -223,9 +221,9 @@ void attend_block(Buffers& b, const typename C::T* q, const typename K::T* kpool
         }
 }
 
-// Tiles: void, or the tile set (cpu_prefill_tiles.h) bf16 queries' items take where the head
-// dim fits the pairs.
-template <typename C, typename K, typename Tiles = void>
+// Tiles: NoTiles, or the tile set (cpu_prefill_tiles.h) bf16 queries' items take where the
+// head dim fits the pairs.
+template <typename C, typename K, typename Tiles = NoTiles>
 void prefill_attention(const typename C::T* q, const typename K::T* kpool,
                        const typename K::T* vpool, const float* kscale, const float* vscale,
                        const int32_t* table, int64_t table_stride, const int64_t* req_row,
@@ -262,7 +260,7 @@ void prefill_attention(const typename C::T* q, const typename K::T* kpool,
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, n_threads)))
     {
         Buffers buf;
-        TileSet<Tiles> tl;
+        Tiles tl;
         tl.begin();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < n_items; ++it) {
@@ -271,7 +269,7 @@ void prefill_attention(const typename C::T* q, const typename K::T* kpool,
             const int64_t bqi = std::min(bq, n_new[i] - w.t0);
             const int32_t* slots = table + req_row[i] * table_stride;
 #if defined(BANYAN_PREFILL_TILES)
-            if constexpr (!std::is_same<Tiles, void>::value) {
+            if constexpr (!std::is_same<Tiles, NoTiles>::value) {
                 static_assert(std::is_same<C, BF16>::value, "tiles take bf16 queries");
                 if (pairs_fit(d)) {
                     constexpr bool kCodes = !std::is_same<K, BF16>::value;
@@ -318,23 +316,21 @@ BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_f32_fp8_e5m2, F32, E5M2)
 BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
 
 #if defined(BANYAN_PREFILL_TILES)
-// The same for bf16 queries with the products on tiles (cpu_prefill_tiles.h): hardware 1, AMX
-// (call banyan_amx_tiles first), else 0, the tiles emulated in memory (tests).
-#define BANYAN_PREFILL_TILES_ENTRY(NAME, K)                                                   \
-    void NAME(const BF16::T* q, const K::T* k, const K::T* v, const float* kscale,           \
-              const float* vscale, const int32_t* table, int64_t table_stride,               \
-              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,        \
+// The same for bf16 queries with the products on tiles (cpu_prefill_tiles.h): hardware 1,
+// AMX's (only where banyan_prefill_tiles() is 2), else 0, the tiles emulated in memory (tests).
+#define BANYAN_PREFILL_TILES_ENTRY(NAME, K)                                                    \
+    void NAME(const BF16::T* q, const K::T* k, const K::T* v, const float* kscale,            \
+              const float* vscale, const int32_t* table, int64_t table_stride,                \
+              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,         \
               const int64_t* n_new, int64_t n_reqs, BF16::T* out, int64_t heads, int64_t kvh, \
-              int64_t d, float scale, int64_t n_threads, int hardware) {                     \
-        if (hardware)                                                                         \
-            prefill_attention<BF16, K, AmxTiles>(q, k, v, kscale, vscale, table, table_stride, \
-                                                 req_row, req_len, q_start, n_new, n_reqs,     \
-                                                 out, heads, kvh, d, scale, n_threads);        \
-        else                                                                                  \
-            prefill_attention<BF16, K, SoftTiles>(q, k, v, kscale, vscale, table,              \
-                                                  table_stride, req_row, req_len, q_start,     \
-                                                  n_new, n_reqs, out, heads, kvh, d, scale,    \
-                                                  n_threads);                                 \
+              int64_t d, float scale, int64_t n_threads, int hardware) {                      \
+        auto run = [&](auto tiles) {                                                           \
+            prefill_attention<BF16, K, decltype(tiles)>(q, k, v, kscale, vscale, table,        \
+                                                        table_stride, req_row, req_len,        \
+                                                        q_start, n_new, n_reqs, out, heads,    \
+                                                        kvh, d, scale, n_threads);             \
+        };                                                                                     \
+        hardware ? run(AmxTiles{}) : run(SoftTiles{});                                         \
     }
 
 BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_bf16, BF16)
