@@ -8,10 +8,12 @@ heads, 3 KV heads, head dim 64, random K/V), for the decode steps of the canonic
   stay in cache and only the kernel's own work is timed.
 
 One step = the 30 layers' calls. Each case is timed `--rounds` times (best kept), the cases
-interleaved round by round. Run it from two checkouts to compare kernels:
+interleaved round by round. Run it from two checkouts to compare kernels. With `--tiles` (bf16,
+a CPU with AMX) every case runs a second time with the kernel's products on AMX tiles
+(kernels/cpu_attend_tiles.h), interleaved with the vector loops' run:
 
     PYTHONPATH=<checkout> python benchmarks/decode_attention.py [--rounds 7] [--dtype bfloat16]
-        [--out FILE]
+        [--tiles] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from banyan.attention.native_plan import native_attention, plan_native
 from banyan.bench.offline import machine_info
+from banyan.kernels import native
 from banyan.mem.kv_pool import KVPool, kv_code_dtype
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
@@ -89,14 +92,35 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable[[], None], int]]:
                                         64 * 192 * heads)}
 
 
+def on_tiles(fn: Callable[[], None]) -> Callable[[], None]:
+    """fn with the row kernel's products on AMX tiles, the vector loops put back after."""
+
+    def run() -> None:
+        native.set_decode_tiles(2)
+        try:
+            fn()
+        finally:
+            native.set_decode_tiles(0)
+
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--tiles", action="store_true",
+                        help="every case on AMX tiles too (bf16 on a CPU with AMX)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.tiles and not (args.dtype == "bfloat16" and native.set_decode_tiles(2) == 2):
+        parser.error("--tiles needs --dtype bfloat16 and a CPU with AMX tiles granted")
+    native.set_decode_tiles(0)
     with torch.inference_mode():
         steps = cases(getattr(torch, args.dtype))
+        if args.tiles:
+            steps |= {f"{name}, AMX tiles": (on_tiles(fn), key_heads)
+                      for name, (fn, key_heads) in steps.items()}
         best = {name: float("inf") for name in steps}
         for fn, _ in steps.values():
             fn()  # warm up

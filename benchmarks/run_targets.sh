@@ -130,7 +130,11 @@ for s in $STEPS; do
     ;;
   attn)
     step attn
-    $PY benchmarks/decode_attention.py --rounds $(q 1 7) --dtype "$DTYPE" \
+    # (on AMX, bf16: each case on the tiles too, kernels/cpu_attend_tiles.h)
+    TILES_ARG=""
+    [ "$DTYPE" = bfloat16 ] && TILES_ARG=$($PY -c "from banyan.kernels import native
+print('--tiles' if native.prefill_tiles() == 2 else '')")
+    $PY benchmarks/decode_attention.py --rounds $(q 1 7) --dtype "$DTYPE" $TILES_ARG \
       --out "$RESULTS/decode-attention-$TAG.json"
     # what each phase of its AVX-512 bf16 loop costs (builds the kernels once per phase)
     [ "$DTYPE" = bfloat16 ] && $PY benchmarks/decode_attention_phases.py --rounds $(q 3 9) \

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.attention.base import AttentionMetadata
+from banyan.attention.decode_tiles import decode_tiles_route
 from banyan.attention.prefill_choice import prefill_route
 from banyan.attention.prefix_groups import CascadePolicy
 from banyan.attention.native_plan import (
@@ -77,6 +78,9 @@ class CpuNativeBackend(SdpaBackend):
             if switch is None:
                 route = prefill_route(pool.kv_heads, pool.head_dim, pool.dtype, pool.code_dtype)
                 self.tiles, self.fresh_on_sdpa = route.tiles, route.fresh_on_sdpa
+        # the row kernel's products, for the whole process: on AMX tiles where they check out
+        # and measure faster (decode_tiles.py), else its vector loops
+        decode_tiles_route(pool.kv_heads, pool.head_dim, pool.dtype, pool.code_dtype)
         if tiles is not None:
             assert pool.dtype == torch.bfloat16 or not tiles, "tiles take bf16 queries"
             self.tiles = tiles

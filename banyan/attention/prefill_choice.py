@@ -92,8 +92,8 @@ def time_prefill_paths(kv_heads: int, head_dim: int, dtype: torch.dtype,
     """Median seconds of one layer's causal attention over a fresh `tokens`-token prefill, on
     the native prefill kernel (its products on `tiles`) and on SDPA (nothing else running)."""
     probe = _Probe.make(kv_heads, head_dim, dtype, tokens, group)
-    return PrefillTimes(_median_s(lambda: probe.kernel(tiles), rounds),
-                        _median_s(probe.sdpa, rounds))
+    return PrefillTimes(median_seconds(lambda: probe.kernel(tiles), rounds),
+                        median_seconds(probe.sdpa, rounds))
 
 
 def tiles_agree(kv_heads: int, head_dim: int, tiles: int = 2, tokens: int = 300) -> bool:
@@ -126,7 +126,7 @@ def prefill_route(kv_heads: int, head_dim: int, dtype: torch.dtype,
     return PrefillRoute(tiles, times.sdpa_wins)
 
 
-def _median_s(fn: Callable[[], object], rounds: int) -> float:
+def median_seconds(fn: Callable[[], object], rounds: int) -> float:
     fn()  # warm-up: first-call set-up (oneDNN's kernels are generated on first use)
     seconds = []
     for _ in range(rounds):

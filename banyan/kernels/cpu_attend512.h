@@ -218,6 +218,42 @@ inline void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r, int d, 
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The chunk's values (slots cs[0, cn) of KV head h) as bf16 pairs of keys (2i, 2i + 1) per dim
+// into sc.vb, for vdpbf16ps and the tiles (a lone last key pairs with itself: its partner's
+// probability is 0): [pair][d / 16] words of 16 dims. P, Codes: attend512's.
+template <typename P, typename Codes>
+inline const __m512i* interleave_values(Scratch& sc, const P* vpool, const int32_t* cs, int cn,
+                                        int64_t kvh, int64_t h, int d) {
+    __m512i* vi = reinterpret_cast<__m512i*>(sc.vb.data());
+    const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
+    for (int jp = 0; jp < (cn + 1) / 2; ++jp) {
+        if (jp % (VBLK / 2) == 0) {
+            sc.ahead.issue();
+            prefetch_rows(vpool, cs, 2 * jp + 2 * VBLK, std::min(cn, 2 * jp + 3 * VBLK), kvh, h,
+                          d);
+        }
+        const P* va = vpool + (static_cast<int64_t>(cs[2 * jp]) * kvh + h) * d;
+        const P* vb2 =
+            vpool + (static_cast<int64_t>(cs[std::min(2 * jp + 1, cn - 1)]) * kvh + h) * d;
+        for (int c2 = 0; c2 < d / 32; ++c2) {
+            __m512i a, b;
+            if constexpr (!std::is_same<Codes, void>::value) {
+                a = codes_bf16x32<Codes>(va + c2 * 32);
+                b = codes_bf16x32<Codes>(vb2 + c2 * 32);
+            } else {
+                a = _mm512_loadu_si512(va + c2 * 32);
+                b = _mm512_loadu_si512(vb2 + c2 * 32);
+            }
+            _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2 + 1,
+                                _mm512_permutex2var_epi16(a, hi, b));
+        }
+    }
+    return vi;
+}
+#endif
+
 // T: the queries' type; P: the pool's, T itself or (bf16 queries with AVX512-BF16) the codes
 // of a quantized pool (Codes: I8, E4M3 or E5M2) with a float32 scale per (slot, head) row
 // (kscale, vscale), read in place: the codes are exact in bf16, each key's scale multiplies
@@ -298,34 +334,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         // 3. the chunk's values, converted once, into every row's accumulator
         if constexpr (kPairs) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-            // bf16 values of keys (2i, 2i + 1) interleaved per dim, for vdpbf16ps (a lone last
-            // key pairs with itself: its partner's probability is 0)
-            __m512i* vi = reinterpret_cast<__m512i*>(sc.vb.data());
-            const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
-            for (int jp = 0; jp < (cn + 1) / 2; ++jp) {
-                if (jp % (VBLK / 2) == 0) {
-                    sc.ahead.issue();
-                    prefetch_rows(vpool, cs, 2 * jp + 2 * VBLK, std::min(cn, 2 * jp + 3 * VBLK),
-                                  kvh, h, d);
-                }
-                const P* va = vpool + (static_cast<int64_t>(cs[2 * jp]) * kvh + h) * d;
-                const P* vb2 =
-                    vpool + (static_cast<int64_t>(cs[std::min(2 * jp + 1, cn - 1)]) * kvh + h) * d;
-                for (int c2 = 0; c2 < d / 32; ++c2) {
-                    __m512i a, b;
-                    if constexpr (kCodes) {
-                        a = codes_bf16x32<Codes>(va + c2 * 32);
-                        b = codes_bf16x32<Codes>(vb2 + c2 * 32);
-                    } else {
-                        a = _mm512_loadu_si512(va + c2 * 32);
-                        b = _mm512_loadu_si512(vb2 + c2 * 32);
-                    }
-                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2,
-                                        _mm512_permutex2var_epi16(a, lo, b));
-                    _mm512_storeu_si512(vi + jp * (d / 16) + 2 * c2 + 1,
-                                        _mm512_permutex2var_epi16(a, hi, b));
-                }
-            }
+            const __m512i* vi = interleave_values<P, Codes>(sc, vpool, cs, cn, kvh, h, d);
             const int words = d / 16;
             int r = 0;
             // past the rows that see none of the chunk, three rows at a time while they see the

@@ -11,6 +11,7 @@
 
 #include "cpu_attend.h"
 #include "cpu_attend512.h"
+#include "cpu_attend_tiles.h"
 // exp_nonpos_fma and fmadd, which fold parts' states as the prefill kernel merges its blocks
 // (the vector-width pragma of that header confined to it)
 #pragma GCC push_options
@@ -90,6 +91,18 @@ inline void fold(float& fm, float& fl, float* facc, float m, float l, const floa
     fm = top;
 }
 
+// The tile mode of a call's rows (decode_tiles_mode where it applies: bf16 queries over a bf16
+// pool, head dims of whole 64-byte tile rows), else 0.
+template <typename C, typename K>
+inline int tiles_for(int64_t d) {
+#if defined(BANYAN_DECODE_TILES)
+    if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value)
+        return d % 32 == 0 ? decode_tiles_mode() : 0;
+#endif
+    (void)d;
+    return 0;
+}
+
 // One thread's attention state and the dispatch to the block loops of cpu_attend.h: rows of
 // queries (scaled, with their online-softmax state in `sc`) attended to segments of keys.
 // C: the queries' and outputs' type; K: the pool's (C's own, or a quantized one with scales).
@@ -107,6 +120,12 @@ struct Attender {
     std::vector<typename C::T> kq, vq;
     std::vector<int32_t> iota;
     bool wide = false;
+    // The products on tiles (decode_tiles_mode: 1 emulated, 2 AMX), for bf16 queries over a
+    // bf16 pool; 0 the vector loops.
+    int tiles = 0;
+#if defined(BANYAN_DECODE_TILES)
+    TileScratch ts;
+#endif
 
     // This call's pool and shape (the scratch keeps its capacity from call to call: see
     // thread_attender).
@@ -114,6 +133,7 @@ struct Attender {
               int64_t kv_heads, int64_t dim, float sm_scale) {
         kpool = k, vpool = v, kscale = ks, vscale = vs, kvh = kv_heads, d = dim;
         scale = sm_scale;
+        tiles = tiles_for<C, K>(dim);
         if (K::kScaled && (has_wide_paths || (has_avx2_paths && std::is_same<C, F32>::value))) {
             kq.resize(QCHUNK * d);
             vq.resize(QCHUNK * d);
@@ -123,9 +143,11 @@ struct Attender {
     }
 
     void fit(int rows) {
-        sc.fit(rows, static_cast<int>(d));
+        // (a tile pass reads and writes whole blocks of 32 rows from a call's first row)
+        const int64_t padded = tiles ? tile_rows(rows) : rows;
+        sc.fit(static_cast<int>(padded), static_cast<int>(d));
         wide = has_wide_paths && d % 32 == 0;
-        if (wide) qraw.resize(static_cast<size_t>(rows) * d);
+        if (wide) qraw.resize(static_cast<size_t>(rows + (tiles ? kTileBlock : 0)) * d);
     }
 
     // Row r: query qs (d values), no keys seen yet, causal limit lim.
@@ -144,6 +166,23 @@ struct Attender {
     void wide_plain(int r0, int nrows, const int32_t* slots, int64_t n, bool causal,
                     const typename C::T* kp, const typename C::T* vp, int64_t kv_heads,
                     int64_t head) {
+#if defined(BANYAN_DECODE_TILES)
+        if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
+            if (tiles && kp == kpool) {  // (not a dequantized chunk's rows)
+                const uint16_t* rows = qraw.data() + static_cast<size_t>(r0) * d;
+                const int di = static_cast<int>(d);
+                if (tiles == 2) {
+                    AmxTiles amx;
+                    attend_tiles512(amx, ts, sc, rows, r0, nrows, slots, n, kp, vp, kv_heads,
+                                    head, di, scale, causal);
+                } else {
+                    attend_tiles512(ts.soft, ts, sc, rows, r0, nrows, slots, n, kp, vp,
+                                    kv_heads, head, di, scale, causal);
+                }
+                return;
+            }
+        }
+#endif
 #if defined(__AVX512F__)
         attend512<typename C::T>(sc, qraw.data() + static_cast<size_t>(r0) * d, r0, nrows,
                                  slots, n, kp, vp, kv_heads, head, static_cast<int>(d), scale,

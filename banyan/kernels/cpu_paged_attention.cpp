@@ -35,6 +35,15 @@
 
 namespace {
 
+// A thread's AMX tile configuration for the call (mode 2: cpu_attend_tiles.h), else nothing.
+#if defined(BANYAN_DECODE_TILES)
+using ThreadTiles = TileSession;
+#else
+struct ThreadTiles {
+    explicit ThreadTiles(int) {}
+};
+#endif
+
 // A lone request over more than kPartKeys keys (a batch-1 decode, or a speculative check of a
 // few tokens): its parts of every KV head shared by the threads (its heads alone are too few
 // for them: SmolLM2's 3 on 2 threads, one thread taking two), each computed from a fresh state
@@ -58,6 +67,7 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
 #pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, items)))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
+        const ThreadTiles session(at.tiles);
         at.fit(static_cast<int>(rows));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
@@ -146,6 +156,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
+        const ThreadTiles session(at.tiles);
         std::vector<int64_t> offset;  // first state row of each member of the slice
         bool read_ahead = false;  // the next member's K/V read ahead
         // Otherwise a slice's KV heads all run on one thread, and each member's own keys are
@@ -236,6 +247,23 @@ BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_fp8_e4m3, F32, E4M3)
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_fp8_e4m3, BF16, E4M3)
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_f32_fp8_e5m2, F32, E5M2)
 BANYAN_PAGED_ATTENTION(banyan_paged_attention_bf16_fp8_e5m2, BF16, E5M2)
+
+// The row kernel's products for bf16 queries over a bf16 pool in this process, from now on:
+// mode 0 the vector loops, 1 tiles emulated in memory (tests), 2 AMX tiles (refused where
+// banyan_prefill_tiles() is not 2: the instructions would fault). Every row of the process
+// takes the same path, so a row's bits stay those of its query and keys alone (the two paths'
+// bits differ). Returns the mode in effect (any other mode only asks it); a build without
+// tiles stays at 0.
+int64_t banyan_set_decode_tiles(int64_t mode) {
+#if defined(BANYAN_DECODE_TILES)
+    if (mode == 0 || mode == 1 || (mode == 2 && amx_granted()))
+        decode_tiles_mode() = static_cast<int>(mode);
+    return decode_tiles_mode();
+#else
+    (void)mode;
+    return 0;
+#endif
+}
 
 // 512 when this build has the AVX-512 paths, 256 with the AVX2 + FMA ones (attend256: float32
 // pools), else 0 (the portable loops).

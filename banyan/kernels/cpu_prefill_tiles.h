@@ -6,11 +6,7 @@
 // against ~400 for vdpbf16ps (#13), so there the pair path's products, not its softmax, bound
 // a prefill; with them on tiles the softmax (AVX-512, unchanged) is most of what is left.
 //
-// Tiles: 0-3 accumulate (2 x 2 output tiles), 4-5 hold A (16 rows x 32 bf16 each), 6-7 B (16
-// pairs x 16 columns), every tile 16 rows of 64 bytes: one configuration, loaded by each thread
-// as a call starts and released as it ends. (oneDNN's and torch's tile code, in the same
-// threads, are expected to load theirs before using tiles, as torch's flash attention releases
-// its tiles at the end of its regions: to be confirmed by the first AMX run.)
+// The products (the tile sets and their 2 x 2 blocks: cpu_amx_tiles.h):
 //   S^T [keys][rows]: A = the block's key rows (kb16, 32 dims a step), B = Q^T as pairs of dims
 //     (qp), as the pair path lays them out; the scale (and a quantized pool's key scales) and
 //     the rows' maxima in a pass over the tile's output after.
@@ -20,167 +16,15 @@
 // A tile's products run in the hardware's order, so the bits differ from the pair path's
 // (tests: both against float64); they do not depend on the tile a row falls in, the thread
 // count or the work items (the pair path's rule).
-//
-// Two tile sets share the code: AmxTiles (the instructions, as inline assembly with literal
-// tile numbers, so no -mamx flags are needed to build) and SoftTiles (the same operations on
-// memory, in plain loops: what the tests run on CPUs without AMX, so the layouts and strides
-// are checked everywhere; the Xeon run adds the instructions' own check).
 #pragma once
 
+#include "cpu_amx_tiles.h"
 #include "cpu_prefill_pairs.h"
 
-#if defined(BANYAN_PREFILL_PAIRS) && defined(__x86_64__) && defined(__linux__)
+#if defined(BANYAN_PREFILL_PAIRS) && defined(BANYAN_AMX_TILES)
 #define BANYAN_PREFILL_TILES 1
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cstddef>
-#include <cstring>
-
 namespace {
-
-constexpr int kTileRows = 16;  // rows of every tile; each row 64 bytes (16 floats, 32 bf16)
-
-// Tiles in memory: each operation as the instruction defines it (products of bf16 pairs summed
-// into float32, pair by pair).
-struct SoftTiles {
-    alignas(64) uint8_t t[8][kTileRows][64];
-
-    void begin() {}
-    void end() {}
-    template <int T>
-    void zero() {
-        std::memset(t[T], 0, sizeof t[T]);
-    }
-    template <int T>
-    void load(const void* src, int64_t stride) {
-        for (int r = 0; r < kTileRows; ++r)
-            std::memcpy(t[T][r], static_cast<const char*>(src) + r * stride, 64);
-    }
-    template <int T>
-    void store(void* dst, int64_t stride) const {
-        for (int r = 0; r < kTileRows; ++r)
-            std::memcpy(static_cast<char*>(dst) + r * stride, t[T][r], 64);
-    }
-    // tile C (C: 0-3, C = 2 (A - 4) + B - 6) += tile A (bf16 [16][32]) x tile B (pairs [16][16])
-    template <int A, int B>
-    void dot() {
-        constexpr int C = 2 * (A - 4) + (B - 6);
-        for (int m = 0; m < kTileRows; ++m)
-            for (int n = 0; n < 16; ++n) {
-                float acc;
-                std::memcpy(&acc, &t[C][m][4 * n], 4);
-                for (int k = 0; k < 16; ++k)
-                    for (int i = 0; i < 2; ++i)
-                        acc += bf16_at(t[A][m], 2 * k + i) * bf16_at(t[B][k], 2 * n + i);
-                std::memcpy(&t[C][m][4 * n], &acc, 4);
-            }
-    }
-
-  private:
-    static float bf16_at(const uint8_t* row, int i) {
-        uint16_t h;
-        std::memcpy(&h, row + 2 * i, 2);
-        const uint32_t bits = static_cast<uint32_t>(h) << 16;
-        float f;
-        std::memcpy(&f, &bits, 4);
-        return f;
-    }
-};
-
-// The AMX instructions. Tile numbers must be literals in the assembly, hence the chains.
-#define BANYAN_TILE_CASE(N, ASM, ...) \
-    if constexpr (T == N) __asm__ volatile(ASM : : __VA_ARGS__ : "memory");
-struct AmxTiles {
-    struct alignas(64) Config {
-        uint8_t palette = 1, start_row = 0, reserved[14] = {};
-        uint16_t colsb[16] = {};
-        uint8_t rows[16] = {};
-    };
-
-    void begin() {
-        Config c;
-        for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kTileRows;
-        __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
-    }
-    void end() { __asm__ volatile("tilerelease" : : : "memory"); }
-    template <int T>
-    void zero() {
-        if constexpr (T == 0) __asm__ volatile("tilezero %%tmm0" : : : "memory");
-        if constexpr (T == 1) __asm__ volatile("tilezero %%tmm1" : : : "memory");
-        if constexpr (T == 2) __asm__ volatile("tilezero %%tmm2" : : : "memory");
-        if constexpr (T == 3) __asm__ volatile("tilezero %%tmm3" : : : "memory");
-    }
-    template <int T>
-    void load(const void* src, int64_t stride) {
-        BANYAN_TILE_CASE(0, "tileloadd (%0,%1,1), %%tmm0", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(1, "tileloadd (%0,%1,1), %%tmm1", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(2, "tileloadd (%0,%1,1), %%tmm2", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(3, "tileloadd (%0,%1,1), %%tmm3", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(4, "tileloadd (%0,%1,1), %%tmm4", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(5, "tileloadd (%0,%1,1), %%tmm5", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(6, "tileloadd (%0,%1,1), %%tmm6", "r"(src), "r"(stride))
-        BANYAN_TILE_CASE(7, "tileloadd (%0,%1,1), %%tmm7", "r"(src), "r"(stride))
-    }
-    template <int T>
-    void store(void* dst, int64_t stride) const {
-        BANYAN_TILE_CASE(0, "tilestored %%tmm0, (%0,%1,1)", "r"(dst), "r"(stride))
-        BANYAN_TILE_CASE(1, "tilestored %%tmm1, (%0,%1,1)", "r"(dst), "r"(stride))
-        BANYAN_TILE_CASE(2, "tilestored %%tmm2, (%0,%1,1)", "r"(dst), "r"(stride))
-        BANYAN_TILE_CASE(3, "tilestored %%tmm3, (%0,%1,1)", "r"(dst), "r"(stride))
-    }
-    // (AT&T order: B, A, C; tmmC += tmmA x tmmB)
-    template <int A, int B>
-    void dot() {
-        if constexpr (A == 4 && B == 6) __asm__ volatile("tdpbf16ps %%tmm6, %%tmm4, %%tmm0" ::);
-        if constexpr (A == 4 && B == 7) __asm__ volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::);
-        if constexpr (A == 5 && B == 6) __asm__ volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::);
-        if constexpr (A == 5 && B == 7) __asm__ volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::);
-    }
-};
-#undef BANYAN_TILE_CASE
-// (ldtilecfg's 64-byte layout: palette, start row, 14 reserved, 16 x colsb, 16 x rows)
-static_assert(sizeof(AmxTiles::Config) == 64 && offsetof(AmxTiles::Config, colsb) == 16 &&
-                  offsetof(AmxTiles::Config, rows) == 48,
-              "tile configuration layout");
-
-// Asks Linux for the tile registers' state (once a process; without it the first tile
-// instruction faults): true where granted (a kernel before 5.16, or no AMX, refuses).
-inline bool amx_granted() {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
-    static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-    return granted;
-}
-
-// 2 x 2 output tiles: C[0..3] = (a0, a1) x (b0, b1) over `steps` steps of 32 bf16 (A) / 16
-// pairs (B); load: C starts from memory (c, ldc bytes a row, tiles at c, c + 64 bytes, c + 16
-// rows, both), else from zero. a1 / b1 at a fixed distance from a0 / b0 (da, db bytes).
-template <typename Tiles>
-inline void tile_block(Tiles& tl, const char* a0, int64_t da, int64_t lda, int64_t astep,
-                       const char* b0, int64_t db, int64_t ldb, int64_t bstep, int64_t steps,
-                       char* c, int64_t ldc, bool load) {
-    if (load) {
-        tl.template load<0>(c, ldc);
-        tl.template load<1>(c + 64, ldc);
-        tl.template load<2>(c + kTileRows * ldc, ldc);
-        tl.template load<3>(c + kTileRows * ldc + 64, ldc);
-    } else {
-        tl.template zero<0>(), tl.template zero<1>(), tl.template zero<2>(), tl.template zero<3>();
-    }
-    for (int64_t s = 0; s < steps; ++s) {
-        tl.template load<4>(a0 + s * astep, lda);
-        tl.template load<5>(a0 + da + s * astep, lda);
-        tl.template load<6>(b0 + s * bstep, ldb);
-        tl.template load<7>(b0 + db + s * bstep, ldb);
-        tl.template dot<4, 6>(), tl.template dot<4, 7>();
-        tl.template dot<5, 6>(), tl.template dot<5, 7>();
-    }
-    tl.template store<0>(c, ldc);
-    tl.template store<1>(c + 64, ldc);
-    tl.template store<2>(c + kTileRows * ldc, ldc);
-    tl.template store<3>(c + kTileRows * ldc + 64, ldc);
-}
 
 // vt[x][q] = vp[q][x]: the block's value pairs [pairs][d] as [d][BK / 2] words, pairs past
 // `pairs` zero (the P V products then take whole tiles of 16 pairs).
@@ -283,4 +127,4 @@ inline void attend_block_tiles(Tiles& tl, Buffers& b, const uint16_t* q, const P
 
 }  // namespace
 
-#endif  // BANYAN_PREFILL_PAIRS && __x86_64__ && __linux__
+#endif  // BANYAN_PREFILL_PAIRS && BANYAN_AMX_TILES

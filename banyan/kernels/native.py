@@ -222,6 +222,7 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_vector_bits.restype = i64
     lib.banyan_prefill_pairs.argtypes = []
     lib.banyan_prefill_pairs.restype = ctypes.c_int
+    lib.banyan_set_decode_tiles.argtypes, lib.banyan_set_decode_tiles.restype = [i64], i64
     return lib
 
 
@@ -239,6 +240,15 @@ def prefill_tiles() -> int:
     granted the tile state), 1 where only emulated in memory (tests), 0 no tile path."""
     lib = load()
     return 0 if lib is None else int(lib.banyan_prefill_tiles())
+
+
+def set_decode_tiles(mode: int) -> int:
+    """The row kernel's products for bf16 queries over a bf16 pool, for the whole process from
+    now on (cpu_attend_tiles.h): 0 its vector loops, 1 tiles emulated in memory (tests), 2 AMX
+    tiles (only where prefill_tiles() is 2); any other value only asks. Returns the mode in
+    effect."""
+    lib = load()
+    return 0 if lib is None else int(lib.banyan_set_decode_tiles(mode))
 
 
 @cache

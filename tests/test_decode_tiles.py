@@ -1,0 +1,143 @@
+"""The row kernel's products on tiles (kernels/cpu_attend_tiles.h: decodes, groups over a shared
+prefix, speculative checks), for bf16 queries over a bf16 pool: the tiles emulated in memory on
+every CPU with AVX512-BF16 (their layouts, strides and the blocks of 32 rows and keys checked
+everywhere), AMX's own where the CPU grants them. Against a float64 softmax attention; and the
+row kernel's rule on tiles: a row's bits depend on its query and keys alone (decoded alone, in
+a batch, grouped, in a check, on 1 or 2 threads)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from banyan.attention.decode_tiles import DecodeProbe, decode_tiles_agree, outputs_in_mode
+from banyan.attention.native_plan import plan_native
+from banyan.kernels import native
+from tests.test_native_attention import (
+    test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone as grouped_bits,
+    test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check as check_bits,
+)
+
+ASK = -1  # set_decode_tiles: any mode other than 0, 1, 2 only asks the one in effect
+
+
+def _tiles_built() -> bool:
+    if native.load() is None:
+        return False
+    before = native.set_decode_tiles(ASK)
+    try:
+        return native.set_decode_tiles(1) == 1
+    finally:
+        native.set_decode_tiles(before)
+
+
+pytestmark = pytest.mark.skipif(not _tiles_built(),
+                                reason="no tile path in this build (needs AVX512-BF16)")
+MODES = [1] + ([2] if native.prefill_tiles() == 2 else [])
+
+
+@pytest.fixture(params=MODES, ids=lambda m: {1: "emulated", 2: "amx"}[m])
+def tile_mode(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = native.set_decode_tiles(ASK)
+    assert native.set_decode_tiles(request.param) == request.param
+    try:
+        yield request.param
+    finally:
+        native.set_decode_tiles(before)
+
+
+def _step(kv_heads: int, heads: int, dim: int, shared: int, owns: list[int],
+          new: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of requests sharing `shared` prefix keys (0: none) plus owns[i] keys each, the
+    last new[i] of them new: (the kernel's output, float64 reference, the vector loops'
+    output)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 1 + shared + sum(owns)
+    k, v = (torch.randn(total, kv_heads, dim, generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    q = torch.randn(sum(new), heads, dim, generator=gen).to(torch.bfloat16)
+    table = torch.zeros(len(owns), shared + max(owns), dtype=torch.int32)
+    start = 1 + shared
+    for i, own in enumerate(owns):
+        table[i, :shared] = torch.arange(1, shared + 1)
+        table[i, shared:shared + own] = torch.arange(start, start + own)
+        start += own
+    lens = [shared + own for own in owns]
+    starts = [sum(new[:i]) for i in range(len(owns))]
+    plan = plan_native(table, list(range(len(owns))), [n - e for n, e in zip(lens, new)], new,
+                       starts)
+    scale = dim**-0.5
+    probe = DecodeProbe(q, k, v, table, plan)
+    mode = native.set_decode_tiles(ASK)
+    got, vector = outputs_in_mode(probe, mode), outputs_in_mode(probe, 0)
+    want = torch.empty(q.shape, dtype=torch.float64)
+    kd, vd, g = k.double(), v.double(), heads // kv_heads
+    for i, n in enumerate(lens):
+        for t in range(new[i]):
+            keys = table[i, :n - new[i] + t + 1].long()
+            for h in range(heads):
+                s = kd[keys, h // g] @ q[starts[i] + t, h].double() * scale
+                want[starts[i] + t, h] = torch.softmax(s, 0) @ vd[keys, h // g]
+    return got, want, vector
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (6, 2, 96)])
+@pytest.mark.parametrize("case", ["lone", "group", "checks"])
+def test_tile_rows_match_float64(tile_mode: int, heads: int, kv_heads: int, dim: int,
+                                 case: str) -> None:
+    """Lone decodes around the 16-key block and the 128-key chunk (and one long enough for the
+    lone request's parts), a group over a shared prefix with members of 1 to 600 keys, and
+    checks of up to 13 tokens beside decodes (up to 39 rows a KV head: two blocks of 32)."""
+    shared, owns, new = {
+        "lone": (0, [1, 15, 16, 17, 40, 127, 129, 300], [1] * 8),
+        "group": (300, [1, 33, 256, 600, 7], [1] * 5),
+        "checks": (257, [20, 90, 13], [5, 1, 13]),
+    }[case]
+    got, want, vector = _step(kv_heads, heads, dim, shared, owns, new, seed=dim + len(case))
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.double(), want, atol=2e-2, rtol=0), (got.double() - want).abs().max()
+    # as close to the float64 result as the vector loops are, each rounding to bf16 its way
+    assert (got.double() - want).abs().max() <= 2 * (vector.double() - want).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128)])
+def test_a_token_has_the_same_bits_alone_batched_or_checked_on_tiles(
+        tile_mode: int, heads: int, kv_heads: int, dim: int) -> None:
+    """The row kernel's rule with its products on tiles: a 13-token check's rows, the same
+    tokens as decodes of one step and each decoded alone, on 1 and 2 threads, bit for bit."""
+    check_bits(heads, kv_heads, dim, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shared", [300, 1061])
+def test_a_grouped_decode_has_the_bits_it_has_alone_on_tiles(tile_mode: int, shared: int) -> None:
+    """... and a decode group's members over their shared prefix (and own keys of 1 to 700)."""
+    grouped_bits(9, 3, 64, torch.bfloat16, shared)
+
+
+def test_tiles_differ_from_the_vector_loops_only_by_rounding(tile_mode: int) -> None:
+    """What the start-up check of an AMX CPU asks of the real tiles (decode_tiles.py), here of
+    the tiles in use; and the tile path is the one taken: its bits are not the vector loops'."""
+    assert decode_tiles_agree(3, 64, mode=tile_mode)
+    probe = DecodeProbe.make(3, 64, 5, 300, 40, check=6)
+    assert not torch.equal(outputs_in_mode(probe, tile_mode), outputs_in_mode(probe, 0))
+
+
+def test_head_dims_the_tiles_cannot_take_stay_on_the_vector_loops(tile_mode: int) -> None:
+    """A head dim that is not whole 64-byte tile rows (24) runs the vector loops in any mode:
+    the same bits as mode 0."""
+    probe = DecodeProbe.make(2, 24, 3, 40, 20, check=4)
+    assert torch.equal(outputs_in_mode(probe, tile_mode), outputs_in_mode(probe, 0))
+
+
+def test_amx_tiles_are_refused_where_the_cpu_has_none() -> None:
+    """Mode 2 runs AMX instructions: where Linux granted no tile state (no AMX), it is refused
+    and the mode in effect stays."""
+    before = native.set_decode_tiles(ASK)
+    try:
+        assert native.set_decode_tiles(0) == 0
+        assert native.set_decode_tiles(2) == (2 if native.prefill_tiles() == 2 else 0)
+        assert native.set_decode_tiles(7) == native.set_decode_tiles(ASK)
+    finally:
+        native.set_decode_tiles(before)
