@@ -171,6 +171,28 @@ inline void tile_block(Tiles& tl, const char* a0, int64_t da, int64_t lda, int64
     tl.template store<3>(c + kTileRows * ldc + 64, ldc);
 }
 
+// The same for one A tile: C[0..1] = a0 x (b0, b1) (16 rows; tiles 2, 3 and 5 untouched),
+// each output element by the same instructions as in tile_block (so the same bits).
+template <typename Tiles>
+inline void tile_row_block(Tiles& tl, const char* a0, int64_t lda, int64_t astep,
+                           const char* b0, int64_t db, int64_t ldb, int64_t bstep, int64_t steps,
+                           char* c, int64_t ldc, bool load) {
+    if (load) {
+        tl.template load<0>(c, ldc);
+        tl.template load<1>(c + 64, ldc);
+    } else {
+        tl.template zero<0>(), tl.template zero<1>();
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+        tl.template load<4>(a0 + s * astep, lda);
+        tl.template load<6>(b0 + s * bstep, ldb);
+        tl.template load<7>(b0 + db + s * bstep, ldb);
+        tl.template dot<4, 6>(), tl.template dot<4, 7>();
+    }
+    tl.template store<0>(c, ldc);
+    tl.template store<1>(c + 64, ldc);
+}
+
 }  // namespace
 
 #endif  // __x86_64__ && __linux__

@@ -1,6 +1,7 @@
 // The row kernel's products on AMX tiles (cpu_amx_tiles.h), for bf16 queries over a bf16 pool:
 // attend512's chunks of keys, its softmax (chunk_softmax) and its bf16 pairs of probabilities
-// and values, with both products as tile dot products, 2 x 2 tiles of 16 x 16 at a time:
+// and values, with both products as tile dot products, 2 x 2 tiles of 16 x 16 at a time
+// (1 x 2 for a block of up to 16 rows: a lone decode's few rows a KV head):
 //
 //   S = Q K^T, 32 rows x 32 keys a block: A = the rows' queries as they are (qraw, 32 dims a
 //     step), B = the chunk's keys as pairs of dims (kt: [block of 16 keys][d / 2][16] words,
@@ -115,10 +116,16 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         // 2. every row's raw scores, 32 rows x 32 keys a block of tiles (an odd last block of
         // keys beside the next block's stale or zero words, scores never read)
         for (int j0 = 0; j0 < cn; j0 += 2 * VBLK)
-            for (int r = 0; r < padded; r += kTileBlock)
-                tile_block(tl, q + r * ldq, kTileRows * ldq, ldq, 64,
-                           kt + j0 / VBLK * block_words * 4, block_words * 4, 64, 16 * 64,
-                           d / 32, s + (static_cast<int64_t>(r) * CHUNK + j0) * 4, lds, false);
+            for (int r = 0; r < padded; r += kTileBlock) {
+                const char* b = kt + j0 / VBLK * block_words * 4;
+                char* c = s + (static_cast<int64_t>(r) * CHUNK + j0) * 4;
+                if (rows - r <= kTileRows)  // (a lone decode's 3 rows a KV head: one A tile)
+                    tile_row_block(tl, q + r * ldq, ldq, 64, b, block_words * 4, 64, 16 * 64,
+                                   d / 32, c, lds, false);
+                else
+                    tile_block(tl, q + r * ldq, kTileRows * ldq, ldq, 64, b, block_words * 4,
+                               64, 16 * 64, d / 32, c, lds, false);
+            }
         // 3. each row's softmax over the keys it sees, as attend512's; its probabilities past
         // them zero up to the chunk's last tile of 16 pairs (the tiles multiply whole tiles)
         const int pair_tiles = ((cn + 1) / 2 + 15) / 16;
@@ -149,10 +156,15 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
             float* acc = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
             std::copy_n(acc, static_cast<size_t>(real) * d, ts.stage.data());
             std::fill(ts.stage.begin() + static_cast<size_t>(real) * d, ts.stage.end(), 0.0f);
-            for (int x0 = 0; x0 < d; x0 += 32)
-                tile_block(tl, pp + static_cast<int64_t>(r) * ldp, kTileRows * ldp, ldp, 64,
-                           vi + x0 * 4, 64, ldv, 16 * ldv, pair_tiles, stage + x0 * 4, 4 * d,
-                           true);
+            for (int x0 = 0; x0 < d; x0 += 32) {
+                const char* a = pp + static_cast<int64_t>(r) * ldp;
+                if (real <= kTileRows)
+                    tile_row_block(tl, a, ldp, 64, vi + x0 * 4, 64, ldv, 16 * ldv, pair_tiles,
+                                   stage + x0 * 4, 4 * d, true);
+                else
+                    tile_block(tl, a, kTileRows * ldp, ldp, 64, vi + x0 * 4, 64, ldv,
+                               16 * ldv, pair_tiles, stage + x0 * 4, 4 * d, true);
+            }
             std::copy_n(ts.stage.data(), static_cast<size_t>(real) * d, acc);
         }
     }
