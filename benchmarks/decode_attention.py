@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from banyan.attention.decode_tiles import tiles_mode
 from banyan.attention.native_plan import native_attention, plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
@@ -96,11 +97,8 @@ def on_tiles(fn: Callable[[], None]) -> Callable[[], None]:
     """fn with the row kernel's products on AMX tiles, the vector loops put back after."""
 
     def run() -> None:
-        native.set_decode_tiles(2)
-        try:
+        with tiles_mode(2):
             fn()
-        finally:
-            native.set_decode_tiles(0)
 
     return run
 
@@ -113,9 +111,8 @@ def main() -> int:
                         help="every case on AMX tiles too (bf16 on a CPU with AMX)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.tiles and not (args.dtype == "bfloat16" and native.set_decode_tiles(2) == 2):
+    if args.tiles and not (args.dtype == "bfloat16" and native.prefill_tiles() == 2):
         parser.error("--tiles needs --dtype bfloat16 and a CPU with AMX tiles granted")
-    native.set_decode_tiles(0)
     with torch.inference_mode():
         steps = cases(getattr(torch, args.dtype))
         if args.tiles:

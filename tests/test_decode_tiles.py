@@ -12,7 +12,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from banyan.attention.decode_tiles import DecodeProbe, decode_tiles_agree, outputs_in_mode
+from banyan.attention.decode_tiles import (
+    ASK,
+    DecodeProbe,
+    decode_tiles_agree,
+    outputs_in_mode,
+    tiles_mode,
+)
 from banyan.attention.native_plan import plan_native
 from banyan.kernels import native
 from tests.test_native_attention import (
@@ -20,17 +26,14 @@ from tests.test_native_attention import (
     test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check as check_bits,
 )
 
-ASK = -1  # set_decode_tiles: any mode other than 0, 1, 2 only asks the one in effect
-
-
 def _tiles_built() -> bool:
     if native.load() is None:
         return False
-    before = native.set_decode_tiles(ASK)
     try:
-        return native.set_decode_tiles(1) == 1
-    finally:
-        native.set_decode_tiles(before)
+        with tiles_mode(1):
+            return True
+    except RuntimeError:
+        return False
 
 
 pytestmark = pytest.mark.skipif(not _tiles_built(),
@@ -40,12 +43,8 @@ MODES = [1] + ([2] if native.prefill_tiles() == 2 else [])
 
 @pytest.fixture(params=MODES, ids=lambda m: {1: "emulated", 2: "amx"}[m])
 def tile_mode(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = native.set_decode_tiles(ASK)
-    assert native.set_decode_tiles(request.param) == request.param
-    try:
+    with tiles_mode(request.param):
         yield request.param
-    finally:
-        native.set_decode_tiles(before)
 
 
 def _step(kv_heads: int, heads: int, dim: int, shared: int, owns: list[int],
@@ -134,10 +133,6 @@ def test_head_dims_the_tiles_cannot_take_stay_on_the_vector_loops(tile_mode: int
 def test_amx_tiles_are_refused_where_the_cpu_has_none() -> None:
     """Mode 2 runs AMX instructions: where Linux granted no tile state (no AMX), it is refused
     and the mode in effect stays."""
-    before = native.set_decode_tiles(ASK)
-    try:
-        assert native.set_decode_tiles(0) == 0
+    with tiles_mode(0):
         assert native.set_decode_tiles(2) == (2 if native.prefill_tiles() == 2 else 0)
         assert native.set_decode_tiles(7) == native.set_decode_tiles(ASK)
-    finally:
-        native.set_decode_tiles(before)

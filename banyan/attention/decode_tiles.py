@@ -18,6 +18,8 @@ the two steps together take under TILES_MARGIN of the vector loops' time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -73,15 +75,26 @@ class DecodeProbe:
                                       p.group_prefix, self.q.shape[-1]**-0.5, out)
 
 
-def outputs_in_mode(probe: DecodeProbe, mode: int) -> torch.Tensor:
-    """The probe's output with the row kernel's products in `mode` (set_decode_tiles), the
-    process's mode put back after."""
-    before = native.set_decode_tiles(0)
+ASK = -1  # native.set_decode_tiles: a value other than 0, 1, 2 only asks the mode in effect
+
+
+@contextmanager
+def tiles_mode(mode: int) -> Iterator[None]:
+    """The row kernel's products in `mode` (native.set_decode_tiles) inside the block, the
+    process's mode put back after; a mode this build or CPU refuses raises."""
+    before = native.set_decode_tiles(ASK)
     try:
-        assert native.set_decode_tiles(mode) == mode, f"decode tile mode {mode} refused"
-        return probe.run().float()
+        if native.set_decode_tiles(mode) != mode:
+            raise RuntimeError(f"decode tile mode {mode} refused here")
+        yield
     finally:
         native.set_decode_tiles(before)
+
+
+def outputs_in_mode(probe: DecodeProbe, mode: int) -> torch.Tensor:
+    """The probe's output with the row kernel's products in `mode`."""
+    with tiles_mode(mode):
+        return probe.run().float()
 
 
 def decode_tiles_agree(kv_heads: int, head_dim: int, mode: int = 2) -> bool:
@@ -105,11 +118,8 @@ def time_decode_paths(kv_heads: int, head_dim: int, mode: int = 2,
               DecodeProbe.make(kv_heads, head_dim, 16, 0, 200))
     times = []
     for m in (0, mode):
-        before = native.set_decode_tiles(m)
-        try:
+        with tiles_mode(m):
             times.append(sum(median_seconds(p.run, rounds) for p in probes))
-        finally:
-            native.set_decode_tiles(before)
     return times[0], times[1]
 
 

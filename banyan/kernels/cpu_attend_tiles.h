@@ -28,6 +28,10 @@
 #include "cpu_amx_tiles.h"
 #include "cpu_attend512.h"
 
+#if defined(BANYAN_AMX_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BANYAN_DECODE_TILES 1
+#endif
+
 namespace {
 
 constexpr int kTileBlock = 32;  // rows (keys, dims) of a 2 x 2 block of tiles
@@ -44,11 +48,25 @@ inline int64_t tile_rows(int64_t rows) {
     return (rows + kTileBlock - 1) / kTileBlock * kTileBlock;
 }
 
+// A thread's tile configuration for one call: loaded as it starts, released as it ends (mode
+// 2, AMX); nothing in other modes or builds.
+struct TileSession {
+    int mode;
+    explicit TileSession(int m) : mode(m) {
+#if defined(BANYAN_DECODE_TILES)
+        if (mode == 2) AmxTiles{}.begin();
+#endif
+    }
+    ~TileSession() {
+#if defined(BANYAN_DECODE_TILES)
+        if (mode == 2) AmxTiles{}.end();
+#endif
+    }
+};
+
 }  // namespace
 
-#if defined(BANYAN_AMX_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define BANYAN_DECODE_TILES 1
-
+#if defined(BANYAN_DECODE_TILES)
 namespace {
 
 // One thread's buffers of the tile path, kept with its Attender.
@@ -56,17 +74,6 @@ struct TileScratch {
     std::vector<uint32_t> kt;  // the chunk's keys as pairs of dims, [block][d / 2][16] words
     std::vector<float> stage;  // a block of 32 rows' sums [32][d]
     SoftTiles soft;            // the emulated tiles (mode 1)
-};
-
-// A thread's tile configuration for one call: loaded as it starts, released as it ends (mode 2).
-struct TileSession {
-    int mode;
-    explicit TileSession(int m) : mode(m) {
-        if (mode == 2) AmxTiles{}.begin();
-    }
-    ~TileSession() {
-        if (mode == 2) AmxTiles{}.end();
-    }
 };
 
 // attend512 for bf16 rows [r0, r0 + rows) over a bf16 pool on tiles: qraw the rows' queries
@@ -172,4 +179,4 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
 
 }  // namespace
 
-#endif  // BANYAN_AMX_TILES && __AVX512BF16__ && __AVX512BW__
+#endif  // BANYAN_DECODE_TILES

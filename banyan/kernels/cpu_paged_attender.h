@@ -168,17 +168,14 @@ struct Attender {
                     int64_t head) {
 #if defined(BANYAN_DECODE_TILES)
         if constexpr (std::is_same<C, BF16>::value && std::is_same<K, BF16>::value) {
-            if (tiles && kp == kpool) {  // (not a dequantized chunk's rows)
-                const uint16_t* rows = qraw.data() + static_cast<size_t>(r0) * d;
-                const int di = static_cast<int>(d);
-                if (tiles == 2) {
-                    AmxTiles amx;
-                    attend_tiles512(amx, ts, sc, rows, r0, nrows, slots, n, kp, vp, kv_heads,
-                                    head, di, scale, causal);
-                } else {
-                    attend_tiles512(ts.soft, ts, sc, rows, r0, nrows, slots, n, kp, vp,
-                                    kv_heads, head, di, scale, causal);
-                }
+            if (tiles) {  // (a bf16 pool: never a dequantized chunk's rows here)
+                auto run = [&](auto& tl) {
+                    attend_tiles512(tl, ts, sc, qraw.data() + static_cast<size_t>(r0) * d, r0,
+                                    nrows, slots, n, kp, vp, kv_heads, head,
+                                    static_cast<int>(d), scale, causal);
+                };
+                AmxTiles amx;
+                tiles == 2 ? run(amx) : run(ts.soft);
                 return;
             }
         }

@@ -35,15 +35,6 @@
 
 namespace {
 
-// A thread's AMX tile configuration for the call (mode 2: cpu_attend_tiles.h), else nothing.
-#if defined(BANYAN_DECODE_TILES)
-using ThreadTiles = TileSession;
-#else
-struct ThreadTiles {
-    explicit ThreadTiles(int) {}
-};
-#endif
-
 // A lone request over more than kPartKeys keys (a batch-1 decode, or a speculative check of a
 // few tokens): its parts of every KV head shared by the threads (its heads alone are too few
 // for them: SmolLM2's 3 on 2 threads, one thread taking two), each computed from a fresh state
@@ -67,7 +58,7 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
 #pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, items)))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
-        const ThreadTiles session(at.tiles);
+        const TileSession session(at.tiles);
         at.fit(static_cast<int>(rows));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
@@ -156,7 +147,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
 #pragma omp parallel num_threads(static_cast<int>(n_threads))
     {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
-        const ThreadTiles session(at.tiles);
+        const TileSession session(at.tiles);
         std::vector<int64_t> offset;  // first state row of each member of the slice
         bool read_ahead = false;  // the next member's K/V read ahead
         // Otherwise a slice's KV heads all run on one thread, and each member's own keys are
