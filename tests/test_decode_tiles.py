@@ -17,6 +17,7 @@ from banyan.attention.decode_tiles import (
     DecodeProbe,
     decode_tiles_agree,
     outputs_in_mode,
+    tile_modes_here,
     tiles_mode,
 )
 from banyan.attention.native_plan import plan_native
@@ -38,7 +39,7 @@ def _tiles_built() -> bool:
 
 pytestmark = pytest.mark.skipif(not _tiles_built(),
                                 reason="no tile path in this build (needs AVX512-BF16)")
-MODES = [1] + ([2] if native.prefill_tiles() == 2 else [])
+MODES = tile_modes_here()
 
 
 @pytest.fixture(params=MODES, ids=lambda m: {1: "emulated", 2: "amx"}[m])

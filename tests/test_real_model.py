@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from banyan import Engine, SamplingParams
+from banyan.attention.decode_tiles import tile_modes_here, tiles_mode
 from banyan.bench.quality import REFERENCE_TEXT, banyan_perplexity, hf_perplexity
 from banyan.model_files import resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
@@ -241,21 +243,27 @@ def test_speculation_changes_no_greedy_token_in_the_default_precision(
     assert got == lone_greedy
 
 
+@pytest.mark.parametrize("tiles", [None, *tile_modes_here()],
+                         ids=lambda m: {None: "default", 1: "emulated-tiles", 2: "amx-tiles"}[m])
 def test_speculation_changes_no_greedy_token_beside_other_requests(
-        prompts: list[list[int]]) -> None:
+        prompts: list[list[int]], tiles: int | None) -> None:
     """Eight requests at once after one 600-token prefix, ngram speculation on and off: the
     same greedy texts. Their decodes are grouped by the shared prefix while speculated ones
     check alone, and the first decodes share steps with the others' prefill chunks: before
     those were made exact (decode groups in whole parts, mixed steps run as two forwards, the
-    GGUF head's float32 kernel), 6-7 of 10 such texts parted."""
+    GGUF head's float32 kernel), 6-7 of 10 such texts parted. `tiles`: the same with the row
+    kernel's and the prefill kernel's products on tiles (emulated, or AMX's), the path an AMX
+    CPU takes where its start-up probes keep them, through the engine and its layer stack."""
     prefix = prompts[5]  # the 600-token cut of the reference text
     batch = [prefix + p for p in prompts[6:]] + [prefix + prompts[0], prefix + prompts[2]]
-    greedy = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+    # (tiles emulated in memory run ~5x slower: fewer tokens)
+    greedy = SamplingParams(max_new_tokens=48 if tiles is None else 24, temperature=0,
+                            ignore_eos=True)
     kw: dict[str, Any] = dict(model=None, kv_cache_memory="256MiB", max_model_len=2048,
                               disable_tqdm=True)
     texts = []
     for spec in ({}, {"speculative_algorithm": "ngram"}):
-        with Engine(**kw, **spec) as engine:
+        with Engine(**kw, **spec) as engine, _tiles(engine, tiles):
             outs = engine.generate(input_ids=batch, sampling_params=greedy, use_tqdm=False)
             texts.append([o.outputs[0].output_ids for o in outs])
             if spec:
@@ -263,6 +271,22 @@ def test_speculation_changes_no_greedy_token_beside_other_requests(
                 assert stats is not None and stats.num_accepted_tokens > 0
     assert texts[0] == texts[1]
 
+
+@contextmanager
+def _tiles(engine: Engine, mode: int | None) -> Iterator[None]:
+    """The engine's attention products in tile `mode` inside the block (None: as it chose)."""
+    if mode is None:
+        yield
+        return
+    backend = engine.core.scheduler.runner.model_runner.backend
+    if backend.pool.dtype != torch.bfloat16:
+        pytest.skip("tiles take bf16 queries: this CPU computes the default model in float32")
+    chosen, backend.tiles = backend.tiles, mode
+    try:
+        with tiles_mode(mode):
+            yield
+    finally:
+        backend.tiles = chosen
 
 
 def test_deterministic_inference_keeps_tokens_whatever_the_chunking(hf_tokenizer: Any) -> None:

@@ -91,6 +91,13 @@ def tiles_mode(mode: int) -> Iterator[None]:
         native.set_decode_tiles(before)
 
 
+def tile_modes_here() -> list[int]:
+    """The tile modes this build and CPU run, for the row kernel and the prefill kernel alike:
+    1 (tiles emulated in memory, for tests) where the tile paths are built (AVX512-BF16), and 2
+    where Linux also granted this process AMX's tile state."""
+    return [m for m in (1, 2) if native.prefill_tiles() >= m]
+
+
 def outputs_in_mode(probe: DecodeProbe, mode: int) -> torch.Tensor:
     """The probe's output with the row kernel's products in `mode`."""
     with tiles_mode(mode):
