@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 
 from banyan import Engine, SamplingParams
 from banyan.attention.decode_tiles import tile_modes_here, tiles_mode
+from banyan.layers.gemm_tiles import set_gemm_tiles
 from banyan.bench.quality import REFERENCE_TEXT, banyan_perplexity, hf_perplexity
 from banyan.model_files import resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
@@ -251,9 +252,10 @@ def test_speculation_changes_no_greedy_token_beside_other_requests(
     same greedy texts. Their decodes are grouped by the shared prefix while speculated ones
     check alone, and the first decodes share steps with the others' prefill chunks: before
     those were made exact (decode groups in whole parts, mixed steps run as two forwards, the
-    GGUF head's float32 kernel), 6-7 of 10 such texts parted. `tiles`: the same with the row
-    kernel's and the prefill kernel's products on tiles (emulated, or AMX's), the path an AMX
-    CPU takes where its start-up probes keep them, through the engine and its layer stack."""
+    GGUF head's float32 kernel), 6-7 of 10 such texts parted. `tiles`: the same with the
+    attention kernels' products on tiles (emulated, or AMX's, and there the quantized GEMM's
+    too), the paths an AMX CPU takes where its start-up probes keep them, through the engine
+    and its layer stack."""
     prefix = prompts[5]  # the 600-token cut of the reference text
     batch = [prefix + p for p in prompts[6:]] + [prefix + prompts[0], prefix + prompts[2]]
     # (tiles emulated in memory run ~5x slower: fewer tokens)
@@ -274,7 +276,9 @@ def test_speculation_changes_no_greedy_token_beside_other_requests(
 
 @contextmanager
 def _tiles(engine: Engine, mode: int | None) -> Iterator[None]:
-    """The engine's attention products in tile `mode` inside the block (None: as it chose)."""
+    """The engine's products in tile `mode` inside the block (None: as it chose): both
+    attention kernels', and on AMX the quantized GEMM's (the default model computes from its
+    blocks)."""
     if mode is None:
         yield
         return
@@ -283,7 +287,8 @@ def _tiles(engine: Engine, mode: int | None) -> Iterator[None]:
         pytest.skip("tiles take bf16 queries: this CPU computes the default model in float32")
     chosen, backend.tiles = backend.tiles, mode
     try:
-        with tiles_mode(mode):
+        # (the GEMM's emulated tiles, ~20x its AMX time, only in its own tests)
+        with tiles_mode(mode), tiles_mode(mode, set_gemm_tiles) if mode == 2 else nullcontext():
             yield
     finally:
         backend.tiles = chosen

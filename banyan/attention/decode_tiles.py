@@ -18,7 +18,7 @@ the two steps together take under TILES_MARGIN of the vector loops' time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -79,16 +79,18 @@ ASK = -1  # native.set_decode_tiles: a value other than 0, 1, 2 only asks the mo
 
 
 @contextmanager
-def tiles_mode(mode: int) -> Iterator[None]:
-    """The row kernel's products in `mode` (native.set_decode_tiles) inside the block, the
-    process's mode put back after; a mode this build or CPU refuses raises."""
-    before = native.set_decode_tiles(ASK)
+def tiles_mode(mode: int, setter: Callable[[int], int] = native.set_decode_tiles
+               ) -> Iterator[None]:
+    """A kernel's products in `mode` inside the block (setter: the row kernel's by default,
+    native.set_decode_tiles, or another kernel's setter of the same contract), the process's
+    mode put back after; a mode this build or CPU refuses raises."""
+    before = setter(ASK)
     try:
-        if native.set_decode_tiles(mode) != mode:
-            raise RuntimeError(f"decode tile mode {mode} refused here")
+        if setter(mode) != mode:
+            raise RuntimeError(f"tile mode {mode} refused here ({setter.__name__})")
         yield
     finally:
-        native.set_decode_tiles(before)
+        setter(before)
 
 
 def tile_modes_here() -> list[int]:

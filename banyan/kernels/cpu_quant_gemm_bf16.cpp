@@ -22,131 +22,14 @@
 #include "cpu_avx512.h"
 #include "cpu_dtypes.h"
 #include "cpu_quant_common.h"
+#include "cpu_quant_fill.h"
+#include "cpu_quant_gemm_tiles.h"
 
 namespace {
-
-// NativeLinear kinds (banyan/layers/linear.py) this kernel reads; kBf16: a plain [N, K] bf16
-// weight (a dense bf16 layer), its values taken as they are.
-enum Kind : int64_t {
-    kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3, kBf16 = 4,
-    kBf16Pairs = 5  // bf16 already in pairs: [panel][K / 2][16 rows] (pack_bf16_pairs)
-};
-
-struct QuantWeight {
-    int64_t kind, K, group;
-    const void* codes;  // the panel layout's codes, or kBf16's rows
-    const void* scale;  // float32; float16 for kInt4
-    const void* mins;   // kInt4 / kInt4Wide only
-    int64_t N;          // rows (kBf16 reads no row past the last)
-};
 
 #if defined(__AVX512BF16__)
 constexpr int NP = 3;  // panels a pass: 3 x 8 sums + 3 weights + a broadcast of 32 registers
 constexpr int TB = 8;
-
-inline __m512 scale16(const void* s, int64_t at, bool half) {
-    return half ? load_scale16(static_cast<const uint16_t*>(s) + at)
-                : _mm512_loadu_ps(static_cast<const float*>(s) + at);
-}
-
-// A plain bf16 panel into its pairs: 16 rows' 16 pairs (32 words each) transposed as 32-bit
-// words, each register then one pair of inputs across the rows (rows past N repeat the last).
-void fill_plain(const QuantWeight& w, int64_t p, int q, int np, __m512i* tile) {
-    const auto* rows = static_cast<const uint16_t*>(w.codes);
-    const int64_t pairs = w.K / 2;
-    const uint16_t* row[PANEL];
-    for (int i = 0; i < PANEL; ++i) row[i] = rows + std::min(p * PANEL + i, w.N - 1) * w.K;
-    int64_t j0 = 0;
-    for (; j0 + 16 <= pairs; j0 += 16) {
-        __m512i r[16];
-        for (int i = 0; i < PANEL; ++i) r[i] = _mm512_loadu_si512(row[i] + 2 * j0);
-        transpose16(r);
-        for (int k = 0; k < 16; ++k) tile[(j0 + k) * np + q] = r[k];
-    }
-    for (; j0 < pairs; ++j0) {  // the last (K / 2) % 16 pairs
-        alignas(64) uint32_t lanes[PANEL];
-        for (int i = 0; i < PANEL; ++i) std::memcpy(&lanes[i], row[i] + 2 * j0, 4);
-        tile[j0 * np + q] = _mm512_load_si512(lanes);
-    }
-}
-
-// Panels [p0, p0 + np) of a quantized kind (not kBf16) dequantized into tile[j * np + q] (panel
-// p0 + q's 16 rows at inputs 2j, 2j + 1) one vector a call, panel by panel, pairs in order (the
-// codes' order); a group's scales (and minimums) are loaded at its first vector. All at once
-// for a thread's first group (fill_tile); for each next one a few vectors at a time in between
-// the current group's products (tile_gemm), where the dequantizing's shuffles and conversions
-// overlap the vdpbf16ps stream instead of running alone between groups (a 64-token int4 step
-// spent 7-16% over bf16's on it, SmolLM2's layers, Zen 4).
-struct Fill {
-    const QuantWeight* w = nullptr;
-    int64_t np = 0, pairs = 0;
-    __m512i* tile = nullptr;
-    // Every kind's codes and scales run on from panel to panel, so the next vector's are found
-    // by stepping pointers, not by working out its panel's and group's offsets each vector.
-    const uint8_t* code = nullptr;  // the next vector's codes
-    int64_t step = 0;               // code bytes a vector: 2 x 16 (int8) or 16 (int4)
-    int64_t at = 0;                 // the next group's first scale (and minimum)
-    int64_t group_pairs = 0;        // pairs a group
-    bool int8 = false, half = false;
-    int64_t q = 0, j = 0;       // the next vector: the group's panel q, pair j
-    int64_t done = 0, end = 0;  // vectors filled; this pass fills up to `end`
-    int64_t left = 0;           // pairs left in the current group (0: at a group's start)
-    __m512 s, m;
-
-    Fill() = default;
-    Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into)
-        : w(&weight), np(panels), pairs(weight.K / 2), tile(into) {
-        int8 = weight.kind == kInt8Rows || weight.kind == kInt8Groups;
-        half = weight.kind == kInt4;
-        const int64_t group = weight.kind == kInt8Rows ? weight.K : weight.group;
-        group_pairs = group / 2;
-        step = int8 ? 2 * PANEL : PANEL;
-        code = static_cast<const uint8_t*>(weight.codes) + first * pairs * step;
-        at = first * (weight.K / group) * PANEL;
-    }
-
-    __attribute__((always_inline)) void one() {
-        const QuantWeight& W = *w;
-        if (left == 0) {
-            s = scale16(W.scale, at, half);
-            if (!int8) m = scale16(W.mins, at, half);
-            at += PANEL;
-            left = group_pairs;
-        }
-        if (int8) {
-            const int8_t* c = reinterpret_cast<const int8_t*>(code);
-            tile[j * np + q] = pair_bf16(_mm512_mul_ps(load_i8x16(c), s),
-                                         _mm512_mul_ps(load_i8x16(c + PANEL), s));
-        } else {
-            const __m512i b =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
-            const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-            const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            // kInt4's scales are float16: a 4-bit code times one is exact in float32, so one
-            // fused multiply-add rounds where the product and the sum rounded once between them
-            // (the same bits, two operations fewer a vector); kInt4Wide's float32 scales not
-            if (half)
-                tile[j * np + q] = pair_bf16(_mm512_fmadd_ps(even, s, m),
-                                             _mm512_fmadd_ps(odd, s, m));
-            else
-                tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
-                                             _mm512_add_ps(_mm512_mul_ps(odd, s), m));
-        }
-        code += step;
-        --left, ++done;
-        if (++j == pairs) j = 0, ++q, left = 0;
-    }
-};
-
-// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
-void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
-    if (w.kind == kBf16) {
-        for (int q = 0; q < np; ++q) fill_plain(w, p0 + q, q, np, tile);
-        return;
-    }
-    Fill fill(w, p0, np, tile);
-    while (fill.done < np * fill.pairs) fill.one();
-}
 
 // A span of memory the next group reads (codes fill_tile dequantizes, or pairs read in place),
 // to be fetched into L2 while this group computes.
@@ -256,9 +139,35 @@ void group(int np, const Panels& tile, const uint16_t* x, int64_t T, int64_t K, 
     else panel_group<1, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
 }
 
+// Panels [p0, p0 + np) as a pass reads them: the weight's own pairs (kBf16Pairs), or a tile.
+Panels panels_in(const QuantWeight& w, int64_t p0, int np, const __m512i* tile) {
+    Panels at{};
+    const bool in_place = w.kind == kBf16Pairs;
+    for (int q = 0; q < np; ++q)
+        at.base[q] = in_place ? static_cast<const __m512i*>(w.codes) + (p0 + q) * (w.K / 2)
+                              : tile + q;
+    at.stride = in_place ? 1 : np;
+    return at;
+}
+
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
+#if defined(BANYAN_GEMM_TILES)
+    if (gemm_takes_tiles(T, w.K)) {  // (cpu_quant_gemm_tiles.h) each group filled, then used
+        auto fill = [&w](int64_t p0, int np, __m512i* tile) {
+            if (w.kind != kBf16Pairs) fill_tile(w, p0, np, tile);
+            const Panels at = panels_in(w, p0, np, tile);
+            TilePanels group{{at.base[0], at.base[1], at.base[2]}, at.stride};
+            return group;
+        };
+        if (gemm_tiles_mode() == 2)
+            tiles_gemm<AmxTiles>(x, T, w.K, N, NP, bias, out, n_threads, fill);
+        else
+            tiles_gemm<SoftTiles>(x, T, w.K, N, NP, bias, out, n_threads, fill);
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(threads_for(panels / NP, n_threads))
     {
         const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
@@ -274,16 +183,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
             const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
             const int64_t next_np = std::clamp<int64_t>(b - p0 - np, 0, NP);
             __m512i* tile = tiles ? tiles + (k % 2) * pairs * NP : nullptr;
-            Panels panels_at{};
-            if (w.kind == kBf16Pairs) {
-                const auto* in_place = static_cast<const __m512i*>(w.codes);
-                for (int q = 0; q < np; ++q) panels_at.base[q] = in_place + (p0 + q) * pairs;
-                panels_at.stride = 1;
-            } else {
-                if (plain) fill_tile(w, p0, np, tile);
-                for (int q = 0; q < np; ++q) panels_at.base[q] = tile + q;
-                panels_at.stride = np;
-            }
+            if (plain && w.kind != kBf16Pairs) fill_tile(w, p0, np, tile);
+            const Panels panels_at = panels_in(w, p0, np, tile);
             Fill fill;
             if (!plain && next_np > 0)
                 fill = Fill(w, p0 + np, next_np, tiles + (k + 1) % 2 * pairs * NP);
@@ -424,6 +325,20 @@ void banyan_quant_dequant_bf16(int64_t K, int64_t kind, const void* codes, const
     dequant_rows(QuantWeight{kind, K, group, codes, scale, mins, N}, out, n_threads);
 }
 #endif
+
+// The GEMM's products for steps of `from` tokens or more (cpu_quant_gemm_tiles.h), for the whole
+// process from now on: 0 vdpbf16ps, 1 tiles emulated in memory (tests), 2 AMX tiles (only where
+// granted); other modes only ask. Returns the mode in effect (0 where this build has no tiles).
+int64_t banyan_set_gemm_tiles(int64_t mode, int64_t from) {
+#if defined(BANYAN_GEMM_TILES)
+    if (mode == 0 || mode == 1 || (mode == 2 && amx_granted()))
+        gemm_tiles_mode() = static_cast<int>(mode), gemm_tiles_from() = from;
+    return gemm_tiles_mode();
+#else
+    (void)mode, (void)from;
+    return 0;
+#endif
+}
 
 // Whether banyan_quant_gemm_bf16 runs on vdpbf16ps here (else the scalar loop).
 int banyan_quant_gemm_bf16_vector() {

@@ -11,6 +11,7 @@ import torch
 
 from banyan.args import check_linear_kernel
 from banyan.layers.f32_linear import SkinnyF32Method
+from banyan.layers.gemm_tiles import gemm_tiles_route
 from banyan.layers.gguf_linear import repack_gguf_linears
 from banyan.layers.linear import (DenseMethod, Linear, LinearMethod, PackedBf16Method,
                                   PairsBf16Method, SkinnyBf16Method, convert_linears)
@@ -50,6 +51,7 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
                     layer.convert(skinny())
         elif dense and linear_kernel != "auto":
             logger.info("--linear-kernel %s does not apply to them", linear_kernel)
+        gemm_tiles_route(dtype)  # their long steps' products on AMX tiles where they pay
         return
     method = quantized_method(quantization)
     if method is not None and linear_kernel == "native":
@@ -68,6 +70,8 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
         skip = (head,)
     converted = convert_linears(model, method, skip=skip)
     logger.info("%d linear weights converted to %s", converted, method.__name__)
+    if quantization != "none":
+        gemm_tiles_route(dtype)
 
 
 def _dense_method(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,

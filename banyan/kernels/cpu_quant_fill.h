@@ -1,0 +1,139 @@
+// The weights of the bf16 GEMM (cpu_quant_gemm_bf16.cpp) and their dequantizing into the
+// layout its products read: a group of panels as pairs of inputs, panel q's pair j (16 rows x 2
+// bf16) at tile[j * np + q]. Shared by its vdpbf16ps passes, its AMX tiles
+// (cpu_quant_gemm_tiles.h: that layout is AMX's B tile) and its plain-rows dequantizer.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_avx512.h"
+#include "cpu_dtypes.h"
+#include "cpu_quant_common.h"
+
+namespace {
+
+// NativeLinear kinds (banyan/layers/linear.py) this kernel reads; kBf16: a plain [N, K] bf16
+// weight (a dense bf16 layer), its values taken as they are.
+enum Kind : int64_t {
+    kInt8Rows = 0, kInt8Groups = 1, kInt4 = 2, kInt4Wide = 3, kBf16 = 4,
+    kBf16Pairs = 5  // bf16 already in pairs: [panel][K / 2][16 rows] (pack_bf16_pairs)
+};
+
+struct QuantWeight {
+    int64_t kind, K, group;
+    const void* codes;  // the panel layout's codes, or kBf16's rows
+    const void* scale;  // float32; float16 for kInt4
+    const void* mins;   // kInt4 / kInt4Wide only
+    int64_t N;          // rows (kBf16 reads no row past the last)
+};
+
+#if defined(__AVX512BF16__)
+inline __m512 scale16(const void* s, int64_t at, bool half) {
+    return half ? load_scale16(static_cast<const uint16_t*>(s) + at)
+                : _mm512_loadu_ps(static_cast<const float*>(s) + at);
+}
+
+// A plain bf16 panel into its pairs: 16 rows' 16 pairs (32 words each) transposed as 32-bit
+// words, each register then one pair of inputs across the rows (rows past N repeat the last).
+void fill_plain(const QuantWeight& w, int64_t p, int q, int np, __m512i* tile) {
+    const auto* rows = static_cast<const uint16_t*>(w.codes);
+    const int64_t pairs = w.K / 2;
+    const uint16_t* row[PANEL];
+    for (int i = 0; i < PANEL; ++i) row[i] = rows + std::min(p * PANEL + i, w.N - 1) * w.K;
+    int64_t j0 = 0;
+    for (; j0 + 16 <= pairs; j0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < PANEL; ++i) r[i] = _mm512_loadu_si512(row[i] + 2 * j0);
+        transpose16(r);
+        for (int k = 0; k < 16; ++k) tile[(j0 + k) * np + q] = r[k];
+    }
+    for (; j0 < pairs; ++j0) {  // the last (K / 2) % 16 pairs
+        alignas(64) uint32_t lanes[PANEL];
+        for (int i = 0; i < PANEL; ++i) std::memcpy(&lanes[i], row[i] + 2 * j0, 4);
+        tile[j0 * np + q] = _mm512_load_si512(lanes);
+    }
+}
+
+// Panels [p0, p0 + np) of a quantized kind (not kBf16) dequantized into tile[j * np + q] (panel
+// p0 + q's 16 rows at inputs 2j, 2j + 1) one vector a call, panel by panel, pairs in order (the
+// codes' order); a group's scales (and minimums) are loaded at its first vector. All at once
+// for a thread's first group (fill_tile); for each next one a few vectors at a time in between
+// the current group's products (tile_gemm), where the dequantizing's shuffles and conversions
+// overlap the vdpbf16ps stream instead of running alone between groups (a 64-token int4 step
+// spent 7-16% over bf16's on it, SmolLM2's layers, Zen 4).
+struct Fill {
+    const QuantWeight* w = nullptr;
+    int64_t np = 0, pairs = 0;
+    __m512i* tile = nullptr;
+    // Every kind's codes and scales run on from panel to panel, so the next vector's are found
+    // by stepping pointers, not by working out its panel's and group's offsets each vector.
+    const uint8_t* code = nullptr;  // the next vector's codes
+    int64_t step = 0;               // code bytes a vector: 2 x 16 (int8) or 16 (int4)
+    int64_t at = 0;                 // the next group's first scale (and minimum)
+    int64_t group_pairs = 0;        // pairs a group
+    bool int8 = false, half = false;
+    int64_t q = 0, j = 0;       // the next vector: the group's panel q, pair j
+    int64_t done = 0, end = 0;  // vectors filled; this pass fills up to `end`
+    int64_t left = 0;           // pairs left in the current group (0: at a group's start)
+    __m512 s, m;
+
+    Fill() = default;
+    Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into)
+        : w(&weight), np(panels), pairs(weight.K / 2), tile(into) {
+        int8 = weight.kind == kInt8Rows || weight.kind == kInt8Groups;
+        half = weight.kind == kInt4;
+        const int64_t group = weight.kind == kInt8Rows ? weight.K : weight.group;
+        group_pairs = group / 2;
+        step = int8 ? 2 * PANEL : PANEL;
+        code = static_cast<const uint8_t*>(weight.codes) + first * pairs * step;
+        at = first * (weight.K / group) * PANEL;
+    }
+
+    __attribute__((always_inline)) void one() {
+        const QuantWeight& W = *w;
+        if (left == 0) {
+            s = scale16(W.scale, at, half);
+            if (!int8) m = scale16(W.mins, at, half);
+            at += PANEL;
+            left = group_pairs;
+        }
+        if (int8) {
+            const int8_t* c = reinterpret_cast<const int8_t*>(code);
+            tile[j * np + q] = pair_bf16(_mm512_mul_ps(load_i8x16(c), s),
+                                         _mm512_mul_ps(load_i8x16(c + PANEL), s));
+        } else {
+            const __m512i b =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
+            const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+            const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            // kInt4's scales are float16: a 4-bit code times one is exact in float32, so one
+            // fused multiply-add rounds where the product and the sum rounded once between them
+            // (the same bits, two operations fewer a vector); kInt4Wide's float32 scales not
+            if (half)
+                tile[j * np + q] = pair_bf16(_mm512_fmadd_ps(even, s, m),
+                                             _mm512_fmadd_ps(odd, s, m));
+            else
+                tile[j * np + q] = pair_bf16(_mm512_add_ps(_mm512_mul_ps(even, s), m),
+                                             _mm512_add_ps(_mm512_mul_ps(odd, s), m));
+        }
+        code += step;
+        --left, ++done;
+        if (++j == pairs) j = 0, ++q, left = 0;
+    }
+};
+
+// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
+void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
+    if (w.kind == kBf16) {
+        for (int q = 0; q < np; ++q) fill_plain(w, p0 + q, q, np, tile);
+        return;
+    }
+    Fill fill(w, p0, np, tile);
+    while (fill.done < np * fill.pairs) fill.one();
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace

@@ -1,0 +1,129 @@
+// The bf16 GEMM of quantized (and plain bf16) weights with its products on AMX tiles: for the
+// long steps of a bf16 model on an Intel Xeon with AMX (cpu_quant_gemm_bf16.cpp calls it).
+//
+// Why: there a dense bf16 layer's long steps run oneDNN's GEMM on AMX tiles (~6x vdpbf16ps's
+// bf16 peak on 2 cores of the Xeon, #13) while a quantized layer's ran the vdpbf16ps
+// kernel, so int8 / int4 weights would lose to bf16 exactly where they should not (#16's
+// batched target). The kernel's dequantized group of panels is already AMX's B layout (a panel's
+// pair j: 16 rows x 2 bf16 = one 64-byte tile row), so the products change and nothing else:
+// each thread dequantizes a group of panels as before, then multiplies every block of 32 tokens
+// by it, two panels at a time (tile_block: 2 x 2 output tiles over K / 32 steps).
+//
+// Only for steps of `gemm_tiles_from()` tokens or more (the Python side sets it past
+// native.EXACT_STEP_TOKENS): a token's bits on tiles are not the vector loop's, and shorter
+// steps (decodes, speculative checks) keep the bits a token gets alone. On tiles a token's
+// outputs do not depend on the tile row it falls in, so the step's size or company does not
+// change them either. One mode a process (banyan_set_gemm_tiles): 0 the vector loop, 1 tiles
+// emulated in memory (tests), 2 AMX's.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu_amx_tiles.h"
+#include "cpu_quant_common.h"
+
+#if defined(BANYAN_AMX_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BANYAN_GEMM_TILES 1
+
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+inline int& gemm_tiles_mode() {
+    static int mode = 0;
+    return mode;
+}
+
+inline int64_t& gemm_tiles_from() {
+    static int64_t tokens = 0;
+    return tokens;
+}
+
+// Whether a step of T tokens over K inputs takes the tiles (whole 32-input tile rows only).
+inline bool gemm_takes_tiles(int64_t T, int64_t K) {
+    return gemm_tiles_mode() != 0 && gemm_tiles_from() > 0 && T >= gemm_tiles_from() &&
+           K % 32 == 0;
+}
+
+// A group's panels as B tiles: panel q's pair j (16 rows x 2 bf16, 64 bytes) at
+// base[q] + j * stride 64-byte words.
+struct TilePanels {
+    const __m512i* base[4];
+    int64_t stride;
+};
+
+// Tokens [t0, t0 + rows) (rows <= 32) times panels q, q1 of `panels` (q1 == q: one panel, its
+// tile computed twice and stored once), plus bias, rounded to bf16 into out.
+template <typename Tiles>
+void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const TilePanels& panels,
+               int q, int q1, int64_t K, int64_t p0, const float* bias, uint16_t* out,
+               int64_t t0, int64_t N, float* c) {
+    const char* b0 = reinterpret_cast<const char*>(panels.base[q]);
+    const int64_t db = reinterpret_cast<const char*>(panels.base[q1]) - b0;
+    const int64_t ldb = panels.stride * 64, steps = K / 32;
+    constexpr int64_t ldc = 32 * sizeof(float);  // c: [32 tokens][2 panels x 16 rows] floats
+    if (rows > kTileRows)
+        tile_block(tl, a, kTileRows * lda, lda, 64, b0, db, ldb, kTileRows * ldb, steps,
+                   reinterpret_cast<char*>(c), ldc, false);
+    else  // (the same bits per element as a row of tile_block's)
+        tile_row_block(tl, a, lda, 64, b0, db, ldb, kTileRows * ldb, steps,
+                       reinterpret_cast<char*>(c), ldc, false);
+    for (int qq = q; qq <= q1; ++qq) {
+        const int64_t n0 = (p0 + qq) * PANEL;
+        const int64_t left = std::min<int64_t>(PANEL, N - n0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        for (int64_t t = 0; t < rows; ++t) {
+            const __m512 sum = _mm512_loadu_ps(c + t * 32 + (qq - q) * PANEL);
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, b));
+            _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, v);
+        }
+    }
+}
+
+// out [T, N] = x [T, K] (bf16) times the weight's panels, groups of up to `group_panels`
+// panels a thread: fill(p0, np, scratch) returns panels [p0, p0 + np) as B tiles (dequantized
+// into scratch, pairs * group_panels words, or the weight's own pairs in place).
+template <typename Tiles, typename Fill>
+void tiles_gemm(const uint16_t* x, int64_t T, int64_t K, int64_t N, int group_panels,
+                const float* bias, uint16_t* out, int64_t n_threads, Fill fill) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
+#pragma omp parallel num_threads(threads_for(panels / group_panels, n_threads))
+    {
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        const int64_t a = panels * i / n, b = panels * (i + 1) / n;
+        auto* scratch = static_cast<__m512i*>(std::aligned_alloc(64, pairs * group_panels * 64));
+        // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
+        auto* pad = static_cast<uint16_t*>(std::aligned_alloc(64, 32 * K * sizeof(uint16_t)));
+        alignas(64) float c[32 * 32];
+        Tiles tl;
+        tl.begin();
+        for (int64_t p0 = a; p0 < b; p0 += group_panels) {
+            const int np = static_cast<int>(std::min<int64_t>(group_panels, b - p0));
+            const TilePanels group = fill(p0, np, scratch);
+            for (int64_t t0 = 0; t0 < T; t0 += 32) {
+                const int64_t rows = std::min<int64_t>(32, T - t0);
+                const char* at = reinterpret_cast<const char*>(x + t0 * K);
+                if (rows < 32) {
+                    std::memcpy(pad, x + t0 * K, rows * K * sizeof(uint16_t));
+                    std::memset(pad + rows * K, 0, (32 - rows) * K * sizeof(uint16_t));
+                    at = reinterpret_cast<const char*>(pad);
+                }
+                for (int q = 0; q < np; q += 2)
+                    tile_pair(tl, at, K * static_cast<int64_t>(sizeof(uint16_t)), rows, group, q,
+                              std::min(q + 1, np - 1), K, p0, bias, out, t0, N, c);
+            }
+        }
+        tl.end();
+        std::free(pad);
+        std::free(scratch);
+    }
+}
+
+}  // namespace
+
+#endif  // BANYAN_GEMM_TILES

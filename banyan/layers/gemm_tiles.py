@@ -1,0 +1,109 @@
+"""Whether a bf16 model's quantized layers multiply their long steps on AMX tiles
+(kernels/cpu_quant_gemm_tiles.h): decided once, at start-up, on a CPU with AMX.
+
+On an AMX Xeon a dense bf16 layer's long steps run oneDNN's GEMM on AMX tiles, while a quantized
+layer's ran the vdpbf16ps kernel: int8 and int4 weights would lose to bf16 at batched decodes
+and prefill chunks (#16's batched target). On tiles the kernel dequantizes its panels as before
+and multiplies them by tdpbf16ps. Steps of BF16_GEMM_MIN_TOKENS tokens or more only (the shorter
+ones keep the bits a token gets alone); one mode a process.
+
+Taken only once measured, as the attention kernels' tiles are (attention/decode_tiles.py): the
+real tiles' output must match the vector loop's on random weights and inputs (bf16 rounding
+apart), then a 64-token step of an int4 and an int8 layer of SmolLM2's gate/up shape is timed
+both ways, and tiles stay only where they take under TILES_MARGIN of the vector loop's time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import cache
+
+import torch
+
+from banyan.attention.decode_tiles import ASK, tiles_mode
+from banyan.attention.prefill_choice import median_seconds
+from banyan.kernels import native
+from banyan.layers.linear import Linear
+from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
+
+logger = logging.getLogger(__name__)
+
+TILES_MARGIN = 0.95  # tiles kept where the probe steps take under 95% of the vector loop's time
+PROBE_SHAPE = (1536, 576)  # (out, in): one half of SmolLM2's gate/up
+PROBE_TOKENS = 64  # a batched decode step (random 64 x 128/128's)
+
+
+def set_gemm_tiles(mode: int) -> int:
+    """The quantized bf16 GEMM's products for steps of BF16_GEMM_MIN_TOKENS tokens or more, for
+    the whole process from now on: 0 vdpbf16ps, 1 tiles emulated in memory (tests), 2 AMX
+    tiles (only where native.prefill_tiles() is 2); any other value only asks. Returns the mode
+    in effect (0 where the kernels have no tile path)."""
+    lib = native.load()
+    if lib is None:
+        return 0
+    fn = lib.banyan_set_gemm_tiles
+    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_int64
+    return int(fn(mode, BF16_GEMM_MIN_TOKENS))
+
+
+def _probe_layers() -> list[Linear]:
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for method in (Int4Method(32), Int8Method()):
+        layer = Linear.from_weight(torch.randn(*PROBE_SHAPE, generator=gen) * 0.05)
+        layer.convert(method)
+        layers.append(layer)
+    return layers
+
+
+def _outputs(layers: list[Linear], x: torch.Tensor, mode: int) -> list[torch.Tensor]:
+    with tiles_mode(mode, set_gemm_tiles), torch.inference_mode():
+        return [layer(x).float() for layer in layers]
+
+
+def gemm_tiles_agree(mode: int = 2) -> bool:
+    """Whether the GEMM's output on tiles (`mode`) is the vector loop's on random weights and
+    inputs, to within what the two paths' roundings allow."""
+    layers = _probe_layers()
+    x = torch.randn(PROBE_TOKENS + 5, PROBE_SHAPE[1], generator=torch.Generator().manual_seed(1))
+    x = x.bfloat16()
+    for want, got in zip(_outputs(layers, x, 0), _outputs(layers, x, mode), strict=True):
+        if not (bool(torch.isfinite(got).all()) and
+                torch.allclose(got, want, rtol=2**-6, atol=1e-2 * float(want.abs().max()))):
+            return False
+    return True
+
+
+def time_gemm_paths(mode: int = 2, rounds: int = 5) -> tuple[float, float]:
+    """Median seconds of a PROBE_TOKENS-token step through the probe layers, on the vector
+    loop and in `mode`."""
+    layers = _probe_layers()
+    x = torch.randn(PROBE_TOKENS, PROBE_SHAPE[1]).bfloat16()
+    times = []
+    for m in (0, mode):
+        with tiles_mode(m, set_gemm_tiles), torch.inference_mode():
+            times.append(sum(median_seconds(lambda layer=layer: layer(x), rounds)
+                             for layer in layers))
+    return times[0], times[1]
+
+
+@cache
+def gemm_tiles_route(dtype: torch.dtype) -> int:
+    """The GEMM's mode for this process (module docstring) on a CPU with AMX and bf16
+    activations, set and returned: 2 where the tiles check out and measure faster, else 0;
+    elsewhere 0, the process's mode left as it is (the vector loop, or a test's emulated
+    tiles)."""
+    if not (native.amx_here() and native.prefill_tiles() == 2 and dtype == torch.bfloat16
+            and set_gemm_tiles(ASK) == 0):
+        return 0
+    if not gemm_tiles_agree():
+        logger.warning("quantized GEMM on AMX tiles: output differs from the vector loop's, "
+                       "not used")
+        return set_gemm_tiles(0)
+    vector_s, tiles_s = time_gemm_paths()
+    mode = 2 if tiles_s < TILES_MARGIN * vector_s else 0
+    logger.info("quantized GEMM on AMX tiles: checked; %d-token steps of an int4 and an int8 "
+                "layer took %.2f ms on tiles, %.2f ms on the vector loop: %s", PROBE_TOKENS,
+                tiles_s * 1e3, vector_s * 1e3, "tiles in use" if mode else "vector loop kept")
+    return set_gemm_tiles(mode)
