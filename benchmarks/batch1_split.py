@@ -110,7 +110,7 @@ def main() -> None:
             "decode_tok_s": round(med["decode_tok_s"], 1),
             "decode_tok_s_by_round": [round(run["decode_tok_s"], 1) for run in runs],
             "gb_s_by_projection": {k: round(b / (med[k] * 1e-3) / 1e9, 1)
-                                   for k, b in nbytes.items() if med[k] > 0},
+                                   for k, b in nbytes.items()},
             "bytes_by_projection": nbytes,
             "rounds": runs}
     base = rounds[configs[0]]

@@ -1,6 +1,6 @@
 // The weights of the bf16 GEMM (cpu_quant_gemm_bf16.cpp) and their dequantizing into the
-// layout its products read: a group of panels as pairs of inputs, panel q's pair j (16 rows x 2
-// bf16) at tile[j * np + q]. Shared by its vdpbf16ps passes, its AMX tiles
+// layout its products read: a group of NP panels as pairs of inputs, panel q's pair j (16 rows
+// x 2 bf16) at tile[j * np + q]. Shared by its vdpbf16ps passes, its AMX tiles
 // (cpu_quant_gemm_tiles.h: that layout is AMX's B tile) and its plain-rows dequantizer.
 #pragma once
 
@@ -30,6 +30,26 @@ struct QuantWeight {
 };
 
 #if defined(__AVX512BF16__)
+constexpr int NP = 3;  // panels a group (a vector pass: 3 x 8 sums + 3 weights + a broadcast)
+
+// Where the products read panel q's pair j: base[q] + j * stride (a filled tile, or the weight
+// itself when it is stored in pairs).
+struct Panels {
+    const __m512i* base[NP];
+    int64_t stride;
+};
+
+// Panels [p0, p0 + np) as the products read them: the weight's own pairs (kBf16Pairs), or tile.
+inline Panels panels_in(const QuantWeight& w, int64_t p0, int np, const __m512i* tile) {
+    Panels at{};
+    const bool in_place = w.kind == kBf16Pairs;
+    for (int q = 0; q < np; ++q)
+        at.base[q] = in_place ? static_cast<const __m512i*>(w.codes) + (p0 + q) * (w.K / 2)
+                              : tile + q;
+    at.stride = in_place ? 1 : np;
+    return at;
+}
+
 inline __m512 scale16(const void* s, int64_t at, bool half) {
     return half ? load_scale16(static_cast<const uint16_t*>(s) + at)
                 : _mm512_loadu_ps(static_cast<const float*>(s) + at);

@@ -28,7 +28,6 @@
 namespace {
 
 #if defined(__AVX512BF16__)
-constexpr int NP = 3;  // panels a pass: 3 x 8 sums + 3 weights + a broadcast of 32 registers
 constexpr int TB = 8;
 
 // A span of memory the next group reads (codes fill_tile dequantizes, or pairs read in place),
@@ -36,13 +35,6 @@ constexpr int TB = 8;
 struct Ahead {
     const char* codes;
     int64_t bytes;
-};
-
-// Where a pass reads panel q's pair j: base[q] + j * stride (a filled tile, or the weight itself
-// when it is stored in pairs).
-struct Panels {
-    const __m512i* base[NP];
-    int64_t stride;
 };
 
 // tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P); FILL: with the next
@@ -139,32 +131,13 @@ void group(int np, const Panels& tile, const uint16_t* x, int64_t T, int64_t K, 
     else panel_group<1, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
 }
 
-// Panels [p0, p0 + np) as a pass reads them: the weight's own pairs (kBf16Pairs), or a tile.
-Panels panels_in(const QuantWeight& w, int64_t p0, int np, const __m512i* tile) {
-    Panels at{};
-    const bool in_place = w.kind == kBf16Pairs;
-    for (int q = 0; q < np; ++q)
-        at.base[q] = in_place ? static_cast<const __m512i*>(w.codes) + (p0 + q) * (w.K / 2)
-                              : tile + q;
-    at.stride = in_place ? 1 : np;
-    return at;
-}
-
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #if defined(BANYAN_GEMM_TILES)
     if (gemm_takes_tiles(T, w.K)) {  // (cpu_quant_gemm_tiles.h) each group filled, then used
-        auto fill = [&w](int64_t p0, int np, __m512i* tile) {
-            if (w.kind != kBf16Pairs) fill_tile(w, p0, np, tile);
-            const Panels at = panels_in(w, p0, np, tile);
-            TilePanels group{{at.base[0], at.base[1], at.base[2]}, at.stride};
-            return group;
-        };
-        if (gemm_tiles_mode() == 2)
-            tiles_gemm<AmxTiles>(x, T, w.K, N, NP, bias, out, n_threads, fill);
-        else
-            tiles_gemm<SoftTiles>(x, T, w.K, N, NP, bias, out, n_threads, fill);
+        if (gemm_tiles_mode() == 2) tiles_gemm<AmxTiles>(x, T, w, bias, out, N, n_threads);
+        else tiles_gemm<SoftTiles>(x, T, w, bias, out, N, n_threads);
         return;
     }
 #endif

@@ -24,6 +24,7 @@
 
 #include "cpu_amx_tiles.h"
 #include "cpu_quant_common.h"
+#include "cpu_quant_fill.h"
 
 #if defined(BANYAN_AMX_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BANYAN_GEMM_TILES 1
@@ -49,17 +50,11 @@ inline bool gemm_takes_tiles(int64_t T, int64_t K) {
            K % 32 == 0;
 }
 
-// A group's panels as B tiles: panel q's pair j (16 rows x 2 bf16, 64 bytes) at
-// base[q] + j * stride 64-byte words.
-struct TilePanels {
-    const __m512i* base[4];
-    int64_t stride;
-};
-
-// Tokens [t0, t0 + rows) (rows <= 32) times panels q, q1 of `panels` (q1 == q: one panel, its
-// tile computed twice and stored once), plus bias, rounded to bf16 into out.
+// Tokens [t0, t0 + rows) (rows <= 32) times panels q, q1 of a group (q1 == q: one panel, its
+// tile computed twice and stored once), plus bias, rounded to bf16 into out. A panel's pairs
+// are a B tile's rows (16 rows x 2 bf16, 64 bytes each).
 template <typename Tiles>
-void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const TilePanels& panels,
+void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const Panels& panels,
                int q, int q1, int64_t K, int64_t p0, const float* bias, uint16_t* out,
                int64_t t0, int64_t N, float* c) {
     const char* b0 = reinterpret_cast<const char*>(panels.base[q]);
@@ -85,26 +80,26 @@ void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const TilePa
     }
 }
 
-// out [T, N] = x [T, K] (bf16) times the weight's panels, groups of up to `group_panels`
-// panels a thread: fill(p0, np, scratch) returns panels [p0, p0 + np) as B tiles (dequantized
-// into scratch, pairs * group_panels words, or the weight's own pairs in place).
-template <typename Tiles, typename Fill>
-void tiles_gemm(const uint16_t* x, int64_t T, int64_t K, int64_t N, int group_panels,
-                const float* bias, uint16_t* out, int64_t n_threads, Fill fill) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
-#pragma omp parallel num_threads(threads_for(panels / group_panels, n_threads))
+// out [T, N] = x [T, K] (bf16) times the weight, a group of NP panels at a time per thread:
+// dequantized into a tile (fill_tile), or the weight's own pairs read in place.
+template <typename Tiles>
+void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
+                uint16_t* out, int64_t N, int64_t n_threads) {
+    const int64_t K = w.K, panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
+#pragma omp parallel num_threads(threads_for(panels / NP, n_threads))
     {
         const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
-        auto* scratch = static_cast<__m512i*>(std::aligned_alloc(64, pairs * group_panels * 64));
+        auto* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * NP * 64));
         // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
         auto* pad = static_cast<uint16_t*>(std::aligned_alloc(64, 32 * K * sizeof(uint16_t)));
         alignas(64) float c[32 * 32];
         Tiles tl;
         tl.begin();
-        for (int64_t p0 = a; p0 < b; p0 += group_panels) {
-            const int np = static_cast<int>(std::min<int64_t>(group_panels, b - p0));
-            const TilePanels group = fill(p0, np, scratch);
+        for (int64_t p0 = a; p0 < b; p0 += NP) {
+            const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
+            if (w.kind != kBf16Pairs) fill_tile(w, p0, np, tile);
+            const Panels group = panels_in(w, p0, np, tile);
             for (int64_t t0 = 0; t0 < T; t0 += 32) {
                 const int64_t rows = std::min<int64_t>(32, T - t0);
                 const char* at = reinterpret_cast<const char*>(x + t0 * K);
@@ -120,7 +115,7 @@ void tiles_gemm(const uint16_t* x, int64_t T, int64_t K, int64_t N, int group_pa
         }
         tl.end();
         std::free(pad);
-        std::free(scratch);
+        std::free(tile);
     }
 }
 

@@ -15,7 +15,6 @@ both ways, and tiles stay only where they take under TILES_MARGIN of the vector 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from functools import cache
 
@@ -40,11 +39,7 @@ def set_gemm_tiles(mode: int) -> int:
     tiles (only where native.prefill_tiles() is 2); any other value only asks. Returns the mode
     in effect (0 where the kernels have no tile path)."""
     lib = native.load()
-    if lib is None:
-        return 0
-    fn = lib.banyan_set_gemm_tiles
-    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_int64
-    return int(fn(mode, BF16_GEMM_MIN_TOKENS))
+    return 0 if lib is None else int(lib.banyan_set_gemm_tiles(mode, BF16_GEMM_MIN_TOKENS))
 
 
 def _probe_layers() -> list[Linear]:

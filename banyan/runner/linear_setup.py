@@ -34,6 +34,8 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     check_quantization(quantization, device, dtype,
                        [m.in_features for m in model.modules() if isinstance(m, Linear)])
     check_linear_kernel(linear_kernel)
+    if quantization != "none":  # their long steps' products on AMX tiles where they pay
+        gemm_tiles_route(dtype)
     if batch_invariant and quantization == "none" and linear_kernel == "auto":
         linear_kernel = "native"  # (torch's GEMMs: make_batch_invariant refuses them)
     if quantization == "gguf":
@@ -51,7 +53,6 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
                     layer.convert(skinny())
         elif dense and linear_kernel != "auto":
             logger.info("--linear-kernel %s does not apply to them", linear_kernel)
-        gemm_tiles_route(dtype)  # their long steps' products on AMX tiles where they pay
         return
     method = quantized_method(quantization)
     if method is not None and linear_kernel == "native":
@@ -70,8 +71,6 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
         skip = (head,)
     converted = convert_linears(model, method, skip=skip)
     logger.info("%d linear weights converted to %s", converted, method.__name__)
-    if quantization != "none":
-        gemm_tiles_route(dtype)
 
 
 def _dense_method(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
