@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from banyan.attention.cpu_native import CpuNativeBackend
+from banyan.attention.decode_tiles import tile_modes_here
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.batch import RowPrefix
 from banyan.kernels import native
@@ -109,14 +110,20 @@ def _check_steps(runner: ModelRunner) -> None:
         want, got = _step(runner, alloc, [(seqs[0], largest - 1), (seqs[1], 2)])
         assert got is None  # one token too many
     # extends past max_extend go to the prefill kernel, inside the stack too: a decode, a fresh
-    # 4-token prompt and a 3-token extend over the shared prefix, 8 tokens
-    runner.backend = CpuNativeBackend(runner.pool, runner.table, max_extend=2)
-    runner.stack = NativeLayerStack.build(runner.model, runner.pool, runner.backend)
-    assert runner.stack is not None
-    work = [(seqs[1], 1), (Seq(4, random_ids(4, 21)), 4), (fourth, 3)]
-    want, got = _step(runner, alloc, work)
-    assert got is not None and torch.equal(got, want)
-    assert runner.stack._step.pf_reqs == 2 and runner.stack._step.n_groups == 1
+    # prompt and a 3-token extend over the shared prefix; in bf16 also with the prefill
+    # kernel's products on tiles (emulated here; AMX's on AMX), where the per-op path has them
+    fresh = 100 if largest >= 104 else 4  # a longer prompt where the stack takes one
+    work = [(seqs[1], 1), (Seq(4, random_ids(fresh, 21)), fresh), (fourth, 3)]
+    for tiles in [0, *(tile_modes_here() if bf16 else [])]:
+        runner.backend = CpuNativeBackend(runner.pool, runner.table, max_extend=2, tiles=tiles)
+        runner.stack = NativeLayerStack.build(runner.model, runner.pool, runner.backend)
+        assert runner.stack is not None
+        # the same step each time: the requests as they were, new slots for its tokens
+        want, got = _step(runner, alloc, [(Seq(q.row, q.tokens, list(q.slots)), n)
+                                          for q, n in work])
+        assert got is not None and torch.equal(got, want), tiles
+        assert runner.stack._step.pf_reqs == 2 and runner.stack._step.n_groups == 1
+        assert runner.stack._step.pf_tiles == tiles  # (test_prefill_attention: that it is run)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

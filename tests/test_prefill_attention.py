@@ -301,3 +301,37 @@ def test_greedy_matches_the_sdpa_backend(model_dirs: dict[str, Path],
             outputs[backend] = [o.output_ids for o in outs]
     assert calls  # the chunks did go through the kernel
     assert outputs["cpu-native"] == outputs["sdpa"]
+
+
+@needs_tiles
+@pytest.mark.parametrize("tiles", [0, *TILES])
+def test_the_layer_stacks_entry_runs_the_tile_mode_it_is_given(tiles: int) -> None:
+    """The layer stack calls banyan_prefill_attention_stack_bf16 with its step's tile mode (the
+    per-op path's, CpuNativeBackend.tiles): its output has the bits the per-op entry gives in
+    that mode, on scores whose sum order shows. Key 0 against a query of ones: 2^24, 0, 1,
+    -2^24 in its first dims. Tiles emulated as tdpbf16ps is defined add a pair's products one
+    by one, even dim first (2^24 + 1 rounds back: a score of 0); the pair path's vdpbf16ps does
+    not (1): key 0's weight against key 1's (a score of 0 either way) differs."""
+    d, slots = 64, 2
+    q = torch.ones(1, 1, d).bfloat16()
+    k = torch.zeros(slots, 1, d)
+    k[0, 0, :4] = torch.tensor([2.0**24, 0.0, 1.0, -2.0**24])
+    v = torch.zeros(slots, 1, d)
+    v[0] = 1.0  # the output: key 0's weight
+    k, v = k.bfloat16(), v.bfloat16()
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    req = [torch.tensor([x], dtype=torch.int64) for x in (0, 2, 0, 1)]  # row, len, start, new
+    args = (q, k, v, table, *req, 1.0)
+    per_op = native.prefill_attention(*args, torch.empty_like(q), tiles=tiles)
+    stack = torch.empty_like(q)
+    lib = native.load()
+    assert lib is not None
+    lib.banyan_prefill_attention_stack_bf16(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, table.data_ptr(), 2,
+        *(t.data_ptr() for t in req), 1, stack.data_ptr(), 1, 1, d, 1.0, 1, tiles)
+    assert torch.equal(stack, per_op)
+    weight = 1 / (1 + torch.e ** -1)  # key 0 scored 1, key 1 0
+    if tiles == 0:
+        assert abs(stack[0, 0, 0].item() - weight) < 1e-2
+    elif tiles == 1:  # (AMX's own order is its own: only the bits above are asked of it)
+        assert stack[0, 0, 0].item() == 0.5

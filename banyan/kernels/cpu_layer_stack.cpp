@@ -113,6 +113,7 @@ struct StackStep {
     const int64_t* pf_q_start;
     const int64_t* pf_n_new;
     int64_t pf_reqs;  // 0: none
+    int64_t pf_tiles;  // their products (bf16 over bf16): 0 vector, 1 tiles emulated, 2 AMX's
     double* op_seconds;  // null, or [kStackOps]: each kind of op's seconds added (OpClock)
     // null, or [T]: each token's greedy next token (the LM head over every token's final
     // hidden state, then each row's argmax over its first `vocab` logits)
@@ -263,31 +264,6 @@ void store_row(const T* x, int64_t slot, int64_t kvh, int64_t d, void* pool, flo
     }
 }
 
-// The element-wise kernels and attention of each element type (cpu_fused_ops.cpp,
-// cpu_paged_attention.cpp).
-template <typename T>
-struct Kernels;
-
-template <>
-struct Kernels<float> {
-    static constexpr auto add_rms_norm = banyan_add_rms_norm_f32;
-    static constexpr auto silu_and_mul = banyan_silu_and_mul_f32;
-    static constexpr auto rope_qk = banyan_rope_qk_f32;
-    static constexpr auto attention = banyan_paged_attention_f32_f32;
-    static constexpr auto prefill = banyan_prefill_attention_f32_f32;
-    static constexpr auto argmax = banyan_argmax_rows_f32;
-};
-
-template <>
-struct Kernels<uint16_t> {
-    static constexpr auto add_rms_norm = banyan_add_rms_norm_bf16;
-    static constexpr auto silu_and_mul = banyan_silu_and_mul_bf16;
-    static constexpr auto rope_qk = banyan_rope_qk_bf16;
-    static constexpr auto attention = banyan_paged_attention_bf16_bf16;
-    static constexpr auto prefill = banyan_prefill_attention_bf16_bf16;
-    static constexpr auto argmax = banyan_argmax_rows_bf16;
-};
-
 // The row kernel's requests, then the prefill kernel's (each writes its own rows of out), over
 // a pool of P: T itself (no scales) or int8 codes with their scales.
 template <typename T, typename P, typename Paged, typename Prefill>
@@ -302,9 +278,16 @@ void attend_pool(const StackModel* m, const StackStep* s, const T* q, T* out, co
         paged(q, k, v, ks, vs, s->table, s->table_stride, s->req_row, s->req_len, s->q_start,
               s->n_new, s->order, s->group_start, s->group_prefix, s->n_groups, out, H, KVH, D,
               sm, nt);
-    if (s->pf_reqs > 0)
-        prefill(q, k, v, ks, vs, s->table, s->table_stride, s->pf_req_row, s->pf_req_len,
-                s->pf_q_start, s->pf_n_new, s->pf_reqs, out, H, KVH, D, sm, nt);
+    if (s->pf_reqs > 0) {
+        auto call = [&](auto... tiles) {  // bf16 over bf16: the step's tile mode as well
+            prefill(q, k, v, ks, vs, s->table, s->table_stride, s->pf_req_row, s->pf_req_len,
+                    s->pf_q_start, s->pf_n_new, s->pf_reqs, out, H, KVH, D, sm, nt, tiles...);
+        };
+        if constexpr (std::is_same<Prefill, decltype(&banyan_prefill_attention_stack_bf16)>())
+            call(s->pf_tiles);
+        else
+            call();
+    }
 }
 
 template <typename T>

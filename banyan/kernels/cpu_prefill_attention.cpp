@@ -339,6 +339,30 @@ BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e4m3, E4M3)
 BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e5m2, E5M2)
 #endif
 
+// The layer stack's call for bf16 queries over a bf16 pool (cpu_layer_stack.cpp), its products
+// where the per-op path's are (CpuNativeBackend.tiles: 0 the vector paths, 1 tiles emulated, 2
+// AMX's; only 0 in a build without the tile path), so a chunk has one set of bits either way.
+void banyan_prefill_attention_stack_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                         const float* kscale, const float* vscale,
+                                         const int32_t* table, int64_t table_stride,
+                                         const int64_t* req_row, const int64_t* req_len,
+                                         const int64_t* q_start, const int64_t* n_new,
+                                         int64_t n_reqs, uint16_t* out, int64_t heads,
+                                         int64_t kvh, int64_t d, float scale, int64_t n_threads,
+                                         int64_t tiles) {
+#if defined(BANYAN_PREFILL_TILES)
+    if (tiles > 0) {
+        banyan_prefill_attention_tiles_bf16_bf16(q, k, v, kscale, vscale, table, table_stride,
+                                                 req_row, req_len, q_start, n_new, n_reqs, out,
+                                                 heads, kvh, d, scale, n_threads, tiles == 2);
+        return;
+    }
+#endif
+    banyan_prefill_attention_bf16_bf16(q, k, v, kscale, vscale, table, table_stride, req_row,
+                                       req_len, q_start, n_new, n_reqs, out, heads, kvh, d, scale,
+                                       n_threads);
+}
+
 // 2: this build has the tile path and Linux granted this process AMX's tile state; 1: the
 // tile path only emulated (no AMX here, or not granted); 0: no tile path in this build.
 int banyan_prefill_tiles() {

@@ -1,6 +1,6 @@
 // The C entry points the layer stack (cpu_layer_stack.cpp) calls, defined in the other files
 // of this library: its element-wise ops, attention and projection kernels (int4's are in
-// cpu_int4_api.h).
+// cpu_int4_api.h), and which of them each element type's stack runs (Kernels).
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,14 @@ BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t)
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
 BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_f32, float, float);
 BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_int8, float, int8_t);
-BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_bf16_bf16, uint16_t, uint16_t);
+void banyan_prefill_attention_stack_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                         const float* kscale, const float* vscale,
+                                         const int32_t* table, int64_t table_stride,
+                                         const int64_t* req_row, const int64_t* req_len,
+                                         const int64_t* q_start, const int64_t* n_new,
+                                         int64_t n_reqs, uint16_t* out, int64_t heads,
+                                         int64_t kvh, int64_t d, float scale, int64_t n_threads,
+                                         int64_t tiles);
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
                             const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
@@ -69,3 +76,28 @@ void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K
                            int64_t group, const void* w, const void* scale, const void* mins,
                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
 }
+
+// The element-wise kernels and attention of each element type (cpu_fused_ops.cpp,
+// cpu_paged_attention.cpp, cpu_prefill_attention.cpp, cpu_argmax.cpp).
+template <typename T>
+struct Kernels;
+
+template <>
+struct Kernels<float> {
+    static constexpr auto add_rms_norm = banyan_add_rms_norm_f32;
+    static constexpr auto silu_and_mul = banyan_silu_and_mul_f32;
+    static constexpr auto rope_qk = banyan_rope_qk_f32;
+    static constexpr auto attention = banyan_paged_attention_f32_f32;
+    static constexpr auto prefill = banyan_prefill_attention_f32_f32;
+    static constexpr auto argmax = banyan_argmax_rows_f32;
+};
+
+template <>
+struct Kernels<uint16_t> {
+    static constexpr auto add_rms_norm = banyan_add_rms_norm_bf16;
+    static constexpr auto silu_and_mul = banyan_silu_and_mul_bf16;
+    static constexpr auto rope_qk = banyan_rope_qk_bf16;
+    static constexpr auto attention = banyan_paged_attention_bf16_bf16;
+    static constexpr auto prefill = banyan_prefill_attention_stack_bf16;  // (+ a tile mode)
+    static constexpr auto argmax = banyan_argmax_rows_bf16;
+};

@@ -157,6 +157,10 @@ def load() -> ctypes.CDLL | None:
             if q_sfx == "bf16" and lib.banyan_prefill_tiles():  # (cpu_prefill_tiles.h)
                 tiles = getattr(lib, f"banyan_prefill_attention_tiles_{q_sfx}_{kv_sfx}")
                 tiles.argtypes, tiles.restype = [*fn.argtypes, ctypes.c_int], None
+    # the layer stack's (bf16 over bf16, its tile mode last), called here by tests only
+    lib.banyan_prefill_attention_stack_bf16.argtypes = [
+        *lib.banyan_prefill_attention_bf16_bf16.argtypes, i64]
+    lib.banyan_prefill_attention_stack_bf16.restype = None
     for sfx in ("f32", "bf16"):
         signatures = {
             "banyan_add_rms_norm_": [ptr, ptr, ptr, ptr, i64, i64, f32],

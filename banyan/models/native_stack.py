@@ -108,7 +108,8 @@ class StackStep(ctypes.Structure):
                 ("group_start", c_void_p), ("group_prefix", c_void_p), ("n_groups", c_int64),
                 ("n_threads", c_int64), ("pf_req_row", c_void_p), ("pf_req_len", c_void_p),
                 ("pf_q_start", c_void_p), ("pf_n_new", c_void_p), ("pf_reqs", c_int64),
-                ("op_seconds", c_void_p), ("greedy_out", c_void_p), ("vocab", c_int64)]
+                ("pf_tiles", c_int64), ("op_seconds", c_void_p), ("greedy_out", c_void_p),
+                ("vocab", c_int64)]
 
 
 # The kinds of op the stack times when asked (cpu_layer_stack.cpp: StackOp, in this order):
@@ -327,6 +328,7 @@ class NativeLayerStack:
             s.pf_req_row, s.pf_req_len = long.req_row.data_ptr(), long.req_len.data_ptr()
             s.pf_q_start, s.pf_n_new = long.q_start.data_ptr(), long.n_new.data_ptr()
             s.pf_reqs = long.n_new.shape[0]
+            s.pf_tiles = self.backend.tiles  # the per-op path's products (bf16 only)
         s.n_threads = torch.get_num_threads()
         s.greedy_out, s.vocab = _ptr(greedy_out), vocab
         with native.kernel_range("banyan::layer_stack"):
