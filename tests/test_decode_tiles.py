@@ -20,6 +20,7 @@ from banyan.attention.decode_tiles import (
     tile_modes_here,
     tiles_mode,
 )
+from banyan.attention import prefill_choice
 from banyan.attention.native_plan import plan_native
 from banyan.kernels import native
 from tests.test_native_attention import (
@@ -118,10 +119,30 @@ def test_a_grouped_decode_has_the_bits_it_has_alone_on_tiles(tile_mode: int, sha
 
 def test_tiles_differ_from_the_vector_loops_only_by_rounding(tile_mode: int) -> None:
     """What the start-up check of an AMX CPU asks of the real tiles (decode_tiles.py), here of
-    the tiles in use; and the tile path is the one taken: its bits are not the vector loops'."""
+    the tiles in use."""
     assert decode_tiles_agree(3, 64, mode=tile_mode)
+
+
+def test_the_emulated_tiles_are_the_path_taken() -> None:
+    """Scores whose sum order shows: queries of ones against the first shared key (2^24, 0, 1,
+    -2^24 in its first dims), every other key zero. The emulated tiles sum as the SDM defines
+    tdpbf16ps (the even dims' products and the odd dims' apart: 2^24 + 1 rounds back, -2^24
+    cancels it, a score of 0); the vector loops' vdpbf16ps a pair at a time (1). Only that
+    key's value is not zero, so its weight shows in every row and check of the step (random
+    inputs' differences mostly vanish in the outputs' rounding to bf16)."""
+    if 1 not in tile_modes_here():
+        pytest.skip("no emulated tiles")
     probe = DecodeProbe.make(3, 64, 5, 300, 40, check=6)
-    assert not torch.equal(outputs_in_mode(probe, tile_mode), outputs_in_mode(probe, 0))
+    probe.q.fill_(1.0)
+    probe.k.zero_()
+    probe.v.zero_()
+    probe.k[1, :, :4] = torch.tensor([2.0**24, 0.0, 1.0, -2.0**24])
+    probe.v[1] = 64.0
+    tiles, vector = outputs_in_mode(probe, 1).float(), outputs_in_mode(probe, 0).float()
+    keys = 340  # (the shared 300, the own 40)
+    weight = (1 / keys, torch.e ** 0.125 / (keys - 1 + torch.e ** 0.125))  # scores 0, 1 / 8
+    for rows, want in ((tiles, weight[0]), (vector, weight[1])):
+        assert torch.allclose(rows[:4], torch.full_like(rows[:4], 64 * want), rtol=1e-2)
 
 
 def test_head_dims_the_tiles_cannot_take_stay_on_the_vector_loops(tile_mode: int) -> None:
@@ -137,3 +158,25 @@ def test_amx_tiles_are_refused_where_the_cpu_has_none() -> None:
     with tiles_mode(0):
         assert native.set_decode_tiles(2) == (2 if native.prefill_tiles() == 2 else 0)
         assert native.set_decode_tiles(7) == native.set_decode_tiles(ASK)
+
+
+def test_amx_is_granted_exactly_where_the_cpu_has_it() -> None:
+    """banyan_amx_state (cpu_amx_check.cpp): on a CPU with AMX-BF16, CPUID, Linux's grant and
+    a first tile block run in a child process, exact against the emulated tiles, let the tile
+    paths run AMX's instructions; anywhere else CPUID already says no."""
+    lib = native.load()
+    assert lib is not None
+    state = lib.banyan_amx_state()
+    assert (state == 4) == native.amx_here(), prefill_choice.amx_refusal()
+    assert (native.prefill_tiles() == 2) == (state == 4)
+    if not native.amx_here():
+        assert state == 0 and "CPUID" in prefill_choice.amx_refusal()
+
+
+def test_the_first_tile_blocks_check_tells_a_fault_and_a_wrong_output() -> None:
+    """The check's child process, with the emulated tiles in place of AMX's: their block is
+    the one expected (granted); a child killed by SIGILL, as a bad encoding would be, is a
+    fault, not the end of this process; one output changed is a wrong block."""
+    lib = native.load()
+    assert lib is not None
+    assert [lib.banyan_amx_check_plumbing(how) for how in (0, 1, 2)] == [4, 2, 3]

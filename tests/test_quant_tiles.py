@@ -94,20 +94,43 @@ def test_dense_pairs_on_tiles(tile_mode: int) -> None:
 
 
 def test_the_emulated_tiles_are_the_path_taken() -> None:
-    """Sums whose order shows: 2^24, then a pair (1, -2^24). Tiles emulated as tdpbf16ps is
-    defined add the pair's products one by one, even input first (2^24 + 1 rounds back to 2^24:
-    0 at the end); vdpbf16ps adds the odd one first, or both at once (1 at the end). Bit-level
-    differences of ordinary sums mostly vanish in the outputs' rounding to bf16."""
+    """Sums whose order shows. Tiles emulated as the SDM defines tdpbf16ps sum the even inputs'
+    products and the odd inputs' apart, then add the two: for (2^24, 0, 1, -2^24) the even sum
+    2^24 + 1 rounds back to 2^24, and the odd one cancels it (0), where vdpbf16ps, a pair at a
+    time, ends at 1; for (1, 2^24, 1, -2^24) the even sum is 2 and the odd one 0 (2), where a
+    pair at a time ends at 0 or 1. Bit-level differences of ordinary sums mostly vanish in the
+    outputs' rounding to bf16."""
     if 1 not in MODES:
         pytest.skip("no emulated tiles")
     weight = torch.zeros(16, 32)
     weight[0, :4] = torch.tensor([2.0**24, 0.0, 1.0, -2.0**24])
+    weight[1, :4] = torch.tensor([1.0, 2.0**24, 1.0, -2.0**24])
     pairs = pack_bf16_pairs(weight.bfloat16())
     x = torch.ones(BF16_GEMM_MIN_TOKENS, 32).bfloat16()
     with tiles_mode(1, set_gemm_tiles):
-        tiles = native.bf16_pairs_gemm(x, pairs, 16)[:, 0]
-    vector = native.bf16_pairs_gemm(x, pairs, 16)[:, 0]
-    assert (tiles == 0).all() and (vector == 1).all()
+        tiles = native.bf16_pairs_gemm(x, pairs, 16)[:, :2]
+    vector = native.bf16_pairs_gemm(x, pairs, 16)[:, :2]
+    assert (tiles[:, 0] == 0).all() and (vector[:, 0] == 1).all()
+    assert (tiles[:, 1] == 2).all() and (vector[:, 1] != 2).all()
+
+
+def test_the_emulated_tiles_read_and_leave_no_denormals() -> None:
+    """tdpbf16ps takes denormal inputs as zero and flushes denormal results (DAZ = FTZ = 1,
+    whatever MXCSR says), and so do the emulated tiles: a denormal input times 2^100 is 0 (2^-33
+    otherwise), and so is 2^-70 x 2^-70 (2^-140, a denormal float32)."""
+    if 1 not in MODES:
+        pytest.skip("no emulated tiles")
+    tiny = torch.tensor([0x0001], dtype=torch.int16).view(torch.bfloat16)  # 2^-133
+    weight = torch.zeros(16, 32).bfloat16()
+    weight[0, 0], weight[1, 0] = 2.0**100, 2.0**-70
+    x = torch.ones(BF16_GEMM_MIN_TOKENS, 32).bfloat16()
+    x[:, 0] = tiny
+    x[1::2, 0] = 2.0**-70
+    with tiles_mode(1, set_gemm_tiles):
+        tiles = native.bf16_pairs_gemm(x, pack_bf16_pairs(weight), 16)[:, :2].float()
+    assert (tiles[::2, 0] == 0).all() and (tiles[1::2, 1] == 0).all()
+    assert (tiles[1::2, 0] == 2.0**30).all()  # (2^-70 x 2^100: nothing flushed)
+    assert torch.tensor(2.0**-140).item() != 0  # (float32 itself keeps it)
 
 
 def test_the_start_up_check_passes_on_the_tiles_in_use(tile_mode: int) -> None:

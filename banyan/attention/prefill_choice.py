@@ -111,7 +111,9 @@ def prefill_route(kv_heads: int, head_dim: int, dtype: torch.dtype,
     if not (native.amx_here() and dtype == torch.bfloat16):
         return PrefillRoute(0, False)
     tiles = 0
-    if native.prefill_tiles() == 2 and head_dim % 32 == 0:
+    if native.prefill_tiles() != 2:
+        logger.warning("AMX's tiles are not used by the native kernels here: %s", amx_refusal())
+    elif head_dim % 32 == 0:
         tiles = 2 if tiles_agree(kv_heads, head_dim) else 0
         logger.log(logging.INFO if tiles else logging.WARNING,
                    "prefill attention on AMX tiles: %s", "checked, in use" if tiles else
@@ -124,6 +126,20 @@ def prefill_route(kv_heads: int, head_dim: int, dtype: torch.dtype,
                 PROBE_TOKENS, times.kernel_s * 1e3, " (tiles)" if tiles else "",
                 times.sdpa_s * 1e3, "SDPA" if times.sdpa_wins else "the kernel")
     return PrefillRoute(tiles, times.sdpa_wins)
+
+
+# Why a CPU with AMX runs none of the kernels' tile paths (cpu_amx_tiles.h: AmxState)
+AMX_REFUSALS = ("CPUID shows no AMX-TILE and AMX-BF16",
+                "Linux did not grant the tile state (a kernel before 5.16?)",
+                "a first tile block died in a child process (SIGILL?)",
+                "a first tile block came out other than its emulation's exact output")
+
+
+def amx_refusal() -> str:
+    lib = native.load()
+    if lib is None or native.prefill_tiles() == 0:
+        return "this build has no tile paths"
+    return AMX_REFUSALS[lib.banyan_amx_state()]
 
 
 def median_seconds(fn: Callable[[], object], rounds: int) -> float:

@@ -1,20 +1,19 @@
-// AMX tiles for the attention kernels (Intel Xeons from Sapphire Rapids on): the tile
-// operations twice, as the instructions and emulated in memory, and a 2 x 2 block of tile
-// products both kernels build on (cpu_prefill_tiles.h: the prefill kernel's S^T and O^T;
-// cpu_attend_tiles.h: the row kernel's S and O).
+// AMX tiles for the attention kernels and the quantized GEMM (Intel Xeons from Sapphire Rapids
+// on): the tile operations twice, as the instructions and emulated in memory, and a 2 x 2 block
+// of tile products the kernels build on (cpu_prefill_tiles.h: the prefill kernel's S^T and O^T;
+// cpu_attend_tiles.h: the row kernel's S and O; cpu_quant_gemm_tiles.h).
 //
 // Tiles: 0-3 accumulate (2 x 2 output tiles), 4-5 hold A (16 rows x 32 bf16 each), 6-7 B (16
 // pairs x 16 columns), every tile 16 rows of 64 bytes: one configuration, loaded by each thread
-// as a call starts and released as it ends. (oneDNN's and torch's tile code, in the same
-// threads, are expected to load theirs before using tiles, as torch's flash attention releases
-// its tiles at the end of its regions: to be confirmed by the first AMX run.)
+// as a call starts; the thread's own configuration before it (oneDNN's, torch's) put back as
+// it ends, or the tiles released where it had none.
 //
 // Two tile sets share the code: AmxTiles (the instructions, as inline assembly with literal
-// tile numbers, so no -mamx flags are needed to build) and SoftTiles (the same operations on
-// memory, in plain loops: what the tests run on CPUs without AMX, so the layouts and strides
-// are checked everywhere; the Xeon run adds the instructions' own check). A tile's products
-// run in the hardware's order, so their bits differ from the vector paths'; they do not depend
-// on the tile a row falls in.
+// tile numbers, so no -mamx flags are needed to build; GNU as 2.36 or later) and SoftTiles
+// (the same operations on memory, in plain loops: what the tests run on CPUs without AMX, so
+// the layouts and strides are checked everywhere; the Xeon run adds the instructions' own
+// check). A tile's products sum in tdpbf16ps's order, not the vector paths', so their bits
+// differ from those; they do not depend on the tile a row falls in.
 #pragma once
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -23,16 +22,23 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cfloat>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+// What this process may do with AMX's tiles, decided once (cpu_amx_check.cpp): AmxState.
+extern "C" int banyan_amx_state();
 
 namespace {
 
 constexpr int kTileRows = 16;  // rows of every tile; each row 64 bytes (16 floats, 32 bf16)
 
-// Tiles in memory: each operation as the instruction defines it (products of bf16 pairs summed
-// into float32, pair by pair).
+// Tiles in memory: each operation as the SDM's pseudocode defines it. tdpbf16ps: for each output
+// element, the even inputs' products and the odd inputs' summed apart from zero (fused
+// multiply-adds), then C + (even + odd); denormal inputs read as zero and denormal results
+// flushed to zero at every step (DAZ = FTZ = 1, whatever MXCSR says).
 struct SoftTiles {
     alignas(64) uint8_t t[8][kTileRows][64];
 
@@ -56,25 +62,31 @@ struct SoftTiles {
     template <int A, int B>
     void dot() {
         constexpr int C = 2 * (A - 4) + (B - 6);
-        for (int m = 0; m < kTileRows; ++m)
-            for (int n = 0; n < 16; ++n) {
-                float acc;
-                std::memcpy(&acc, &t[C][m][4 * n], 4);
-                for (int k = 0; k < 16; ++k)
+        for (int m = 0; m < kTileRows; ++m) {
+            float sum[2][16] = {};  // [even / odd inputs][column]
+            for (int k = 0; k < 16; ++k)
+                for (int n = 0; n < 16; ++n)
                     for (int i = 0; i < 2; ++i)
-                        acc += bf16_at(t[A][m], 2 * k + i) * bf16_at(t[B][k], 2 * n + i);
-                std::memcpy(&t[C][m][4 * n], &acc, 4);
+                        sum[i][n] = ftz(std::fma(bf16_at(t[A][m], 2 * k + i),
+                                                 bf16_at(t[B][k], 2 * n + i), sum[i][n]));
+            for (int n = 0; n < 16; ++n) {
+                float c;
+                std::memcpy(&c, &t[C][m][4 * n], 4);
+                c = ftz(ftz(c) + ftz(sum[0][n] + sum[1][n]));
+                std::memcpy(&t[C][m][4 * n], &c, 4);
             }
+        }
     }
 
   private:
+    static float ftz(float x) { return std::fabs(x) < FLT_MIN ? 0.0f * x : x; }  // (keeps -0)
     static float bf16_at(const uint8_t* row, int i) {
         uint16_t h;
         std::memcpy(&h, row + 2 * i, 2);
         const uint32_t bits = static_cast<uint32_t>(h) << 16;
         float f;
         std::memcpy(&f, &bits, 4);
-        return f;
+        return ftz(f);
     }
 };
 
@@ -88,12 +100,23 @@ struct AmxTiles {
         uint8_t rows[16] = {};
     };
 
+    Config saved;  // the thread's configuration before begin(): put back by end()
+
+    // The configuration a thread had is kept and put back: a library that configured its tiles
+    // once for many calls (torch's cpublas::brgemm caches which kernel set them up, per thread)
+    // then finds it as it left it, not released (its next tile instruction would fault).
     void begin() {
+        __asm__ volatile("sttilecfg %0" : "=m"(saved) : : "memory");  // (all zero if none)
         Config c;
         for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kTileRows;
         __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
     }
-    void end() { __asm__ volatile("tilerelease" : : : "memory"); }
+    void end() {
+        if (saved.palette != 0)
+            __asm__ volatile("ldtilecfg %0" : : "m"(saved) : "memory");
+        else
+            __asm__ volatile("tilerelease" : : : "memory");
+    }
     template <int T>
     void zero() {
         if constexpr (T == 0) __asm__ volatile("tilezero %%tmm0" : : : "memory");
@@ -134,13 +157,15 @@ static_assert(sizeof(AmxTiles::Config) == 64 && offsetof(AmxTiles::Config, colsb
                   offsetof(AmxTiles::Config, rows) == 48,
               "tile configuration layout");
 
-// Asks Linux for the tile registers' state (once a process; without it the first tile
-// instruction faults): true where granted (a kernel before 5.16, or no AMX, refuses).
-inline bool amx_granted() {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
-    static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-    return granted;
-}
+enum AmxState : int {
+    kAmxNoCpu = 0,    // CPUID: no AMX-TILE and AMX-BF16
+    kAmxRefused = 1,  // Linux did not grant the tile state (a kernel before 5.16)
+    kAmxFaulted = 2,  // a first 2 x 2 tile block died in a child process (or none started)
+    kAmxWrong = 3,    // it ran, and its output was not the emulated tiles' exact one
+    kAmxGranted = 4,  // it ran and came out exact: the tile paths may run AMX's instructions
+};
+
+inline bool amx_granted() { return banyan_amx_state() == kAmxGranted; }
 
 // 2 x 2 output tiles: C[0..3] = (a0, a1) x (b0, b1) over `steps` steps of 32 bf16 (A) / 16
 // pairs (B); load: C starts from memory (c, ldc bytes a row, tiles at c, c + 64 bytes, c + 16

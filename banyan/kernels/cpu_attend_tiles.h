@@ -48,18 +48,21 @@ inline int64_t tile_rows(int64_t rows) {
     return (rows + kTileBlock - 1) / kTileBlock * kTileBlock;
 }
 
-// A thread's tile configuration for one call: loaded as it starts, released as it ends (mode
-// 2, AMX); nothing in other modes or builds.
+// A thread's tile configuration for one call: loaded as it starts, the one before put back as
+// it ends (mode 2, AMX); nothing in other modes or builds.
 struct TileSession {
     int mode;
+#if defined(BANYAN_DECODE_TILES)
+    AmxTiles amx;
+#endif
     explicit TileSession(int m) : mode(m) {
 #if defined(BANYAN_DECODE_TILES)
-        if (mode == 2) AmxTiles{}.begin();
+        if (mode == 2) amx.begin();
 #endif
     }
     ~TileSession() {
 #if defined(BANYAN_DECODE_TILES)
-        if (mode == 2) AmxTiles{}.end();
+        if (mode == 2) amx.end();
 #endif
     }
 };

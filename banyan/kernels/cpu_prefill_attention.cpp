@@ -317,7 +317,8 @@ BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
 
 #if defined(BANYAN_PREFILL_TILES)
 // The same for bf16 queries with the products on tiles (cpu_prefill_tiles.h): hardware 1,
-// AMX's (only where banyan_prefill_tiles() is 2), else 0, the tiles emulated in memory (tests).
+// AMX's (only where banyan_prefill_tiles() is 2; else emulated, never a fault), else 0, the
+// tiles emulated in memory (tests).
 #define BANYAN_PREFILL_TILES_ENTRY(NAME, K)                                                    \
     void NAME(const BF16::T* q, const K::T* k, const K::T* v, const float* kscale,            \
               const float* vscale, const int32_t* table, int64_t table_stride,                \
@@ -330,7 +331,7 @@ BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
                                                         q_start, n_new, n_reqs, out, heads,    \
                                                         kvh, d, scale, n_threads);             \
         };                                                                                     \
-        hardware ? run(AmxTiles{}) : run(SoftTiles{});                                         \
+        hardware && amx_granted() ? run(AmxTiles{}) : run(SoftTiles{});                        \
     }
 
 BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_bf16, BF16)

@@ -13,7 +13,7 @@
 //   O^T [dims][rows] += V^T P^T: A = V^T as pairs of keys (vt [d][BK / 2] words: the pair
 //     path's vp transposed), B = the probabilities as softmax_pairs writes them (pp [pairs]
 //     [rp]); O^T is scaled by the rows' corrections in place before each block's products.
-// A tile's products run in the hardware's order, so the bits differ from the pair path's
+// A tile's products sum in tdpbf16ps's order, so the bits differ from the pair path's
 // (tests: both against float64); they do not depend on the tile a row falls in, the thread
 // count or the work items (the pair path's rule).
 #pragma once

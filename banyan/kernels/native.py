@@ -47,7 +47,7 @@ SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
            "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
            "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp", "cpu_kv_quant.cpp",
-           "cpu_draft_pick.cpp", "cpu_argmax.cpp", "cpu_head_screen.cpp")
+           "cpu_draft_pick.cpp", "cpu_argmax.cpp", "cpu_head_screen.cpp", "cpu_amx_check.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -143,7 +143,8 @@ def load() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels failed to build, PyTorch ops in use: %s", detail)
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.banyan_prefill_tiles.restype = ctypes.c_int
+    lib.banyan_prefill_tiles.restype = lib.banyan_amx_state.restype = ctypes.c_int
+    lib.banyan_amx_check_plumbing.argtypes = [ctypes.c_int]  # (tests)
     for q_sfx in _DTYPE_SUFFIX.values():
         for kv_sfx in (q_sfx, *_KV_CODE_SUFFIX.values()):
             fn = getattr(lib, f"banyan_paged_attention_{q_sfx}_{kv_sfx}")
