@@ -36,7 +36,7 @@ from banyan.bench.workloads import random_workload
 
 def config(name: str) -> dict[str, Any]:
     """Engine arguments of a configuration: none, ngram or draft (the engine's defaults), with
-    -kN: at most N guesses a step, and for draft -cF: --spec-draft-min-confidence F, -qQ: the
+    -kN: at most N guesses a step, for ngram -mN: --spec-ngram-min N, and for draft -cF: --spec-draft-min-confidence F, -qQ: the
     draft's weights in Q instead of --draft-quantization, -l0 / -l1: --spec-draft-no-lookup /
     the lookup on, -h0: the draft's guesses from its full head, not its 4-bit pick (draft-k8-c0:
     8 guesses, however unsure; draft-qint4: the draft model quantized to int4 at load)."""
@@ -46,6 +46,8 @@ def config(name: str) -> dict[str, Any]:
         value = option[1:]
         if algorithm != "none" and option.startswith("k") and value.isdigit():
             extra["speculative_num_tokens"] = int(value)
+        elif algorithm == "ngram" and option.startswith("m") and value.isdigit():
+            extra["spec_ngram_min"] = int(value)
         elif algorithm == "draft" and option.startswith("c") and _is_float(value):
             extra["spec_draft_min_confidence"] = float(value)
         elif algorithm == "draft" and option.startswith("q") and value in QUANTIZATION_CHOICES:
@@ -57,7 +59,7 @@ def config(name: str) -> dict[str, Any]:
         else:
             algorithm = "?"
     if algorithm not in ("none", "ngram", "draft"):
-        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN], "
+        raise SystemExit(f"unknown configuration {name!r}: none, ngram[-kN][-mN], "
                          "draft[-kN][-cF][-qQ][-l0|-l1][-h0]")
     return extra
 

@@ -21,10 +21,12 @@
               int64_t n_threads)
 
 // The prefill kernel's entry points (cpu_prefill_attention.cpp): the same arguments without
-// the grouping (each request attends alone, causally, over its whole context).
-#define BANYAN_PREFILL_ATTENTION_SIGNATURE(NAME, QT, KT)                                       \
-    void NAME(const QT* q, const KT* k, const KT* v, const float* kscale, const float* vscale, \
-              const int32_t* table, int64_t table_stride, const int64_t* req_row,             \
-              const int64_t* req_len, const int64_t* q_start, const int64_t* n_new,           \
-              int64_t n_reqs, QT* out, int64_t heads, int64_t kvh, int64_t d, float scale,    \
-              int64_t n_threads)
+// the grouping (each request attends alone, causally, over its whole context); its tile and
+// layer-stack entries add one argument after them.
+#define BANYAN_PREFILL_ATTENTION_PARAMS(QT, KT)                                               \
+    const QT* q, const KT* k, const KT* v, const float* kscale, const float* vscale,         \
+        const int32_t* table, int64_t table_stride, const int64_t* req_row,                  \
+        const int64_t* req_len, const int64_t* q_start, const int64_t* n_new, int64_t n_reqs, \
+        QT* out, int64_t heads, int64_t kvh, int64_t d, float scale, int64_t n_threads
+#define BANYAN_PREFILL_ATTENTION_SIGNATURE(NAME, QT, KT) \
+    void NAME(BANYAN_PREFILL_ATTENTION_PARAMS(QT, KT))

@@ -320,11 +320,7 @@ BANYAN_PREFILL_ATTENTION(banyan_prefill_attention_bf16_fp8_e5m2, BF16, E5M2)
 // AMX's (only where banyan_prefill_tiles() is 2; else emulated, never a fault), else 0, the
 // tiles emulated in memory (tests).
 #define BANYAN_PREFILL_TILES_ENTRY(NAME, K)                                                    \
-    void NAME(const BF16::T* q, const K::T* k, const K::T* v, const float* kscale,            \
-              const float* vscale, const int32_t* table, int64_t table_stride,                \
-              const int64_t* req_row, const int64_t* req_len, const int64_t* q_start,         \
-              const int64_t* n_new, int64_t n_reqs, BF16::T* out, int64_t heads, int64_t kvh, \
-              int64_t d, float scale, int64_t n_threads, int hardware) {                      \
+    void NAME(BANYAN_PREFILL_ATTENTION_PARAMS(BF16::T, K::T), int hardware) {                  \
         auto run = [&](auto tiles) {                                                           \
             prefill_attention<BF16, K, decltype(tiles)>(q, k, v, kscale, vscale, table,        \
                                                         table_stride, req_row, req_len,        \
@@ -343,13 +339,7 @@ BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e5m2, E5M2)
 // The layer stack's call for bf16 queries over a bf16 pool (cpu_layer_stack.cpp), its products
 // where the per-op path's are (CpuNativeBackend.tiles: 0 the vector paths, 1 tiles emulated, 2
 // AMX's; only 0 in a build without the tile path), so a chunk has one set of bits either way.
-void banyan_prefill_attention_stack_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                         const float* kscale, const float* vscale,
-                                         const int32_t* table, int64_t table_stride,
-                                         const int64_t* req_row, const int64_t* req_len,
-                                         const int64_t* q_start, const int64_t* n_new,
-                                         int64_t n_reqs, uint16_t* out, int64_t heads,
-                                         int64_t kvh, int64_t d, float scale, int64_t n_threads,
+void banyan_prefill_attention_stack_bf16(BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, uint16_t),
                                          int64_t tiles) {
 #if defined(BANYAN_PREFILL_TILES)
     if (tiles > 0) {

@@ -30,13 +30,7 @@ BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t)
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
 BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_f32, float, float);
 BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_int8, float, int8_t);
-void banyan_prefill_attention_stack_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                         const float* kscale, const float* vscale,
-                                         const int32_t* table, int64_t table_stride,
-                                         const int64_t* req_row, const int64_t* req_len,
-                                         const int64_t* q_start, const int64_t* n_new,
-                                         int64_t n_reqs, uint16_t* out, int64_t heads,
-                                         int64_t kvh, int64_t d, float scale, int64_t n_threads,
+void banyan_prefill_attention_stack_bf16(BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, uint16_t),
                                          int64_t tiles);
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
