@@ -36,7 +36,8 @@ from banyan.bench.workloads import random_workload
 
 def config(name: str) -> dict[str, Any]:
     """Engine arguments of a configuration: none, ngram or draft (the engine's defaults), with
-    -kN: at most N guesses a step, for ngram -mN: --spec-ngram-min N, and for draft -cF: --spec-draft-min-confidence F, -qQ: the
+    -kN: at most N guesses a step, for ngram -mN: --spec-ngram-min N, and for draft -cF:
+    --spec-draft-min-confidence F, -qQ: the
     draft's weights in Q instead of --draft-quantization, -l0 / -l1: --spec-draft-no-lookup /
     the lookup on, -h0: the draft's guesses from its full head, not its 4-bit pick (draft-k8-c0:
     8 guesses, however unsure; draft-qint4: the draft model quantized to int4 at load)."""
