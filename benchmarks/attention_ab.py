@@ -24,7 +24,7 @@ import torch
 
 from banyan.attention.native_plan import plan_native
 from banyan.bench.offline import machine_info
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 from decode_attention import decode_step, workload_rows  # (this script's folder)
 from prefill_attention import case as prefill_case
 from two_builds import native_libraries, parse_args
@@ -44,7 +44,7 @@ def lone(keys: int, tokens: int) -> Callable[[], None]:
 
     def run() -> None:
         for layer in range(LAYERS):
-            native.paged_attention(q, k[layer], v[layer], table, p.req_row, p.req_len,
+            attention_kernels.paged_attention(q, k[layer], v[layer], table, p.req_row, p.req_len,
                                    p.q_start, p.n_new, p.order, p.group_start, p.group_prefix,
                                    DIM**-0.5, out)
     return run

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from banyan.attention.native_plan import default_max_extend, plan_native
 from banyan.bench.offline import command_line, machine_info
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 from banyan.mem.kv_pool import dequantize_rows, kv_code_dtype, quantize_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
@@ -91,15 +91,15 @@ def case(prefix: int, n: int, dtype: torch.dtype,
     scale = HEAD_DIM**-0.5
 
     def prefill_kernel() -> None:
-        native.prefill_attention(q, pk, pv, table, zero, req_len, zero, n_new, scale, out,
-                                 k_scale, v_scale)
+        attention_kernels.prefill_attention(q, pk, pv, table, zero, req_len, zero, n_new, scale,
+                                            out, k_scale, v_scale)
 
     plan = plan_native(table, [0], [prefix], [n], [0])
 
     def row_kernel() -> None:
-        native.paged_attention(q, pk, pv, table, plan.req_row, plan.req_len, plan.q_start,
-                               plan.n_new, plan.order, plan.group_start, plan.group_prefix,
-                               scale, out, k_scale, v_scale)
+        attention_kernels.paged_attention(q, pk, pv, table, plan.req_row, plan.req_len,
+                                          plan.q_start, plan.n_new, plan.order, plan.group_start,
+                                          plan.group_prefix, scale, out, k_scale, v_scale)
 
     qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     ks, vs = (x[1:].transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, KVH, total, D]
@@ -110,8 +110,8 @@ def case(prefix: int, n: int, dtype: torch.dtype,
                                        scale=scale, enable_gqa=True)
 
     def prefill_tiles() -> None:  # (AMX CPUs, bf16 queries: cpu_prefill_tiles.h)
-        native.prefill_attention(q, pk, pv, table, zero, req_len, zero, n_new, scale, out,
-                                 k_scale, v_scale, tiles=2)
+        attention_kernels.prefill_attention(q, pk, pv, table, zero, req_len, zero, n_new, scale,
+                                            out, k_scale, v_scale, tiles=2)
 
     return {"prefill_kernel": prefill_kernel, "prefill_tiles": prefill_tiles,
             "row_kernel": row_kernel, "sdpa": sdpa}

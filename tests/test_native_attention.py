@@ -14,7 +14,7 @@ import torch
 
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND, native_attention
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 from tests.test_cascade_attention import Req, Scene, fresh, greedy_plans_match_transformers
 
 pytestmark = pytest.mark.skipif(
@@ -227,8 +227,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     plan = plan_native(rows, list(range(len(reqs))), [c - n for c, n in reqs],
                        [n for _, n in reqs], starts, max_shared=0)
     out = torch.empty_like(q)
-    native.paged_attention(q, k, v, rows, plan.req_row, plan.req_len, plan.q_start, plan.n_new,
-                           plan.order, plan.group_start, plan.group_prefix, 0.125, out)
+    attention_kernels.paged_attention(q, k, v, rows, plan.req_row, plan.req_len, plan.q_start,
+                                      plan.n_new, plan.order, plan.group_start, plan.group_prefix,
+                                      0.125, out)
     return out
 
 
@@ -312,9 +313,9 @@ def test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone(
                        None)
     assert plan.group_prefix.tolist()[0] == shared  # one group, over the whole shared prefix
     grouped = torch.empty_like(q)
-    native.paged_attention(q, k, v, table, plan.req_row, plan.req_len, plan.q_start,
-                           plan.n_new, plan.order, plan.group_start, plan.group_prefix, 0.125,
-                           grouped)
+    attention_kernels.paged_attention(q, k, v, table, plan.req_row, plan.req_len, plan.q_start,
+                                      plan.n_new, plan.order, plan.group_start, plan.group_prefix,
+                                      0.125, grouped)
     for i, n in enumerate(lens):
         alone = _attend(q[i:i + 1].contiguous(), k, v, table[i:i + 1, :n].contiguous(),
                         [(n, 1)])

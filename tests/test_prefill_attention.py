@@ -21,7 +21,7 @@ from banyan import Engine, SamplingParams
 from banyan.attention import cpu_native, prefill_choice
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.attention.prefill_choice import PrefillTimes
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 from tests.test_cascade_attention import Req, Scene, fresh
 
 pytestmark = pytest.mark.skipif(
@@ -138,14 +138,14 @@ def test_tiles_agree_with_the_pair_path(tiles: int, monkeypatch: pytest.MonkeyPa
     on the tiles this CPU has; a tile path whose output is off (one key block's worth of
     weight moved) or not finite fails it."""
     assert prefill_choice.tiles_agree(2, 64, tiles=tiles, tokens=120)
-    kernel = native.prefill_attention
+    kernel = attention_kernels.prefill_attention
 
     def off_by(shift: float) -> None:
         def wrong(*args: object, tiles: int = 0) -> torch.Tensor:
             out = kernel(*args, tiles=tiles)  # type: ignore[arg-type]
             return out + shift if tiles else out
 
-        monkeypatch.setattr(native, "prefill_attention", wrong)
+        monkeypatch.setattr(attention_kernels, "prefill_attention", wrong)
 
     off_by(0.1)
     assert not prefill_choice.tiles_agree(2, 64, tiles=tiles, tokens=120)
@@ -322,7 +322,7 @@ def test_the_layer_stacks_entry_runs_the_tile_mode_it_is_given(tiles: int) -> No
     table = torch.tensor([[0, 1]], dtype=torch.int32)
     req = [torch.tensor([x], dtype=torch.int64) for x in (0, 2, 0, 1)]  # row, len, start, new
     args = (q, k, v, table, *req, 1.0)
-    per_op = native.prefill_attention(*args, torch.empty_like(q), tiles=tiles)
+    per_op = attention_kernels.prefill_attention(*args, torch.empty_like(q), tiles=tiles)
     stack = torch.empty_like(q)
     lib = native.load()
     assert lib is not None

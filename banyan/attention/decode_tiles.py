@@ -27,7 +27,7 @@ import torch
 
 from banyan.attention.native_plan import NativePlan, plan_native
 from banyan.attention.prefill_choice import median_seconds
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,10 @@ class DecodeProbe:
     def run(self) -> torch.Tensor:
         p = self.plan
         out = torch.empty_like(self.q)
-        return native.paged_attention(self.q, self.k, self.v, self.table, p.req_row, p.req_len,
-                                      p.q_start, p.n_new, p.order, p.group_start,
-                                      p.group_prefix, self.q.shape[-1]**-0.5, out)
+        return attention_kernels.paged_attention(self.q, self.k, self.v, self.table, p.req_row,
+                                                 p.req_len, p.q_start, p.n_new, p.order,
+                                                 p.group_start, p.group_prefix,
+                                                 self.q.shape[-1]**-0.5, out)
 
 
 ASK = -1  # native.set_decode_tiles: a value other than 0, 1, 2 only asks the mode in effect

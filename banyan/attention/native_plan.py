@@ -26,7 +26,7 @@ import torch
 
 from banyan.attention.prefix_groups import CascadePolicy, find_shared_prefixes
 from banyan.host_tensors import int64_tensor
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 from banyan.mem.kv_pool import LayerKV
 
 NATIVE_GROUPING = CascadePolicy(min_prefix=32, min_saved=32)
@@ -167,23 +167,10 @@ def native_attention(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written)."""
-    return native.paged_attention(
-        q,
-        layer.k,
-        layer.v,
-        table,
-        plan.req_row,
-        plan.req_len,
-        plan.q_start,
-        plan.n_new,
-        plan.order,
-        plan.group_start,
-        plan.group_prefix,
-        scale,
-        out,
-        layer.k_scale,
-        layer.v_scale,
-    )
+    return attention_kernels.paged_attention(q, layer.k, layer.v, table, plan.req_row,
+                                             plan.req_len, plan.q_start, plan.n_new, plan.order,
+                                             plan.group_start, plan.group_prefix, scale, out,
+                                             layer.k_scale, layer.v_scale)
 
 
 @dataclass(slots=True)
@@ -216,7 +203,7 @@ def prefill_attention(
     tiles: int = 0,
 ) -> torch.Tensor:
     """q, out: [T, H, D] (the whole step; the plan's requests' rows of out are written); tiles:
-    native.prefill_attention's."""
-    return native.prefill_attention(q, layer.k, layer.v, table, plan.req_row, plan.req_len,
-                                    plan.q_start, plan.n_new, scale, out, layer.k_scale,
-                                    layer.v_scale, tiles)
+    attention_kernels.prefill_attention's."""
+    return attention_kernels.prefill_attention(q, layer.k, layer.v, table, plan.req_row,
+                                               plan.req_len, plan.q_start, plan.n_new, scale, out,
+                                               layer.k_scale, layer.v_scale, tiles)

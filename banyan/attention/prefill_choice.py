@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.kernels import native
+from banyan.kernels import attention_kernels, native
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,10 @@ class _Probe:
 
     def kernel(self, tiles: int = 0) -> torch.Tensor:
         zero = torch.zeros(1, dtype=torch.int64)
-        return native.prefill_attention(self.q, self.k, self.v, self.table, zero, self.length,
-                                        zero, self.length, self.q.shape[-1]**-0.5,
-                                        torch.empty_like(self.q), tiles=tiles)
+        return attention_kernels.prefill_attention(self.q, self.k, self.v, self.table, zero,
+                                                   self.length, zero, self.length,
+                                                   self.q.shape[-1]**-0.5, torch.empty_like(self.q),
+                                                   tiles=tiles)
 
     def sdpa(self) -> None:  # the views the SDPA path hands it (torch_backend._attend_extend)
         from banyan.attention.torch_backend import sdpa_gqa

@@ -23,7 +23,7 @@
 // keys in order within them) is the same whatever BQ, the tile a row falls in, or the thread
 // count: BQ adapts to the thread count and the output bits do not change with it.
 //
-// Built at run time by banyan/kernels/native.py; see native.prefill_attention.
+// Built at run time by banyan/kernels/native.py; called through attention_kernels.py.
 
 #include <algorithm>
 #include <cmath>
