@@ -2,12 +2,15 @@
 against each other in one process, call by call, on SmolLM2-135M's layer shapes: int4 (group
 32), int8 (a scale per row) and dense bf16 pairs, every call of one build followed by the same
 call of the other (their order swapped every round), so a drift of the machine's speed hits
-both alike. The two builds' outputs are checked to be the same bits first.
+both alike. The two builds' outputs are checked to be the same bits first (--new-bits METHOD:
+that method's may differ, as for a change of what it computes; their largest difference is
+printed, relative to the largest output).
 
 Build the other checkout's kernels (any Banyan call that loads them writes the library into the
 kernel cache, ~/.cache/banyan/kernels, named by a hash of their sources), then:
 
-    python benchmarks/bf16_gemm_ab.py A.so B.so [--tokens 64] [--rounds 150] [--out FILE]
+    python benchmarks/bf16_gemm_ab.py A.so B.so [--tokens 64] [--rounds 150] [--out FILE] \
+        [--new-bits int8]
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def main() -> int:
-    ns = parse_args(__doc__, "64", 150)
+    ns = parse_args(__doc__, "64", 150, lambda ap: ap.add_argument(
+        "--new-bits", default="", help="a method whose outputs may differ between the builds"))
     if len(ns.tokens) != 1:
         raise SystemExit("--tokens: one count here")
     ns.tokens = ns.tokens[0]
@@ -62,14 +66,21 @@ def main() -> int:
     keep: list[Any] = []
     cases = {(shape, method): call_args(method, n, k, ns.tokens, keep)
              for shape, (n, k) in SHAPES.items() for method in ("int4", "int8", "bf16")}
+    differences = {}
     for case, args in cases.items():  # the same bits from both
         got = []
         for lib in libs.values():
             lib.banyan_quant_gemm_bf16(*args)
-            got.append(ctypes.string_at(args[9], ns.tokens * args[10] * 2))  # out, bf16
-        if got[0] != got[1]:
+            got.append(torch.frombuffer(bytearray(ctypes.string_at(  # out, bf16
+                args[9], ns.tokens * args[10] * 2)), dtype=torch.bfloat16).float())
+        if torch.equal(got[0], got[1]):
+            continue
+        if case[1] != ns.new_bits:
             print(f"{case}: the two builds' outputs differ", file=sys.stderr)
             return 1
+        differences[f"{case[0]} {case[1]}"] = rel = (
+            (got[0] - got[1]).abs().max() / got[0].abs().max()).item()
+        print(f"{case}: outputs differ by up to {rel:.3g} of the largest", flush=True)
     seconds: dict[tuple[str, str, str], list[float]] = {
         (*case, name): [] for case in cases for name in libs}
     for r in range(ns.rounds):
@@ -94,7 +105,7 @@ def main() -> int:
     if ns.out:
         result = {"command": ns.command, "machine": machine_info(),
                   "tokens": ns.tokens, "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
-                  "cases": rows}
+                  "new_bits": ns.new_bits, "largest_differences": differences, "cases": rows}
         ns.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

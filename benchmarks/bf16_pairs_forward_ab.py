@@ -1,15 +1,18 @@
-"""Two builds of the bf16 GEMM kernel on a whole forward's projections, as a bf16 model's decode
-or speculative check runs them: SmolLM2-135M's 30 x 4 weights (212 MB, in the pairs layout of a
-dense bf16 layer) one after the other, T tokens each, so the weights stream from memory as in
-the engine (bf16_gemm_ab.py times one layer at a time, in cache). The two builds alternate
-forward by forward (order swapped every round), after a check that they give the same bits.
+"""Two builds of the bf16 GEMM kernel on a whole forward's projections, as a bf16 model's decode,
+speculative check or batched step runs them: SmolLM2-135M's 30 x 4 weights (212 MB in the pairs
+layout of a dense bf16 layer; --method int8 or int4: quantized, as bf16_gemm_ab.py makes them)
+one after the other, T tokens each, so the weights stream from memory as in the engine
+(bf16_gemm_ab.py times one layer at a time, in cache). The two builds alternate forward by
+forward (order swapped every round), after a check that they give the same bits (--new-bits:
+the method's may differ; their largest difference is printed).
 
     python benchmarks/bf16_pairs_forward_ab.py A.so B.so [--tokens 1,8,9,12,13,16] [--rounds 9]
-        [--out FILE]
+        [--method bf16] [--new-bits] [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import statistics
@@ -19,39 +22,56 @@ import time
 import torch
 
 from banyan.bench.offline import machine_info
-from banyan.layers.panels import pack_bf16_pairs
-from two_builds import gemm_libraries, parse_args  # (this script's folder)
+from bf16_gemm_ab import call_args  # (this script's folder)
+from two_builds import gemm_libraries, parse_args
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate/up, down (out, in)
 LAYERS = 30
-PAIRS_KIND = 5  # kBf16Pairs
+
+
+def more_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--method", default="bf16", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--new-bits", action="store_true",
+                    help="the builds' outputs may differ (a change of what the method computes)")
 
 
 def main() -> int:
-    ns = parse_args(__doc__, "1,8,9,12,13,16", 9)
+    ns = parse_args(__doc__, "1,8,9,12,13,16", 9, more_args)
     libs = gemm_libraries(ns.a, ns.b)
     torch.manual_seed(0)
-    weights = [(pack_bf16_pairs(torch.randn(n, k).bfloat16() * 0.02), n, k)
-               for _ in range(LAYERS) for n, k in SHAPES]
-    weight_bytes = sum(n * k * 2 for _, n, k in weights)
-    tokens = ns.tokens
-    xs = {t: {k: torch.randn(t, k).bfloat16() for k in (576, 1536)} for t in tokens}
-    outs = {t: torch.empty(t, max(n for n, _ in SHAPES), dtype=torch.bfloat16) for t in tokens}
-    threads = torch.get_num_threads()
+    tokens, keep = ns.tokens, []
+    # every layer's call per token count (its own input and output), the weights shared
+    layers = [call_args(ns.method, n, k, tokens[0], keep) for _ in range(LAYERS)
+              for n, k in SHAPES]
+    weight_bytes = sum(n * k for _ in range(LAYERS) for n, k in SHAPES) * (
+        {"bf16": 2, "int8": 1, "int4": 0.5}[ns.method])
+    calls = {t: [] for t in tokens}
+    for t in tokens:
+        xs = {k: torch.randn(t, k).bfloat16() for k in (576, 1536)}
+        out = torch.empty(t, max(n for n, _ in SHAPES), dtype=torch.bfloat16)
+        keep += [xs, out]
+        for args in layers:  # (x, T, K, kind, weight, scale, mins, group, bias, out, N, threads)
+            k = args[2]
+            calls[t].append((xs[k].data_ptr(), t, *args[2:9], out.data_ptr(), *args[10:]))
+        calls[t].append(out)  # the last projection's output, for the check
 
     def forward(lib: ctypes.CDLL, t: int) -> None:
-        for w, n, k in weights:
-            lib.banyan_quant_gemm_bf16(xs[t][k].data_ptr(), t, k, PAIRS_KIND, w.data_ptr(), None,
-                                       None, 0, None, outs[t].data_ptr(), n, threads)
+        for args in calls[t][:-1]:
+            lib.banyan_quant_gemm_bf16(*args)
 
+    differences = {}
     for t in tokens:  # the same bits from both (the last projection's output)
         got = []
         for lib in libs.values():
             forward(lib, t)
-            got.append(outs[t].clone())
-        if not torch.equal(got[0], got[1]):
+            got.append(calls[t][-1].float().clone())
+        if torch.equal(got[0], got[1]):
+            continue
+        if not ns.new_bits:
             print(f"{t} tokens: the two builds' outputs differ", file=sys.stderr)
             return 1
+        differences[t] = rel = ((got[0] - got[1]).abs().max() / got[0].abs().max()).item()
+        print(f"{t} tokens: outputs differ by up to {rel:.3g} of the largest", flush=True)
     seconds: dict[tuple[int, str], list[float]] = {(t, n): [] for t in tokens for n in libs}
     for r in range(ns.rounds):
         for t in tokens:
@@ -68,8 +88,9 @@ def main() -> int:
         print(f"T={t:3d} a {a * 1e3:7.2f} ms b {b * 1e3:7.2f} ms  b/a {b / a:.3f}  "
               f"(a streams {weight_bytes / a / 1e9:.1f} GB/s)", flush=True)
     if ns.out:
-        result = {"command": ns.command, "machine": machine_info(),
-                  "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name, "cases": rows}
+        result = {"command": ns.command, "machine": machine_info(), "method": ns.method,
+                  "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
+                  "largest_differences": differences, "cases": rows}
         ns.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -150,16 +150,26 @@ def _quantized_layer(method: str, out_f: int, in_f: int, bias: bool) -> Linear:
     return layer
 
 
+def _gemm_weight(layer: Linear, method: str) -> torch.Tensor:
+    """What the bf16 GEMM multiplies, float64: the weight's values rounded once to bf16, but for
+    int8 with a scale per row the codes (exact in bf16) before each sum is scaled, so the
+    values unrounded."""
+    values = layer.method.dequantized_weight(layer).double()
+    return values if method == "int8" else values.bfloat16().double()
+
+
 @needs_kernels
 @pytest.mark.parametrize("method", ["int8", "int4g32", "int4g128", "int8g32", "int8g16",
                                     "int4-float32-scales"])
 @pytest.mark.parametrize("out_f,in_f,tokens,bias", [(70, 128, 9, True), (16, 256, 8, False),
                                                     (49, 128, 21, False), (100, 384, 64, True),
                                                     (300, 256, 23, True)])
-def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: int, in_f: int,
-                                                           tokens: int, bias: bool) -> None:
-    """A bf16 model's long steps: bf16 activations times the weights rounded once to bf16,
-    float32 sums, one rounding of each output (plus the float32 bias first). Every panel-group
+def test_bf16_gemm_matches_float64_of_the_weights_it_multiplies(method: str, out_f: int,
+                                                                in_f: int, tokens: int,
+                                                                bias: bool) -> None:
+    """A bf16 model's long steps: bf16 activations times the weights rounded once to bf16 (or
+    int8 codes, _gemm_weight), float32 sums, one rounding of each output (plus the float32 bias
+    first). Every panel-group
     and token-block tail: rows not a multiple of 16 or 48, tokens not a multiple of 8; 300 rows:
     several groups a thread, each filled while the one before it computes. On a CPU
     without AVX512-BF16 this checks the kernel's scalar twin."""
@@ -169,14 +179,35 @@ def test_bf16_gemm_matches_float64_of_bf16_rounded_weights(method: str, out_f: i
     torch.manual_seed(out_f + in_f + tokens)
     layer = _quantized_layer(method, out_f, in_f, bias)
     x = torch.randn(tokens, in_f).bfloat16()
-    weight = layer.method.dequantized_weight(layer).bfloat16().double()
-    want = x.double() @ weight.T + (layer.bias.double() if bias else 0.0)
+    want = x.double() @ _gemm_weight(layer, method).T + (layer.bias.double() if bias else 0.0)
     got = layer.method._bf16_gemm(layer, x)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_f)
     tol = 2**-8 * want.abs() + 1e-4 * want.abs().max()
     assert ((got.double() - want).abs() <= tol).all()
     if bf16_gemm_here() and tokens >= BF16_GEMM_MIN_TOKENS:  # what the layer runs for bf16
         assert torch.equal(layer(x), got)
+
+
+@needs_kernels
+def test_int8_long_steps_multiply_the_codes_and_scale_each_sum() -> None:
+    """int8 with a scale per row: the bf16 GEMM multiplies the codes, exact in bf16, and scales
+    each sum, as the short steps' float32 kernel does. Rounding code x scale to bf16 first (as
+    it once did) turns scale 1.0625 x codes 127 and -126 (134.9375, -133.875) into 135 and -134,
+    and a pair of ones into 1, not 1.0625."""
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+
+    row = torch.zeros(32)
+    row[0], row[1] = 127 * 1.0625, -126 * 1.0625
+    layer = Linear.from_weight(row.repeat(20, 1))
+    layer.convert(Int8Method())
+    assert torch.equal(layer.scale[:20], torch.full((20,), 1.0625))
+    x = torch.zeros(BF16_GEMM_MIN_TOKENS, 32, dtype=torch.bfloat16)
+    x[:, :2] = 1
+    with torch.inference_mode():
+        long = layer.method._bf16_gemm(layer, x)
+        short = layer(x[:1])
+    assert torch.equal(long, torch.full_like(long, 1.0625))
+    assert torch.equal(short[0], long[0])
 
 
 @needs_kernels

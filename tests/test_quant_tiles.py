@@ -1,8 +1,9 @@
 """The bf16 GEMM of quantized (and plain bf16) weights with its products on tiles
 (kernels/cpu_quant_gemm_tiles.h): emulated in memory wherever the tile paths are built
 (AVX512-BF16), AMX's own where the CPU grants them. Against a float64 product of the weights
-rounded to bf16; a token's outputs the same whatever block of 32 it falls in; steps shorter than
-BF16_GEMM_MIN_TOKENS untouched by the mode."""
+it multiplies (rounded to bf16; int8 rows' codes, each sum then scaled); a token's outputs the
+same whatever block of 32 it falls in; steps shorter than BF16_GEMM_MIN_TOKENS untouched by the
+mode."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from banyan.kernels import native
 from banyan.layers.gemm_tiles import gemm_tiles_agree, set_gemm_tiles
 from banyan.layers.panels import pack_bf16_pairs
 from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
-from tests.test_quant import _quantized_layer
+from tests.test_quant import _gemm_weight, _quantized_layer
 
 MODES = tile_modes_here() if native.load() is not None and native.bf16_gemm_here() else []
 pytestmark = pytest.mark.skipif(not MODES, reason="no tile path in this build (AVX512-BF16)")
@@ -38,9 +39,9 @@ def _gemm(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("out_f,in_f,tokens,bias", [(70, 128, 17, True), (49, 96, 33, False),
                                                     (100, 576, 64, True), (16, 256, 40, False),
                                                     (300, 256, 23, True)])
-def test_tile_gemm_matches_float64_of_bf16_rounded_weights(tile_mode: int, method: str,
-                                                           out_f: int, in_f: int, tokens: int,
-                                                           bias: bool) -> None:
+def test_tile_gemm_matches_float64_of_the_weights_it_multiplies(tile_mode: int, method: str,
+                                                                out_f: int, in_f: int,
+                                                                tokens: int, bias: bool) -> None:
     """Every panel pair (and a group's odd last panel), blocks of 32 tokens and a last block of
     up to 16 or of 17-31 (padded), rows not a multiple of 16, several groups a thread."""
     if method == "int4g128" and in_f % 128:
@@ -48,8 +49,7 @@ def test_tile_gemm_matches_float64_of_bf16_rounded_weights(tile_mode: int, metho
     torch.manual_seed(out_f + in_f + tokens)
     layer = _quantized_layer(method, out_f, in_f, bias)
     x = torch.randn(tokens, in_f).bfloat16()
-    weight = layer.method.dequantized_weight(layer).bfloat16().double()
-    want = x.double() @ weight.T + (layer.bias.double() if bias else 0.0)
+    want = x.double() @ _gemm_weight(layer, method).T + (layer.bias.double() if bias else 0.0)
     got = _gemm(layer, x)
     tol = 2**-8 * want.abs() + 1e-4 * want.abs().max()
     assert ((got.double() - want).abs() <= tol).all()

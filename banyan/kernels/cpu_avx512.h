@@ -179,6 +179,15 @@ inline __m512i pair_bf16(__m512 even, __m512 odd) {
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
+// pair_bf16 of values exact in bf16 (integers of 8 bits or fewer: an int8 code): each float's
+// top half is its bf16, so one two-source word permute interleaves them, with no rounding.
+inline __m512i pair_exact_bf16(__m512 even, __m512 odd) {
+    const __m512i tops = _mm512_set_epi16(
+        63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
+        47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+    return _mm512_permutex2var_epi16((__m512i)even, tops, (__m512i)odd);
+}
+
 // 32 codes of a quantized pool (cpu_dtypes.h: I8, E4M3, E5M2) -> 32 bf16, in order, exactly:
 // int8 |code| <= 127; an fp8 code through half precision as fp8_row_to_f32 does it (e4m3 at
 // 2^-8 of its value: code_unit). Every such value has at most 4 significant bits.

@@ -29,7 +29,20 @@ struct QuantWeight {
     int64_t N;          // rows (kBf16 reads no row past the last)
 };
 
+// kInt8Rows's codes go into the tile as they are (exact in bf16) and the GEMM multiplies each
+// sum by its row's scale (the row scales, else null): its products are then the float32
+// kernels' own, code x activation, where rounding code x scale to bf16 first moved each weight
+// by up to 2^-9 of itself; and its fill costs two operations a vector fewer (no products, no
+// rounding). Scales per group of inputs cannot wait for the sum: those tiles hold values.
+inline const float* sum_scales(const QuantWeight& w) {
+    return w.kind == kInt8Rows ? static_cast<const float*>(w.scale) : nullptr;
+}
+
 #if defined(__AVX512BF16__)
+// A tile's fill by kind (Fill::next): none (pairs read in place), kInt8Rows's codes, values of
+// int8 codes with group scales (kInt8Groups; kInt8Rows for dequant_rows), values of 4-bit codes.
+enum FillKind : int { kFillNone = 0, kFillCodes = 1, kFillInt8 = 2, kFillInt4 = 3 };
+
 constexpr int NP = 3;  // panels a group (a vector pass: 3 x 8 sums + 3 weights + a broadcast)
 
 // Where the products read panel q's pair j: base[q] + j * stride (a filled tile, or the weight
@@ -94,16 +107,23 @@ struct Fill {
     int64_t at = 0;                 // the next group's first scale (and minimum)
     int64_t group_pairs = 0;        // pairs a group
     bool int8 = false, half = false;
+    bool codes = false;  // kInt8Rows's codes as they are (sum_scales), not values
     int64_t q = 0, j = 0;       // the next vector: the group's panel q, pair j
     int64_t done = 0, end = 0;  // vectors filled; this pass fills up to `end`
     int64_t left = 0;           // pairs left in the current group (0: at a group's start)
     __m512 s, m;
 
     Fill() = default;
-    Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into)
+    // Which next<KIND>() this fill's vectors take (never kFillNone).
+    int kind() const { return codes ? kFillCodes : int8 ? kFillInt8 : kFillInt4; }
+
+    // values: kInt8Rows's code x scale too (dequant_rows' plain rows), not its codes
+    Fill(const QuantWeight& weight, int64_t first, int64_t panels, __m512i* into,
+         bool values = false)
         : w(&weight), np(panels), pairs(weight.K / 2), tile(into) {
         int8 = weight.kind == kInt8Rows || weight.kind == kInt8Groups;
         half = weight.kind == kInt4;
+        codes = sum_scales(weight) != nullptr && !values;
         const int64_t group = weight.kind == kInt8Rows ? weight.K : weight.group;
         group_pairs = group / 2;
         step = int8 ? 2 * PANEL : PANEL;
@@ -111,15 +131,28 @@ struct Fill {
         at = first * (weight.K / group) * PANEL;
     }
 
-    __attribute__((always_inline)) void one() {
+    // The next vector, of a kind known when compiled (FillKind): a pass inlines one kind only.
+    // With kInt8Rows's codes beside the others in one pass, int4 64-token steps took 1.1-1.3x
+    // the time (the other kinds' constants held in vector registers the products need, and the
+    // int4 branch laid out of the loop).
+    template <int KIND>
+    __attribute__((always_inline)) void next() {
+        if constexpr (KIND == kFillCodes) {  // no group, no scale
+            const int8_t* c = reinterpret_cast<const int8_t*>(code);
+            tile[j * np + q] = pair_exact_bf16(load_i8x16(c), load_i8x16(c + PANEL));
+            code += 2 * PANEL;
+            ++done;
+            if (++j == pairs) j = 0, ++q;
+            return;
+        }
         const QuantWeight& W = *w;
         if (left == 0) {
             s = scale16(W.scale, at, half);
-            if (!int8) m = scale16(W.mins, at, half);
+            if constexpr (KIND == kFillInt4) m = scale16(W.mins, at, half);
             at += PANEL;
             left = group_pairs;
         }
-        if (int8) {
+        if constexpr (KIND == kFillInt8) {
             const int8_t* c = reinterpret_cast<const int8_t*>(code);
             tile[j * np + q] = pair_bf16(_mm512_mul_ps(load_i8x16(c), s),
                                          _mm512_mul_ps(load_i8x16(c + PANEL), s));
@@ -144,14 +177,20 @@ struct Fill {
     }
 };
 
-// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1.
-void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile) {
+// Panels [p0, p0 + np) into tile[j * np + q]: panel p0 + q's 16 rows at inputs 2j, 2j + 1
+// (kInt8Rows's codes unless `values`: Fill).
+void fill_tile(const QuantWeight& w, int64_t p0, int np, __m512i* tile, bool values = false) {
     if (w.kind == kBf16) {
         for (int q = 0; q < np; ++q) fill_plain(w, p0 + q, q, np, tile);
         return;
     }
-    Fill fill(w, p0, np, tile);
-    while (fill.done < np * fill.pairs) fill.one();
+    Fill fill(w, p0, np, tile, values);
+    const int64_t vectors = np * fill.pairs;
+    switch (fill.kind()) {
+        case kFillCodes: while (fill.done < vectors) fill.next<kFillCodes>(); break;
+        case kFillInt8: while (fill.done < vectors) fill.next<kFillInt8>(); break;
+        default: while (fill.done < vectors) fill.next<kFillInt4>();
+    }
 }
 
 #endif  // __AVX512BF16__

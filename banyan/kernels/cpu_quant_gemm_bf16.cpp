@@ -2,6 +2,8 @@
 // out[t, n] = bf16(sum_k x[t, k] * bf16(w[n, k]) + bias[n]), x and out bf16, the sums float32.
 // w[n, k] is the layer's value (code x scale (+ min)), as the float32 kernels and
 // banyan/layers/quant.py define it, rounded once to bf16: what a bf16 model's GEMM multiplies.
+// int8 with a scale per row (kInt8Rows) multiplies its codes instead, exact in bf16:
+// out[t, n] = bf16(fma(sum_k x[t, k] * code[n, k], scale[n], bias[n])) (sum_scales).
 //
 // Why not dequantize slabs and call torch's GEMM: oneDNN reorders a plain bf16 matrix into its
 // blocked layout on every call, which made 64 tokens through one SmolLM2 layer cost 1.96 ms
@@ -16,6 +18,7 @@
 
 #include <omp.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <vector>
 
@@ -37,13 +40,16 @@ struct Ahead {
     int64_t bytes;
 };
 
-// tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P); FILL: with the next
-// group's tile to fill meanwhile (Fill::one inlined into the pass: called out of line, it cost
-// a vzeroupper and the sums' moves out of zmm0-15 per call, and int4 64-token steps ~1.25x
-// the time on Zen 5), so that a pass with none (dense bf16 pairs) has none of its code either.
-template <int N_P, int T_B, bool FILL>
+// tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P); FILL: the kind of
+// the next group's tile filled meanwhile (FillKind; Fill::next inlined into the pass: called out
+// of line, it cost a vzeroupper and the sums' moves out of zmm0-15 per call, and int4 64-token
+// steps ~1.25x the time on Zen 5), so that a pass with none (dense bf16 pairs) has none of its
+// code either. SCALED: each sum times its row's scale, rs (sum_scales; kInt8Rows), so that the
+// passes of other kinds carry none of it.
+template <int N_P, int T_B, int FILL, bool SCALED>
 void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int64_t p0,
-               const float* bias, uint16_t* out, int64_t N, Ahead fetch, Fill* fill) {
+               const float* bias, const float* rs, uint16_t* out, int64_t N, Ahead fetch,
+               Fill* fill) {
     __m512 acc[T_B][N_P];
     for (int t = 0; t < T_B; ++t)
         for (int q = 0; q < N_P; ++q) acc[t][q] = _mm512_setzero_ps();
@@ -57,7 +63,7 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
         for (owed += lines; owed >= pairs; owed -= pairs, fetch.codes += 64)
             _mm_prefetch(fetch.codes, _MM_HINT_T1);
         if constexpr (FILL)
-            for (filled += fills; filled >= pairs; filled -= pairs) fill->one();
+            for (filled += fills; filled >= pairs; filled -= pairs) fill->next<FILL>();
         __m512bh wv[N_P];
         for (int q = 0; q < N_P; ++q)
             wv[q] = (__m512bh)_mm512_load_si512(tile.base[q] + j * tile.stride);
@@ -71,22 +77,27 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
         const int64_t left = std::min<int64_t>(PANEL, N - n0);
         const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        const __m512 s = SCALED ? _mm512_maskz_loadu_ps(mask, rs + n0) : _mm512_setzero_ps();
         for (int t = 0; t < T_B; ++t) {
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[t][q], b));
+            const __m512 y = SCALED ? _mm512_fmadd_ps(acc[t][q], s, b)
+                                    : _mm512_add_ps(acc[t][q], b);
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(y);
             _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, v);
         }
     }
 }
 
 // The largest token count <= T_B that is tb, at compile time.
-template <int N_P, int T_B, bool FILL>
+template <int N_P, int T_B, int FILL, bool SCALED>
 void token_block(int tb, const Panels& tile, const uint16_t* x, int64_t K, int64_t t0,
-                 int64_t p0, const float* bias, uint16_t* out, int64_t N, Ahead fetch,
-                 Fill* fill) {
+                 int64_t p0, const float* bias, const float* rs, uint16_t* out, int64_t N,
+                 Ahead fetch, Fill* fill) {
     if (tb == T_B)
-        return tile_gemm<N_P, T_B, FILL>(tile, x, K, t0, p0, bias, out, N, fetch, fill);
+        return tile_gemm<N_P, T_B, FILL, SCALED>(tile, x, K, t0, p0, bias, rs, out, N, fetch,
+                                                 fill);
     if constexpr (T_B > 1)
-        token_block<N_P, T_B - 1, FILL>(tb, tile, x, K, t0, p0, bias, out, N, fetch, fill);
+        token_block<N_P, T_B - 1, FILL, SCALED>(tb, tile, x, K, t0, p0, bias, rs, out, N, fetch,
+                                                fill);
 }
 
 // The codes (the bulk of the bytes) of panels [p, p + np): contiguous in every kind's layout.
@@ -101,9 +112,10 @@ Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
 // L2, a share a block (spread over the block's pass, tile_gemm): batched, fill_tile otherwise
 // waited on DRAM for each group's codes between compute-bound passes (its share of a 64-token
 // step's GEMM time was twice what it is with the codes in cache).
-template <int N_P, bool FILL>
+template <int N_P, int FILL, bool SCALED>
 void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
-                 const float* bias, uint16_t* out, int64_t N, Ahead next, Fill* fill) {
+                 const float* bias, const float* rs, uint16_t* out, int64_t N, Ahead next,
+                 Fill* fill) {
     const int64_t vectors = FILL ? fill->np * fill->pairs : 0;
     // blocks of nearly equal size (12 tokens: 6 + 6, not 8 + 4): a short block's few chains of
     // sums wait on vdpbf16ps's latency (9 tokens took 1.17x the time of 8 with a block of 1)
@@ -114,21 +126,29 @@ void panel_group(const Panels& tile, const uint16_t* x, int64_t T, int64_t K, in
         const int64_t to = std::min(next.bytes, next.bytes * t1 / T);
         const int tb = static_cast<int>(t1 - t0);
         if constexpr (FILL) fill->end = t1 >= T ? vectors : vectors * t1 / T;
-        token_block<N_P, TB, FILL>(tb, tile, x, K, t0, p0, bias, out, N,
+        token_block<N_P, TB, FILL, SCALED>(tb, tile, x, K, t0, p0, bias, rs, out, N,
                                    Ahead{next.codes + from, std::max<int64_t>(to - from, 0)},
                                    fill);
     }
     if constexpr (FILL)
-        while (fill->done < vectors) fill->one();  // (a pass's rounding may leave one)
+        while (fill->done < vectors) fill->next<FILL>();  // (a pass's rounding may leave one)
 }
 
-// panel_group's instance for np panels, with a tile to fill (FILL) or none.
-template <bool FILL>
-void group(int np, const Panels& tile, const uint16_t* x, int64_t T, int64_t K, int64_t p0,
-           const float* bias, uint16_t* out, int64_t N, Ahead next, Fill* fill) {
-    if (np == 3) panel_group<3, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
-    else if (np == 2) panel_group<2, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
-    else panel_group<1, FILL>(tile, x, T, K, p0, bias, out, N, next, fill);
+// panel_group's instance for np panels, with a tile to fill (FILL: FillKind) or none, its sums
+// scaled by rs or not (SCALED).
+// Each instance one function with everything it calls inlined (flatten). Left to GCC, once
+// the fills had kinds, some passes were not inlined and kept their row and tile pointers and
+// the fill's counters in memory: dense bf16 steps took 1.03-1.07x the time, 512-token int8
+// steps 1.05x. Flattened, SmolLM2's 120 projections at 64 tokens (weights from memory) take
+// 0.89x the time with int8 and 0.94x with int4 of the build before the kinds, bf16 1.00x.
+template <int FILL, bool SCALED>
+__attribute__((noinline, flatten)) void group(int np, const Panels& tile, const uint16_t* x,
+                                              int64_t T, int64_t K, int64_t p0, const float* bias,
+                                              const float* rs, uint16_t* out, int64_t N,
+                                              Ahead next, Fill* fill) {
+    if (np == 3) panel_group<3, FILL, SCALED>(tile, x, T, K, p0, bias, rs, out, N, next, fill);
+    else if (np == 2) panel_group<2, FILL, SCALED>(tile, x, T, K, p0, bias, rs, out, N, next, fill);
+    else panel_group<1, FILL, SCALED>(tile, x, T, K, p0, bias, rs, out, N, next, fill);
 }
 
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
@@ -165,8 +185,18 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
             // the codes after the group being filled (the pairs after this group's, in place)
             const int64_t ahead = plain ? np : np + next_np;
             const Ahead next = codes_of(w, p0 + ahead, std::clamp<int64_t>(b - p0 - ahead, 0, NP));
-            if (filling) group<true>(np, panels_at, x, T, w.K, p0, bias, out, N, next, filling);
-            else group<false>(np, panels_at, x, T, w.K, p0, bias, out, N, next, nullptr);
+            const float* rs = sum_scales(w);
+            switch (filling ? filling->kind() : kFillNone) {
+#define BANYAN_GROUP(KIND, SCALED) \
+    group<KIND, SCALED>(np, panels_at, x, T, w.K, p0, bias, rs, out, N, next, filling)
+                case kFillCodes: BANYAN_GROUP(kFillCodes, true); break;
+                case kFillInt8: BANYAN_GROUP(kFillInt8, false); break;
+                case kFillInt4: BANYAN_GROUP(kFillInt4, false); break;
+                default:  // a thread's last group (or pairs read in place)
+                    if (rs) BANYAN_GROUP(kFillNone, true);
+                    else BANYAN_GROUP(kFillNone, false);
+#undef BANYAN_GROUP
+            }
         }
         std::free(tiles);
     }
@@ -182,7 +212,7 @@ void dequant_rows(const QuantWeight& w, uint16_t* out, int64_t n_threads) {
         __m512i* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * 64));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            fill_tile(w, p, 1, tile);
+            fill_tile(w, p, 1, tile, /*values=*/true);
             const int64_t rows = std::min<int64_t>(PANEL, w.N - p * PANEL);
             int64_t j0 = 0;
             for (; j0 + 16 <= pairs; j0 += 16) {
@@ -260,14 +290,20 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
 #pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         std::vector<float> rows(static_cast<size_t>(PANEL * K));
-        panel_values(w, p, rows.data());
+        const float* rs = sum_scales(w);
+        if (rs)  // the codes themselves
+            for (int64_t i = 0; i < PANEL * K; ++i)
+                rows[i] = static_cast<const int8_t*>(w.codes)[(p * K + i % K) * PANEL + i / K];
+        else
+            panel_values(w, p, rows.data());
         for (float& v : rows) v = bf16_to_f32(f32_to_bf16(v));  // the bf16 weights
         for (int64_t n = p * PANEL; n < std::min(N, (p + 1) * PANEL); ++n) {
             const float* row = rows.data() + (n - p * PANEL) * K;
             for (int64_t t = 0; t < T; ++t) {
                 float sum = 0.0f;
                 for (int64_t k = 0; k < K; ++k) sum += bf16_to_f32(x[t * K + k]) * row[k];
-                out[t * N + n] = f32_to_bf16(sum + (bias ? bias[n] : 0.0f));
+                const float b = bias ? bias[n] : 0.0f;
+                out[t * N + n] = f32_to_bf16(rs ? std::fma(sum, rs[n], b) : sum + b);
             }
         }
     }
@@ -291,7 +327,8 @@ void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kin
 
 #if defined(__AVX512BF16__)
 // A quantized weight (kinds and layouts as banyan_quant_gemm_bf16's; not kBf16 / kBf16Pairs)
-// -> out [N, K] bf16, the values that kernel multiplies. Built with AVX512-BF16 only.
+// -> out [N, K] bf16, its values rounded once (kInt8Rows too: code x scale, where that kernel
+// multiplies the codes and scales the sums). Built with AVX512-BF16 only.
 void banyan_quant_dequant_bf16(int64_t K, int64_t kind, const void* codes, const void* scale,
                                const void* mins, int64_t group, uint16_t* out, int64_t N,
                                int64_t n_threads) {

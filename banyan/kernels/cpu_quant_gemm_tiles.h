@@ -51,12 +51,13 @@ inline bool gemm_takes_tiles(int64_t T, int64_t K) {
 }
 
 // Tokens [t0, t0 + rows) (rows <= 32) times panels q, q1 of a group (q1 == q: one panel, its
-// tile computed twice and stored once), plus bias, rounded to bf16 into out. A panel's pairs
-// are a B tile's rows (16 rows x 2 bf16, 64 bytes each).
+// tile computed twice and stored once), times the rows' scales (rs: sum_scales, or null), plus
+// bias, rounded to bf16 into out. A panel's pairs are a B tile's rows (16 rows x 2 bf16, 64
+// bytes each).
 template <typename Tiles>
 void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const Panels& panels,
-               int q, int q1, int64_t K, int64_t p0, const float* bias, uint16_t* out,
-               int64_t t0, int64_t N, float* c) {
+               int q, int q1, int64_t K, int64_t p0, const float* bias, const float* rs,
+               uint16_t* out, int64_t t0, int64_t N, float* c) {
     const char* b0 = reinterpret_cast<const char*>(panels.base[q]);
     const int64_t db = reinterpret_cast<const char*>(panels.base[q1]) - b0;
     const int64_t ldb = panels.stride * 64, steps = K / 32;
@@ -72,9 +73,11 @@ void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const Panels
         const int64_t left = std::min<int64_t>(PANEL, N - n0);
         const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        const __m512 s = rs ? _mm512_maskz_loadu_ps(mask, rs + n0) : _mm512_setzero_ps();
         for (int64_t t = 0; t < rows; ++t) {
             const __m512 sum = _mm512_loadu_ps(c + t * 32 + (qq - q) * PANEL);
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, b));
+            const __m512 y = rs ? _mm512_fmadd_ps(sum, s, b) : _mm512_add_ps(sum, b);
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(y);
             _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, v);
         }
     }
@@ -110,7 +113,8 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
                 }
                 for (int q = 0; q < np; q += 2)
                     tile_pair(tl, at, K * static_cast<int64_t>(sizeof(uint16_t)), rows, group, q,
-                              std::min(q + 1, np - 1), K, p0, bias, out, t0, N, c);
+                              std::min(q + 1, np - 1), K, p0, bias, sum_scales(w), out, t0, N,
+                              c);
             }
         }
         tl.end();
