@@ -35,6 +35,18 @@ struct CaseName {
 };
 
 namespace harness {
+// The cases' inputs: a xorshift generator, the same sequence on bare metal and on the host.
+struct XorShift {
+    uint64_t s;
+    uint32_t next() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        return static_cast<uint32_t>(s >> 11);
+    }
+    uint32_t below(uint32_t n) { return next() % n; }
+};
+
 // Compares n 32-bit outputs of the AMX run with the SoftTiles run (rows of `cols` words) and
 // prints the CASE line compare.py reads (test_core.cpp).
 void compare(const char* name, const void* amx, const void* soft, int n, int cols);

@@ -74,16 +74,7 @@ void compare(const char* name, const void* amx, const void* soft, int n, int col
         }
 }
 
-struct XorShift {
-    uint64_t s;
-    uint32_t next() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        return static_cast<uint32_t>(s >> 11);
-    }
-    uint32_t below(uint32_t n) { return next() % n; }
-};
+using harness::XorShift;
 uint16_t bf16_bits(float f) {  // truncated: the generators below only pass exact values
     uint32_t u;
     memcpy(&u, &f, 4);

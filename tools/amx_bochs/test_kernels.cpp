@@ -18,15 +18,7 @@ namespace {
 
 using harness::compare;
 
-struct XorShift {
-    uint64_t s;
-    uint32_t next() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        return static_cast<uint32_t>(s >> 11);
-    }
-};
+using harness::XorShift;
 
 // roughly normal bf16 (a sum of 4 uniforms) times scale, rounded to nearest even
 uint16_t random_bf16(XorShift& r, float scale = 1.0f) {
