@@ -27,7 +27,7 @@ import torch
 from banyan.bench.offline import machine_info
 from banyan.layers.linear import Linear, SkinnyBf16Method
 from banyan.layers.quant import BF16_GEMM_KINDS, Int4Method, Int8Method
-from two_builds import gemm_libraries, parse_args  # (this script's folder)
+from two_builds import gemm_libraries, outputs_apart, parse_args  # (this script's folder)
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
 BF16_PAIRS_KIND = 5  # kBf16Pairs
@@ -66,21 +66,15 @@ def main() -> int:
     keep: list[Any] = []
     cases = {(shape, method): call_args(method, n, k, ns.tokens, keep)
              for shape, (n, k) in SHAPES.items() for method in ("int4", "int8", "bf16")}
-    differences = {}
+    differences: dict[str, float] = {}
     for case, args in cases.items():  # the same bits from both
         got = []
         for lib in libs.values():
             lib.banyan_quant_gemm_bf16(*args)
             got.append(torch.frombuffer(bytearray(ctypes.string_at(  # out, bf16
-                args[9], ns.tokens * args[10] * 2)), dtype=torch.bfloat16).float())
-        if torch.equal(got[0], got[1]):
-            continue
-        if case[1] != ns.new_bits:
-            print(f"{case}: the two builds' outputs differ", file=sys.stderr)
+                args[9], ns.tokens * args[10] * 2)), dtype=torch.bfloat16))
+        if not outputs_apart(" ".join(case), *got, case[1] == ns.new_bits, differences):
             return 1
-        differences[f"{case[0]} {case[1]}"] = rel = (
-            (got[0] - got[1]).abs().max() / got[0].abs().max()).item()
-        print(f"{case}: outputs differ by up to {rel:.3g} of the largest", flush=True)
     seconds: dict[tuple[str, str, str], list[float]] = {
         (*case, name): [] for case in cases for name in libs}
     for r in range(ns.rounds):

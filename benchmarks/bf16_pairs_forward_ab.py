@@ -23,7 +23,7 @@ import torch
 
 from banyan.bench.offline import machine_info
 from bf16_gemm_ab import call_args  # (this script's folder)
-from two_builds import gemm_libraries, parse_args
+from two_builds import gemm_libraries, outputs_apart, parse_args
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate/up, down (out, in)
 LAYERS = 30
@@ -59,19 +59,14 @@ def main() -> int:
         for args in calls[t][:-1]:
             lib.banyan_quant_gemm_bf16(*args)
 
-    differences = {}
+    differences: dict[str, float] = {}
     for t in tokens:  # the same bits from both (the last projection's output)
         got = []
         for lib in libs.values():
             forward(lib, t)
-            got.append(calls[t][-1].float().clone())
-        if torch.equal(got[0], got[1]):
-            continue
-        if not ns.new_bits:
-            print(f"{t} tokens: the two builds' outputs differ", file=sys.stderr)
+            got.append(calls[t][-1].clone())
+        if not outputs_apart(f"{t} tokens", *got, ns.new_bits, differences):
             return 1
-        differences[t] = rel = ((got[0] - got[1]).abs().max() / got[0].abs().max()).item()
-        print(f"{t} tokens: outputs differ by up to {rel:.3g} of the largest", flush=True)
     seconds: dict[tuple[int, str], list[float]] = {(t, n): [] for t in tokens for n in libs}
     for r in range(ns.rounds):
         for t in tokens:

@@ -1,14 +1,18 @@
 """What the build-against-build benchmarks share (bf16_gemm_ab.py, bf16_pairs_forward_ab.py,
 layer_stack_ab.py): their arguments (the two kernel libraries, token counts, rounds, the JSON
-out) and the bf16 GEMM entry point of each library, typed."""
+out), the bf16 GEMM entry point of each library, typed, and the check that both builds give a
+case the same bits (or how far apart, where a change of what it computes is measured)."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
+
+import torch
 
 from banyan.bench.offline import command_line
 
@@ -33,6 +37,22 @@ def parse_args(doc: str, tokens: str, rounds: int,
     ns.tokens = [int(t) for t in ns.tokens.split(",")]
     ns.command = command_line()
     return ns
+
+
+def outputs_apart(label: object, a: torch.Tensor, b: torch.Tensor, may_differ: bool,
+                  differences: dict[str, float]) -> bool:
+    """The two builds' outputs of one case: the same bits, or (may_differ: a change of what the
+    case computes) their largest difference relative to the largest output, printed and kept
+    in `differences` under str(label). False where they differ and may not (said on stderr)."""
+    if torch.equal(a, b):
+        return True
+    if not may_differ:
+        print(f"{label}: the two builds' outputs differ", file=sys.stderr)
+        return False
+    a, b = a.float(), b.float()
+    differences[str(label)] = rel = ((a - b).abs().max() / a.abs().max()).item()
+    print(f"{label}: outputs differ by up to {rel:.3g} of the largest", flush=True)
+    return True
 
 
 def gemm_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:

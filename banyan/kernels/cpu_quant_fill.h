@@ -43,6 +43,25 @@ inline const float* sum_scales(const QuantWeight& w) {
 // int8 codes with group scales (kInt8Groups; kInt8Rows for dequant_rows), values of 4-bit codes.
 enum FillKind : int { kFillNone = 0, kFillCodes = 1, kFillInt8 = 2, kFillInt4 = 3 };
 
+// How a panel's 16 float32 sums for a token become outputs (rows n0 on, those below N): plus
+// the bias, or fma(sum, the rows' scales, bias) where kInt8Rows's scales waited for the sum
+// (sum_scales), rounded once to bf16. The GEMM's vector passes and its AMX tiles both end so.
+struct PanelEnd {
+    __mmask16 mask;  // the panel's rows below N
+    __m512 bias, scale;
+
+    PanelEnd(const float* b, const float* rs, int64_t n0, int64_t N)
+        : mask(static_cast<__mmask16>((1u << std::min<int64_t>(PANEL, N - n0)) - 1u)),
+          bias(b ? _mm512_maskz_loadu_ps(mask, b + n0) : _mm512_setzero_ps()),
+          scale(rs ? _mm512_maskz_loadu_ps(mask, rs + n0) : _mm512_setzero_ps()) {}
+
+    template <bool SCALED>
+    __attribute__((always_inline)) void store(__m512 sum, uint16_t* at) const {
+        const __m512 y = SCALED ? _mm512_fmadd_ps(sum, scale, bias) : _mm512_add_ps(sum, bias);
+        _mm256_mask_storeu_epi16(at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+};
+
 constexpr int NP = 3;  // panels a group (a vector pass: 3 x 8 sums + 3 weights + a broadcast)
 
 // Where the products read panel q's pair j: base[q] + j * stride (a filled tile, or the weight

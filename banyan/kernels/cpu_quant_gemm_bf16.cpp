@@ -74,16 +74,8 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
     }
     for (int q = 0; q < N_P; ++q) {
         const int64_t n0 = (p0 + q) * PANEL;
-        const int64_t left = std::min<int64_t>(PANEL, N - n0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-        const __m512 s = SCALED ? _mm512_maskz_loadu_ps(mask, rs + n0) : _mm512_setzero_ps();
-        for (int t = 0; t < T_B; ++t) {
-            const __m512 y = SCALED ? _mm512_fmadd_ps(acc[t][q], s, b)
-                                    : _mm512_add_ps(acc[t][q], b);
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(y);
-            _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, v);
-        }
+        const PanelEnd end(bias, SCALED ? rs : nullptr, n0, N);
+        for (int t = 0; t < T_B; ++t) end.store<SCALED>(acc[t][q], out + (t0 + t) * N + n0);
     }
 }
 

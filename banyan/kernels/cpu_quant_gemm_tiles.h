@@ -70,15 +70,12 @@ void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const Panels
                        reinterpret_cast<char*>(c), ldc, false);
     for (int qq = q; qq <= q1; ++qq) {
         const int64_t n0 = (p0 + qq) * PANEL;
-        const int64_t left = std::min<int64_t>(PANEL, N - n0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-        const __m512 s = rs ? _mm512_maskz_loadu_ps(mask, rs + n0) : _mm512_setzero_ps();
+        const PanelEnd end(bias, rs, n0, N);
         for (int64_t t = 0; t < rows; ++t) {
             const __m512 sum = _mm512_loadu_ps(c + t * 32 + (qq - q) * PANEL);
-            const __m512 y = rs ? _mm512_fmadd_ps(sum, s, b) : _mm512_add_ps(sum, b);
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(y);
-            _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, v);
+            uint16_t* at = out + (t0 + t) * N + n0;
+            if (rs) end.store<true>(sum, at);
+            else end.store<false>(sum, at);
         }
     }
 }
