@@ -203,6 +203,27 @@ def test_bf16_in_and_out_equals_the_float32_entry_between_roundings(fmt: str) ->
         assert torch.equal(got, layer(x.float()).bfloat16()), tokens
 
 
+def test_bf16_outputs_round_ties_to_even() -> None:
+    """Integer weights and activations with scales of exactly 1 make every output an exact
+    integer sum, most past 256, where bf16's 8 bits leave many exactly halfway: the bf16 entry
+    rounds each to even as torch does, with a bias, in a partial last panel, for the steps of
+    the one-token loops and of the panels."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randint(-127, 128, (200, 384), generator=g).float()
+    weight[:, 0] = 127.0  # a row's largest magnitude 127: scale 1
+    layer = Linear.from_weight(weight, bias=torch.randint(-3, 4, (200,), generator=g).float())
+    layer.convert(Int8Method())
+    enable_int8_activations(layer)
+    for tokens in (1, 3, 17, 64):
+        x = torch.randint(-127, 128, (tokens, 384), generator=g).float()
+        x[:, ::32] = 127.0  # each block's largest 127: d = 1, codes = x
+        exact = x.double() @ weight.double().T + layer.bias.double()
+        assert torch.equal(layer(x).double(), exact), tokens  # every sum exact in float32
+        halfway = (exact.abs() > 256) & (exact.remainder(2) == 1)
+        assert halfway.float().mean() > 0.2, "few ties: the test would not see their rounding"
+        assert torch.equal(layer(x.bfloat16()), exact.float().bfloat16()), tokens
+
+
 @pytest.mark.parametrize("fmt", ["int4 g32", "int4 symmetric (Q4_0)", "int8 rows", "int8 g16",
                                  "int5 (Q5_0)"])
 def test_wrapping_keeps_the_values_and_long_steps_take_the_kernel(fmt: str) -> None:
