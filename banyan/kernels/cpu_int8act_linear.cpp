@@ -126,19 +126,48 @@ const QRows& quantize(const X* x, int64_t T, int64_t K, int64_t n_threads) {
     return r;
 }
 
-// A half panel's results for TB tokens (res [TB][stride], its 8 rows first) plus the bias,
-// stored: as they are, or rounded to bf16 (to nearest even, as torch's .to(bfloat16) of the
-// float32 output would).
+// A result stored as it is, or rounded to bf16 (to nearest even, as torch's .to(bfloat16)).
 inline void put(float* out, float v) { *out = v; }
 inline void put(uint16_t* out, float v) { *out = f32_to_bf16(v); }
+
+#if defined(__AVX512F__)
+// 16 of them under `mask`, with put's bits (f32_to_bf16's integer steps, a NaN kept quiet).
+inline void put16(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+inline void put16(uint16_t* out, __m512 v, __mmask16 mask) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb,
+                                                   _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm512_mask_cvtepi32_storeu_epi16(out, mask, r);
+}
+#endif
+
+// Results for tb tokens (token i's `count` rows at res[i * stride]) plus the bias, into rows
+// row0.. of out: a vector of them a token where AVX-512 has one (the scalar store of each value
+// cost ~16% of a 64-token int4 layer's panels on Zen 5).
+template <typename O>
+void store_rows(const float* res, int64_t stride, int64_t tb, const float* bias, O* out,
+                int64_t N, int64_t row0, int64_t count) {
+#if defined(__AVX512F__)
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + row0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < tb; ++i)
+        put16(out + i * N + row0, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, res + i * stride), b),
+              mask);
+#else
+    for (int64_t i = 0; i < tb; ++i)
+        for (int64_t r = 0; r < count; ++r)
+            put(out + i * N + row0 + r, res[i * stride + r] + (bias ? bias[row0 + r] : 0.0f));
+#endif
+}
 
 template <typename O>
 void store_half(const float* res, int64_t stride, int64_t tb, const float* bias, O* out,
                 int64_t N, int64_t row0) {
-    const int64_t count = std::min<int64_t>(HALF, N - row0);
-    for (int64_t i = 0; i < tb; ++i)
-        for (int64_t r = 0; r < count; ++r)
-            put(out + i * N + row0 + r, res[i * stride + r] + (bias ? bias[row0 + r] : 0.0f));
+    store_rows(res, stride, tb, bias, out, N, row0, std::min<int64_t>(HALF, N - row0));
 }
 
 // One block of tb (1..TB) tokens, through the loop instantiated for exactly tb.
@@ -260,30 +289,11 @@ struct Int4PanelPair {  // run_block's unit: panels 2u and 2u + 1 of one's layer
     }
 };
 
-// 16 results plus the bias, stored under `mask`: as they are, or rounded to bf16 by
-// f32_to_bf16's integer steps (to nearest even, NaN kept quiet: the same bits as put).
-inline void put16(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
-inline void put16(uint16_t* out, __m512 v, __mmask16 mask) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb,
-                                                   _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm512_mask_cvtepi32_storeu_epi16(out, mask, r);
-}
-
-// Panel p's results of a token block (token i at res[i * PANEL]) into out, 16 rows a store
-// (the scalar store of each value cost ~16% of a 64-token int4 layer's time on Zen 5).
+// Panel p's results of a token block (token i at res[i * PANEL]) into out.
 template <typename O>
 void store_panel(const float* res, int64_t p, int64_t tb, const float* bias, O* out,
                  int64_t N) {
-    const int64_t row0 = p * PANEL, rows = std::min<int64_t>(PANEL, N - row0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + row0) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < tb; ++i)
-        put16(out + i * N + row0, _mm512_add_ps(_mm512_loadu_ps(res + i * PANEL), b), mask);
+    store_rows(res, PANEL, tb, bias, out, N, p * PANEL, std::min<int64_t>(PANEL, N - p * PANEL));
 }
 
 struct Int8Panel : Int8Weights {  // run_block's unit: panel p alone, PTB tokens a pass
