@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX2__) && defined(__F16C__)
+#if (defined(__AVX2__) && defined(__F16C__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -28,6 +28,19 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, like torch
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
 }
+
+#if defined(__AVX512F__)
+// f32_to_bf16 of 16 values, each in the low half of its 32-bit lane (vpmovdw packs them).
+inline __m512i f32_to_bf16_16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+#endif
 
 struct F32 {
     using T = float;
