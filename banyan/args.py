@@ -125,6 +125,13 @@ class EngineArgs:
         "the engine thread takes cores and the GIL from the forward (measured slower on a "
         "2-core Xeon, docs/performance.md). on / off force it.",
         choices=["auto", "on", "off"]))
+    num_scheduler_steps: int = field(default=8, metadata=_doc(
+        "Most decode steps run back to back for one scheduling (vLLM's multi-step "
+        "scheduling), where every running request decodes plain greedy and the CPU layer stack "
+        "picks the tokens: the host's work per step (the batch, its tensors, the tokens' text) "
+        "is then done once for them all. Bursts are kept under ~20 ms (a request arriving "
+        "meanwhile waits for the end), so only short steps (small batches) run several; the "
+        "tokens are the same. 1: one step at a time."))
     attention_backend: str = field(default="auto", metadata=_doc(
         "Attention implementation: auto (on CUDA triton where it runs, on CPU cpu-native where "
         "its kernel builds; else sdpa), sdpa (portable PyTorch), cpu-native (the C++ CPU "
@@ -280,6 +287,8 @@ class EngineArgs:
         if self.disaggregation_timeout <= 0:
             raise ValueError("disaggregation_timeout must be > 0, got "
                              f"{self.disaggregation_timeout}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.speculative_algorithm not in ("none", "ngram", "draft"):

@@ -117,6 +117,16 @@ class ForwardBatch:
     # positions (shared slots are a cached prefix both locked); None: not known. Lets the
     # attention backends skip looking for shared prefixes (prefix_groups.py) every step.
     max_shared_prefix: int | None = None
+    # A burst (decodes only, every request plain greedy): the step's decodes run decode_steps
+    # times back to back, each sub-step's input the token the sub-step before sampled, so the
+    # host's work (this batch, its tensors, the tokens' text) is done once for them all.
+    # later_slots [(decode_steps - 1) * B]: the KV slots of sub-steps 1.. inputs, sub-step by
+    # sub-step. The runner answers the same number of tokens, 1..decode_steps, for every
+    # request: it stops after a sub-step that sampled one of burst_stops (any request's stop
+    # tokens), and a runner that cannot burst answers one.
+    decode_steps: int = 1
+    later_slots: list[int] = field(default_factory=list)
+    burst_stops: frozenset[int] = frozenset()
 
     @property
     def batch_size(self) -> int:
@@ -146,7 +156,8 @@ class TokenLogprobs:
 class StepOutput:
     """The runner's answer, per entry of `ForwardBatch.sample_indices`: the tokens it produced
     (one without proposals; with k proposals, the accepted ones plus the model's own next token,
-    1..k+1) and their logprobs (empty unless asked for)."""
+    1..k+1; in a burst one a decode step run, the same count for all) and their logprobs (empty
+    unless asked for)."""
 
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs]] = field(default_factory=list)

@@ -39,7 +39,10 @@ class FakeRunner:
     for the row, exactly as the real runner's buffer. `accept` decides how many proposed tokens
     a step accepts (default: those equal to the reference continuation)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, forward_s: float | None = None,
+                 bursts: bool = True) -> None:
+        self.forward_s = forward_s  # reported as each decode step's forward time (None: none)
+        self.bursts = bursts  # False: a burst (ForwardBatch.decode_steps) runs its first step only
         self.kv: dict[int, tuple[int, int]] = {}
         self.table: dict[int, dict[int, int]] = {}
         self.num_slots = num_slots
@@ -93,6 +96,8 @@ class FakeRunner:
             held = [self.table[r][bound] for r, p in zip(batch.rows, batch.prefix_lens)
                     if p > bound]
             assert len(set(held)) == len(held), f"rows share more than {bound} slots"
+        if batch.decode_steps > 1:
+            return self._burst(batch, contexts)
         out: list[list[int]] = []
         proposed = batch.proposed or [[] for _ in batch.sample_indices]
         for i, guess in zip(batch.sample_indices, proposed, strict=True):
@@ -105,7 +110,32 @@ class FakeRunner:
                 context = context + [g]
             out.append(tokens)
             self.row_tokens[batch.rows[i]] = tokens[-1]
-        return StepOutput(sampled_token_ids=out, logprobs=[[] for _ in out])
+        return StepOutput(sampled_token_ids=out, logprobs=[[] for _ in out],
+                          timings=self._timings(1))
+
+    def _burst(self, batch: ForwardBatch, contexts: list[list[int]]) -> StepOutput:
+        """A burst of decode steps: each request's next input the token it sampled last, its
+        K/V to its slot of batch.later_slots, read back through the table as any step's."""
+        b, steps = batch.batch_size, batch.decode_steps
+        later = batch.later_slots
+        assert batch.num_tokens == b and len(later) == (steps - 1) * b
+        assert len({*later, *batch.out_slots}) == len(later) + b, "a slot given twice"
+        out = [[next_token(context)] for context in contexts]
+        for j in range(1, steps if self.bursts else 1):
+            if not batch.burst_stops.isdisjoint(tokens[-1] for tokens in out):
+                break
+            for i, (row_id, start) in enumerate(zip(batch.rows, batch.prefix_lens)):
+                slot = later[(j - 1) * b + i]
+                self.kv[slot] = (out[i][-1], start + j)
+                row = self.table[row_id]
+                row[start + j] = slot
+                out[i].append(next_token([self.kv[row[pos]][0] for pos in range(start + j + 1)]))
+        for row_id, tokens in zip(batch.rows, out):
+            self.row_tokens[row_id] = tokens[-1]
+        return StepOutput(sampled_token_ids=out, logprobs=[], timings=self._timings(len(out[0])))
+
+    def _timings(self, steps: int) -> dict[str, float]:
+        return {} if self.forward_s is None else {"forward": self.forward_s * steps}
 
 
 def _owner(batch: ForwardBatch, flat: int) -> int:

@@ -185,9 +185,9 @@ def test_a_batch_too_big_to_guess_takes_the_decode_lane() -> None:
     lane_steps = 0
     build_lane = sched.lane.build
 
-    def counted(running: list[Request]) -> object:
+    def counted(running: list[Request], burst: int = 1) -> object:
         nonlocal lane_steps
-        step = build_lane(running)
+        step = build_lane(running, burst)
         lane_steps += step is not None
         return step
 

@@ -371,9 +371,9 @@ def test_decode_lane_equals_the_general_path(num_slots: int, streams: str,
         lane_steps = lane_while_waiting = 0
         build_step = sched.lane.build
 
-        def counted(running: list[Request]) -> object:
+        def counted(running: list[Request], burst: int = 1) -> object:
             nonlocal lane_steps, lane_while_waiting
-            step = build_step(running)
+            step = build_step(running, burst)
             lane_steps += step is not None
             lane_while_waiting += step is not None and bool(sched.waiting)
             return step

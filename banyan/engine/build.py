@@ -175,10 +175,14 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
                 if args.num_threads is None and runner.device.type == "cpu" else None)
     speculation = SpeculationConfig(args.speculative_num_tokens, args.speculative_max_step_tokens)
     proposer = make_proposer(args, runner)
+    # Bursts of decode steps where the layer stack picks greedy tokens itself (elsewhere a
+    # burst would run its first step only); speculation makes several-token steps its own way.
+    bursts = runner.stack is not None and runner.stack.picks_greedy and proposer is None
     scheduler = Scheduler(
         ModelStepRunner(runner, sampler, overlap=overlap, governor=governor),
         SchedulerConfig(max_model_len=max_model_len, budget=budget, policy=policy,
-                        overlap=overlap, speculation=speculation),
+                        overlap=overlap, speculation=speculation,
+                        decode_steps=args.num_scheduler_steps if bursts else 1),
         allocator,
         cache,
         proposer,

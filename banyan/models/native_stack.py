@@ -279,13 +279,18 @@ class NativeLayerStack:
         None when this step is not one the stack runs."""
         return self._run(input_ids, positions, meta, None, 0)
 
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether greedy (and greedy_burst) can pick tokens: the head has a kernel here."""
+        return bool(self._struct.head.weight)
+
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                vocab: int) -> torch.Tensor | None:
         """Each token's greedy next token (int64 [T]: the LM head over its final hidden state,
         the first of its largest logits among the first `vocab`, as the sampler's argmax picks
         it) in the same native call, or None where the stack does not run the step or has no
         kernel for the head. The head's kernel and bits are the per-op path's."""
-        if not self._struct.head.weight:
+        if not self.picks_greedy:
             return None
         tokens = torch.empty(input_ids.shape[0], dtype=torch.int64)
         vocab = min(vocab, self._struct.head.out_features)
@@ -331,9 +336,44 @@ class NativeLayerStack:
             s.pf_tiles = self.backend.tiles  # the per-op path's products (bf16 only)
         s.n_threads = torch.get_num_threads()
         s.greedy_out, s.vocab = _ptr(greedy_out), vocab
+        self._invoke()
+        return out
+
+    def _invoke(self) -> None:
+        """The native call over the step as set in self._step."""
         with native.kernel_range("banyan::layer_stack"):
             rows = self._call(*self._args)
             if rows:  # a position past the RoPE tables: nothing was done
                 self._grow_rope(rows)
                 self._call(*self._args)
-        return out
+
+    def greedy_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata, vocab: int, later_slots: torch.Tensor,
+                     stops: frozenset[int]) -> torch.Tensor | None:
+        """`greedy` over a burst of decode steps (ForwardBatch.decode_steps): step j's inputs
+        are step j - 1's tokens one position on, their K/V to later_slots[j - 1] ([steps - 1,
+        T], already in the table); it stops after a step that picked one of `stops`. Each step
+        is the call `greedy` makes for a step of these decodes (the same bits), only the
+        pointers that move are set between them. -> int64 [k, T] over the k steps run, or None
+        where greedy would decline the first."""
+        steps, T = later_slots.shape[0] + 1, input_ids.shape[0]
+        plan = meta.native if isinstance(meta, NativeMetadata) else None
+        if plan is None or plan.num_tokens != T or not self.picks_greedy:
+            return None
+        tokens = torch.empty(steps, T, dtype=torch.int64)
+        vocab = min(vocab, self._struct.head.out_features)
+        hidden = self._run(input_ids, positions, meta, tokens[0], vocab)  # (the steps' output)
+        if hidden is None:
+            return None
+        ahead = torch.arange(steps).unsqueeze(1)
+        positions_at, req_len_at = positions + ahead, plan.req_len + ahead  # [steps, T]
+        s = self._step
+        done = 1
+        while done < steps and stops.isdisjoint(tokens[done - 1].tolist()):
+            s.input_ids, s.positions = tokens[done - 1].data_ptr(), positions_at[done].data_ptr()
+            s.slots, s.req_len = later_slots[done - 1].data_ptr(), req_len_at[done].data_ptr()
+            s.greedy_out = tokens[done].data_ptr()
+            self._invoke()
+            done += 1
+        del hidden  # (held until here: every step writes it)
+        return tokens[:done]

@@ -61,6 +61,8 @@ class BatchChecks:
                                      f"extend of {batch.extend_lens[i]}")
         if batch.deferred_inputs:
             _check_range("deferred_inputs", batch.deferred_inputs, t)
+        if batch.decode_steps != 1:
+            _check_burst(batch, self.max_context, num_slots)
         for p in batch.row_prefixes:
             if not 0 <= p.row < self.max_rows or len(p.slots) > self.max_context:
                 raise ValueError(
@@ -69,6 +71,25 @@ class BatchChecks:
                 )
             if p.slots:
                 _check_range("row_prefixes slots", p.slots, num_slots)
+
+
+def _check_burst(batch: ForwardBatch, max_context: int, num_slots: int) -> None:
+    """A burst's own fields: decodes of plain greedy requests only, a slot per later input."""
+    b, steps = batch.batch_size, batch.decode_steps
+    if steps < 1:
+        raise ValueError(f"ForwardBatch: decode_steps must be >= 1, got {steps}")
+    if batch.num_tokens != b or batch.sample_indices != list(range(b)) or batch.proposed \
+            or batch.deferred_inputs or batch.prompt_logprobs \
+            or not all(row.plain for row in batch.sampling):
+        raise ValueError("ForwardBatch: a burst (decode_steps > 1) takes plain greedy decodes "
+                         "only, every request sampled")
+    if len(batch.later_slots) != (steps - 1) * b:
+        raise ValueError(f"ForwardBatch: later_slots needs {(steps - 1) * b} slots for "
+                         f"{steps} decode steps of {b} requests, got {len(batch.later_slots)}")
+    if max(batch.prefix_lens) + steps > max_context:
+        raise ValueError(f"ForwardBatch: a burst of {steps} decode steps reaches past "
+                         f"max_context={max_context}")
+    _check_range("later_slots", batch.later_slots, num_slots)
 
 
 def _check_range(what: str, values: list[int], end: int) -> None:

@@ -44,7 +44,8 @@ from banyan.runner.kv_sizing import (
 from banyan.runner.linear_setup import convert_model_linears
 from banyan.runner.mixed_step import split_mixed_step
 from banyan.runner.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_inputs
-from banyan.runner.step_inputs import DeferredInputs, LongPart, StepInputs, merge_parts
+from banyan.runner.step_inputs import (BurstInputs, DeferredInputs, LongPart, StepInputs,
+                                       merge_parts)
 
 if TYPE_CHECKING:
     from banyan.args import EngineArgs
@@ -288,13 +289,30 @@ class ModelRunner:
         rows, in the layer stack's one call (head and argmax included: the same bits and
         tokens as compute + the sampler's argmax), or None where that does not apply (then
         compute and sample)."""
-        if self.stack is None or not inputs.every_token or inputs.long_part is not None \
-                or inputs.prompt is not None:
+        if self.stack is None or not self._stack_picks(inputs):
             return None
         with torch.inference_mode():
             tokens = self.stack.greedy(inputs.input_ids, inputs.positions, inputs.attn_meta,
                                        vocab)
         return None if tokens is None else tokens.tolist()
+
+    def greedy_burst(self, inputs: StepInputs, vocab: int) -> list[list[int]] | None:
+        """greedy_tokens over a burst's decode steps (inputs.burst): each request's tokens,
+        the same count for all, each step the call greedy_tokens makes for it (the same bits);
+        None where the stack does not take it (then one step is all the runner computes)."""
+        if self.stack is None or inputs.burst is None or not self._stack_picks(inputs):
+            return None
+        burst = inputs.burst
+        with torch.inference_mode():
+            tokens = self.stack.greedy_burst(inputs.input_ids, inputs.positions,
+                                             inputs.attn_meta, vocab, burst.later_slots,
+                                             burst.stops)
+        return None if tokens is None else tokens.t().tolist()
+
+    def _stack_picks(self, inputs: StepInputs) -> bool:
+        """Whether the layer stack may pick this step's greedy tokens itself (if it runs it)."""
+        return inputs.every_token and inputs.long_part is None \
+            and inputs.prompt is None
 
     def _logits(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
         """compute for one forward (a step, or a part of a mixed one)."""
@@ -385,7 +403,16 @@ class ModelRunner:
         input_ids = to_device(int64_tensor(batch.input_ids), dev)
         out_slots = to_device(int64_tensor(batch.out_slots), dev)
         positions = to_device(positions, dev)
-        self.table.write_batch(batch, to_device(token_rows, dev), positions, out_slots)
+        token_rows = to_device(token_rows, dev)
+        self.table.write_batch(batch, token_rows, positions, out_slots)
+        burst = None
+        if batch.decode_steps > 1:  # the later inputs' slots in the table now, as the first's
+            steps = batch.decode_steps
+            later = to_device(int64_tensor(batch.later_slots), dev).view(steps - 1, -1)
+            ahead = torch.arange(1, steps, device=dev).unsqueeze(1)
+            self.table.write(token_rows.repeat(steps - 1), (positions + ahead).flatten(),
+                             later.flatten())
+            burst = BurstInputs(later, batch.burst_stops)
         meta = self.backend.plan(batch, out_slots)
         prompt = None
         if batch.prompt_logprobs:
@@ -398,7 +425,8 @@ class ModelRunner:
         every = batch.sample_indices == list(range(batch.batch_size)) and (  # (non-empty)
             all(n == len(p) + 1 for n, p in zip(batch.extend_lens, batch.proposed, strict=True))
             if any(batch.proposed) else decode_only)
-        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt, graph, every)
+        return StepInputs(input_ids, positions, logit_tokens, meta, deferred, prompt, graph, every,
+                          burst=burst)
 
     def validate(self, batch: ForwardBatch) -> None:
         """ValueError on a batch that would index out of the pool, table or vocabulary."""

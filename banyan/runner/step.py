@@ -107,16 +107,25 @@ class ModelStepRunner:
         rows = self._logit_rows(batch)
         masks = fill_token_masks(batch.sampling, batch.proposed, self.sampler.vocab_size)
         greedy = None  # plain greedy rows: their tokens from the forward's own native call
+        burst = None  # a burst's tokens (ForwardBatch.decode_steps), the same way
         if masks is None and all(r.plain for r in rows):
-            greedy = self.model_runner.greedy_tokens(inputs, self.sampler.vocab_size)
-        if greedy is not None:
+            vocab = self.sampler.vocab_size
+            burst = self.model_runner.greedy_burst(inputs, vocab)
+            if burst is None:  # (a burst then runs its first decode step only)
+                greedy = self.model_runner.greedy_tokens(inputs, vocab)
+        prompt_logprobs: list[list[TokenLogprobs]] = []
+        if burst is not None:
             t1 = time.perf_counter()
-            result, prompt_logprobs = SampleResult(greedy, [None] * len(greedy)), []
+            tokens, logprobs = burst, []
         else:
-            logits, prompt_logprobs = self.model_runner.compute(inputs)
-            t1 = time.perf_counter()
-            result = self.sampler.sample(logits, rows, token_masks=masks)
-        tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
+            if greedy is not None:
+                t1 = time.perf_counter()
+                result = SampleResult(greedy, [None] * len(greedy))
+            else:
+                logits, prompt_logprobs = self.model_runner.compute(inputs)
+                t1 = time.perf_counter()
+                result = self.sampler.sample(logits, rows, token_masks=masks)
+            tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
         if masks is not None:  # here, on the worker, so matchers see tokens in step order
             advance_grammars(batch.sampling, tokens)
         if tokens and self._worker is not None:  # only overlap reads the buffer back

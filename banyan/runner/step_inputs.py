@@ -24,6 +24,15 @@ class DeferredInputs:
 
 
 @dataclass(slots=True)
+class BurstInputs:
+    """A burst's later decode steps (ForwardBatch.decode_steps): the KV slots of their inputs
+    (int64 [steps - 1, B], already in the table) and the tokens after which it stops."""
+
+    later_slots: torch.Tensor
+    stops: frozenset[int]
+
+
+@dataclass(slots=True)
 class StepInputs:
     """A step's tensors on the device, built once from the batch's lists."""
 
@@ -39,6 +48,7 @@ class StepInputs:
     every_token: bool = False  # logit_tokens is every token in order: the head takes hidden
     # A mixed step's long requests, run after these short ones (runner/mixed_step.py)
     long_part: LongPart | None = None
+    burst: BurstInputs | None = None
 
     def parts(self) -> list[StepInputs]:
         """The forwards this step runs, in order."""

@@ -18,6 +18,11 @@ every member decoding with sampling that reads no history (its SamplingRow is re
 logprobs, no grammar. A sampled stop token, a short pool, a failed step or a change of members
 hands the step back to the general path (`settle`); stop strings (the text stream reports them)
 and length limits (checked only in the steps where one may be reached) end members inline.
+
+Bursts (ForwardBatch.decode_steps): where every member is plain greedy, the lane may ask for
+several decode steps at once, a KV slot a step a member, never past a member's length limit.
+Their tokens go through the general rules per member (apply_tokens: stop tokens, stop strings,
+limits), and the slots of inputs behind a member's last kept token go back to the pool.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from itertools import repeat
 from banyan.batch import SamplingRow, StepOutput
 from banyan.scheduler.builder import BatchBuilder, ScheduledStep
 from banyan.scheduler.memory import KVManager
-from banyan.scheduler.output import decide_end
+from banyan.scheduler.output import apply_tokens, decide_end
 from banyan.scheduler.request import Request, RequestUpdate, Status
 
 
@@ -60,39 +65,46 @@ class DecodeLane:
         # Members refused for good (their parameters), so a step does not retry forming
         # (ids, not the requests: a request that ends must not be kept alive by this)
         self._refused: list[int] = []
+        self._greedy = False  # every member plain greedy: bursts may run
 
     def clear(self) -> None:
         """Forget the members (and every reference to them and their streams)."""
         self.members, self._rows, self._sampling, self._push, self._meta = [], [], [], [], []
         self._inputs, self._streams, self._push_many = [], [], None
 
-    def build(self, running: list[Request]) -> ScheduledStep | None:
-        """The step of every running request decoding, or None when the lane cannot take it
-        (the general path builds it then)."""
+    def build(self, running: list[Request], burst: int = 1) -> ScheduledStep | None:
+        """The step of every running request decoding (`burst` decode steps of them back to
+        back where every member is plain greedy and slots and length limits allow:
+        ForwardBatch.decode_steps), or None when the lane cannot take it (the general path
+        builds it then)."""
         if running != self.members and not self._form(running):
             return None
         n = len(running)
-        if self.kv.allocator.num_free < n:
+        free = self.kv.allocator.num_free
+        if free < n:
             self.clear()  # a short pool: the general path's rules (eviction, retraction)
             return None
+        # (a burst never runs past a member's length limit: tokens no one would keep)
+        steps = min(burst, self._horizon, free // n) if self._greedy else 1
         step = ScheduledStep(lane=True)
         batch = step.batch
         prefix: list[int] = []
         out_slots: list[int] = []
-        alloc_for = self.kv.alloc_for
+        later: list[list[int]] = []  # per member, its slots for sub-steps 1..
+        take = self._take_slot
         for req in running:
-            slots, run = req.slots, req.decode_run
+            slots = req.slots
             start = len(slots)
-            if len(run) > 1:
-                slot = run.pop()
-            else:
-                taken = alloc_for(req, 1)
-                assert taken is not None, "checked: free slots cover every member"
-                slot = taken[0]
-            slots.append(slot)
+            taken = [take(req) for _ in range(steps)]
+            slots += taken
             prefix.append(start)
-            out_slots.append(slot)
-            req.row_synced = start + 1
+            out_slots.append(taken[0])
+            if steps > 1:
+                later.append(taken[1:])
+            req.row_synced = start + steps
+        if steps > 1:
+            batch.decode_steps, batch.burst_stops = steps, self._stops
+            batch.later_slots = [slot for sub_step in zip(*later) for slot in sub_step]
         # (copies: a batch's lists belong to it, whatever keeps it)
         batch.rows = list(self._rows)
         batch.prefix_lens = prefix
@@ -107,11 +119,23 @@ class DecodeLane:
         self.builder.adapt_ratio(step)
         return step
 
+    def _take_slot(self, req: Request) -> int:
+        """A KV slot for req's next input: from its decode run, else as KVManager.alloc_for
+        gives one (the caller checked that free slots cover the step)."""
+        run = req.decode_run
+        if len(run) > 1:
+            return run.pop()
+        taken = self.kv.alloc_for(req, 1)
+        assert taken is not None, "checked: free slots cover every member"
+        return taken[0]
+
     def apply(self, step: ScheduledStep, out: StepOutput
               ) -> tuple[list[RequestUpdate], list[Request]] | None:
         """The lane step's tokens applied: (updates, members that ended: a stop string or a
         length limit), or None when the step needs the general path (a stop token sampled);
         `settle` it then."""
+        if step.batch.decode_steps > 1:
+            return self._apply_burst(step, out)
         outputs = out.sampled_token_ids
         flat = [t[0] for t in outputs]
         # (members asked for no logprobs: a runner may still answer empty lists for them)
@@ -141,6 +165,34 @@ class DecodeLane:
             append(RequestUpdate(rid, tokens, text, reason, [], prompt_tokens, cached))
         self._inputs = flat
         self._horizon -= 1
+        if ended:
+            self.clear()
+        return updates, ended
+
+    def _apply_burst(self, step: ScheduledStep, out: StepOutput
+                     ) -> tuple[list[RequestUpdate], list[Request]]:
+        """apply for a burst: each member's tokens (the same count for all) through the general
+        rules (stop tokens and strings, limits: the tokens after one that ends a member are
+        dropped), the slots of inputs no kept token needs handed back."""
+        outputs = out.sampled_token_ids
+        steps = step.batch.decode_steps
+        done = len(outputs[0])
+        if not 1 <= done <= steps or any(len(t) != done for t in outputs):
+            raise RuntimeError(f"runner answered {[len(t) for t in outputs]} tokens for a "
+                               f"burst of {steps} decode steps")
+        updates: list[RequestUpdate] = []
+        ended: list[Request] = []
+        for req, tokens, start in zip(step.reqs, outputs, step.batch.prefix_lens, strict=True):
+            update = apply_tokens(req, tokens, [], self.max_model_len)
+            kept = len(update.new_token_ids)
+            # K/V is written for the inputs of the sub-steps run; a kept token's input is one
+            self.kv.drop_tail(req, steps - kept)
+            req.written = start + kept
+            updates.append(update)
+            if update.finish_reason is not None:
+                ended.append(req)
+        self._inputs = [tokens[-1] for tokens in outputs]
+        self._horizon -= done
         if ended:
             self.clear()
         return updates, ended
@@ -200,4 +252,5 @@ class DecodeLane:
         self._streams = [req.text for req in running] if self._push_many is not None else []
         self._inputs, self._stops, self._horizon = inputs, frozenset(stops), horizon
         self._max_shared = max_shared
+        self._greedy = all(row.plain for row in sampling)
         return True

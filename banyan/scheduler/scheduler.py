@@ -35,6 +35,12 @@ from banyan.scheduler.speculation import Proposer, Speculation, SpeculationConfi
 
 logger = logging.getLogger(__name__)
 
+# A burst of decode steps runs at most this long (measured by the lane's last step), since a
+# request arriving meanwhile waits for its end: at batch 1 on a 2-core CPU (2.5-6 ms a step)
+# 3-8 steps share the host's ~0.3 ms a step (docs/performance.md), a 64-decode step (~30 ms)
+# runs alone.
+BURST_BUDGET_S = 0.02
+
 
 class StepHandle(Protocol):
     def result(self) -> StepOutput:
@@ -60,6 +66,8 @@ class SchedulerConfig:
     overlap: bool = False  # schedule step n while step n-1 runs
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # with a proposer
     check_integrity: bool = False  # assert the KV bookkeeping after every step (tests)
+    # Most decode steps one lane step runs back to back (ForwardBatch.decode_steps); 1: none
+    decode_steps: int = 1
 
 
 @dataclass(slots=True)
@@ -107,6 +115,7 @@ class Scheduler:
         self._nothing_to_do: list[Request] = []
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # overlap only
         self._ended_in_flight: set[Request] = set()  # ended, KV held until their step is collected
+        self._lane_step_s = 0.0  # the last lane step's forward, per decode step (0: none yet)
 
     @property
     def has_work(self) -> bool:
@@ -200,7 +209,7 @@ class Scheduler:
             not self.speculation.guesses_nothing(len(self.running))
         if self.use_decode_lane and not (self.config.overlap or guessing or self._nothing_to_do) \
                 and (not self.waiting or self.builder.admission_closed(self.running)):
-            step = self.lane.build(self.running)
+            step = self.lane.build(self.running, self._burst())
         if step is None:
             self.lane.clear()  # the general path changes what the lane keeps
             step = self.builder.build(self.running, self.waiting)
@@ -208,6 +217,12 @@ class Scheduler:
         if step.retracted:
             logger.info("retracted %d request(s): KV cache full", len(step.retracted))
         return step
+
+    def _burst(self) -> int:
+        """Decode steps the next lane step may run back to back (BURST_BUDGET_S)."""
+        if self.config.decode_steps <= 1 or self._lane_step_s <= 0.0:
+            return 1
+        return max(1, min(self.config.decode_steps, int(BURST_BUDGET_S / self._lane_step_s)))
 
     def _collect(self, step: ScheduledStep, handle: StepHandle,
                  stats: StepStats) -> list[RequestUpdate]:
@@ -229,6 +244,8 @@ class Scheduler:
             if batch.num_tokens == batch.batch_size + sum(map(len, batch.proposed)):
                 # decodes (and guesses) only: the step sizes speculation prices
                 self.speculation.observe_step(batch.num_tokens, out.timings["forward"])
+        if step.lane and "forward" in out.timings and out.sampled_token_ids:
+            self._lane_step_s = out.timings["forward"] / max(1, len(out.sampled_token_ids[0]))
         updates = self.update(step, out)
         stats.wait, stats.output = t1 - t0, time.perf_counter() - t1
         stats.timings = out.timings
