@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_double, c_int64, c_void_p
 
+import numpy as np
 import torch
 
 from banyan.attention.base import AttentionMetadata
@@ -349,31 +350,41 @@ class NativeLayerStack:
 
     def greedy_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata, vocab: int, later_slots: torch.Tensor,
-                     stops: frozenset[int]) -> torch.Tensor | None:
+                     stops: frozenset[int]) -> list[list[int]] | None:
         """`greedy` over a burst of decode steps (ForwardBatch.decode_steps): step j's inputs
         are step j - 1's tokens one position on, their K/V to later_slots[j - 1] ([steps - 1,
-        T], already in the table); it stops after a step that picked one of `stops`. Each step
-        is the call `greedy` makes for a step of these decodes (the same bits), only the
-        pointers that move are set between them. -> int64 [k, T] over the k steps run, or None
-        where greedy would decline the first."""
+        T] int64, already in the table); it stops after a step that picked one of `stops`. Each
+        step is the call `greedy` makes for a step of these decodes (the same bits); between
+        them only the pointers that move are set. Arrays by numpy and pointers by arithmetic:
+        a torch op costs ~10-20 us here (the weights' stream evicted its code and data), as
+        much as a burst saves a step at bf16. -> each token's picks over the k steps run (k
+        each), or None where greedy would decline the first."""
         steps, T = later_slots.shape[0] + 1, input_ids.shape[0]
         plan = meta.native if isinstance(meta, NativeMetadata) else None
         if plan is None or plan.num_tokens != T or not self.picks_greedy:
             return None
+        assert later_slots.dtype == torch.int64 and later_slots.is_contiguous()
+        # (made before the first step: after it, its weight stream has evicted numpy as well)
         tokens = torch.empty(steps, T, dtype=torch.int64)
+        picked = tokens.numpy()
+        ahead = np.arange(steps, dtype=np.int64).reshape(steps, 1)
+        positions_at = positions.numpy() + ahead  # [steps, T], as req_len_at
+        req_len_at = plan.req_len.numpy() + ahead
+        row = T * 8  # bytes of one step's row of each int64 [steps, T] array
+        token_at, position_at = picked.ctypes.data, positions_at.ctypes.data
+        slot_at, length_at = later_slots.data_ptr() - row, req_len_at.ctypes.data
         vocab = min(vocab, self._struct.head.out_features)
         hidden = self._run(input_ids, positions, meta, tokens[0], vocab)  # (the steps' output)
         if hidden is None:
             return None
-        ahead = torch.arange(steps).unsqueeze(1)
-        positions_at, req_len_at = positions + ahead, plan.req_len + ahead  # [steps, T]
         s = self._step
         done = 1
-        while done < steps and stops.isdisjoint(tokens[done - 1].tolist()):
-            s.input_ids, s.positions = tokens[done - 1].data_ptr(), positions_at[done].data_ptr()
-            s.slots, s.req_len = later_slots[done - 1].data_ptr(), req_len_at[done].data_ptr()
-            s.greedy_out = tokens[done].data_ptr()
+        while done < steps and not (stops and not stops.isdisjoint(picked[done - 1].tolist())):
+            offset = done * row
+            s.input_ids, s.greedy_out = token_at + offset - row, token_at + offset
+            s.positions, s.slots = position_at + offset, slot_at + offset
+            s.req_len = length_at + offset
             self._invoke()
             done += 1
-        del hidden  # (held until here: every step writes it)
-        return tokens[:done]
+        del hidden, positions_at, req_len_at  # (held until here: the steps read and write them)
+        return picked[:done].T.tolist()

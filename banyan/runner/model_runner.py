@@ -304,10 +304,8 @@ class ModelRunner:
             return None
         burst = inputs.burst
         with torch.inference_mode():
-            tokens = self.stack.greedy_burst(inputs.input_ids, inputs.positions,
-                                             inputs.attn_meta, vocab, burst.later_slots,
-                                             burst.stops)
-        return None if tokens is None else tokens.t().tolist()
+            return self.stack.greedy_burst(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                           vocab, burst.later_slots, burst.stops)
 
     def _stack_picks(self, inputs: StepInputs) -> bool:
         """Whether the layer stack may pick this step's greedy tokens itself (if it runs it)."""
@@ -407,11 +405,9 @@ class ModelRunner:
         self.table.write_batch(batch, token_rows, positions, out_slots)
         burst = None
         if batch.decode_steps > 1:  # the later inputs' slots in the table now, as the first's
-            steps = batch.decode_steps
-            later = to_device(int64_tensor(batch.later_slots), dev).view(steps - 1, -1)
-            ahead = torch.arange(1, steps, device=dev).unsqueeze(1)
-            self.table.write(token_rows.repeat(steps - 1), (positions + ahead).flatten(),
-                             later.flatten())
+            later = to_device(int64_tensor(batch.later_slots), dev).view(batch.decode_steps - 1,
+                                                                        batch.batch_size)
+            self.table.write_ahead(token_rows, positions, later)
             burst = BurstInputs(later, batch.burst_stops)
         meta = self.backend.plan(batch, out_slots)
         prompt = None
