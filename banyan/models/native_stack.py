@@ -357,8 +357,8 @@ class NativeLayerStack:
         step is the call `greedy` makes for a step of these decodes (the same bits); between
         them only the pointers that move are set. Arrays by numpy and pointers by arithmetic:
         a torch op costs ~10-20 us here (the weights' stream evicted its code and data), as
-        much as a burst saves a step at bf16. -> each token's picks over the k steps run (k
-        each), or None where greedy would decline the first."""
+        much as a burst saves a step at bf16. -> each request's tokens over the k steps run
+        (k each), or None where greedy would decline the first."""
         steps, T = later_slots.shape[0] + 1, input_ids.shape[0]
         plan = meta.native if isinstance(meta, NativeMetadata) else None
         if plan is None or plan.num_tokens != T or not self.picks_greedy:

@@ -307,10 +307,10 @@ class ModelRunner:
             return self.stack.greedy_burst(inputs.input_ids, inputs.positions, inputs.attn_meta,
                                            vocab, burst.later_slots, burst.stops)
 
-    def _stack_picks(self, inputs: StepInputs) -> bool:
+    @staticmethod
+    def _stack_picks(inputs: StepInputs) -> bool:
         """Whether the layer stack may pick this step's greedy tokens itself (if it runs it)."""
-        return inputs.every_token and inputs.long_part is None \
-            and inputs.prompt is None
+        return inputs.every_token and inputs.long_part is None and inputs.prompt is None
 
     def _logits(self, inputs: StepInputs) -> tuple[torch.Tensor, list[list[TokenLogprobs]]]:
         """compute for one forward (a step, or a part of a mixed one)."""
