@@ -3,7 +3,8 @@ lane runs several decode steps of plain greedy requests in one scheduling. With 
 runner: the tokens, text and finish reasons of single steps, through stop tokens and stop
 strings inside a burst, length limits, retraction and a prefix cache; no KV slot leaked; the
 burst size bounded by the budget; a runner that cannot burst; the batch checks. With the
-native layer stack: the engine's outputs with and without bursts."""
+native layer stack: the engine's outputs with and without bursts, and a draft model's guesses
+made in bursts."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from banyan.scheduler import Request, Scheduler, SchedulerConfig
 from banyan.scheduler.builder import BudgetConfig
 from banyan.scheduler.request import FinishReason
 from banyan.scheduler.scheduler import BURST_BUDGET_S
+from banyan.spec.draft_head import DraftHead
 from tests.fake_runner import FakeRunner, reference
 from tests.model_helpers import random_ids
 from tests.test_scheduler import random_prompts
@@ -202,3 +204,52 @@ def test_engine_bursts_equal_single_steps(model_dirs: dict[str, Path], arch: str
     assert none == 0 and bursts >= 5
     assert burst == single
     assert single[0][2] == "stop" and single[3][2] == "length"
+
+
+@pytest.mark.skipif(native.load() is None, reason="native CPU kernels unavailable")
+def test_draft_guesses_in_bursts_equal_one_position_at_a_time(llama_dir: Path) -> None:
+    """A bf16 draft (the target itself, its head picked from the 4-bit copy) guessing its
+    positions after the first in bursts of decode steps makes the guesses it makes one
+    position at a time, step for step, and holds the same tokens' K/V after each; the outputs
+    are the same and every draft slot is free."""
+
+    def run(bursts: bool, confidence: float) -> tuple[list[list[int]], list[list[list[int]]],
+                                                     int]:
+        with Engine(str(llama_dir), dtype="bfloat16", device="cpu", disable_tqdm=True,
+                    speculative_algorithm="draft", spec_draft_model=str(llama_dir),
+                    spec_draft_min_confidence=confidence, spec_draft_no_lookup=True,
+                    speculative_max_step_tokens=64) as engine:
+            proposer = engine.core.scheduler.speculation.proposer
+            proposer.head = DraftHead.build(proposer.runner.model, proposer.runner.device,
+                                            proposer.runner.dtype, min_bytes=0)
+            assert proposer.runner.stack is not None and proposer.head is not None
+            proposer.bursts = bursts
+            made: list[list[list[int]]] = []
+            propose, hidden_burst = proposer.propose, proposer.runner.hidden_burst
+            ran: list[int] = []
+
+            def recorded(*args: object) -> list[list[int]]:
+                guesses = propose(*args)  # type: ignore[arg-type]
+                # and the tokens whose K/V the draft now holds, request by request
+                made.append([guesses, *(list(seq.tokens) for seq in proposer._seqs.values())])
+                return guesses
+
+            def counted(*args: object) -> int | None:
+                steps = hidden_burst(*args)  # type: ignore[arg-type]
+                ran.append(steps or 0)
+                return steps
+
+            proposer.propose = recorded  # type: ignore[method-assign]
+            proposer.runner.hidden_burst = counted  # type: ignore[method-assign]
+            prompts = [random_ids(30 + 9 * j, seed=70 + j) for j in range(3)]
+            outs = engine.generate(input_ids=prompts, sampling_params=[
+                SamplingParams(max_new_tokens=30, temperature=0.0) for _ in prompts])
+            assert proposer.allocator.num_free == proposer.allocator.capacity
+        return [o.outputs[0].output_ids for o in outs], made, max(ran, default=0)
+
+    for confidence in (0.0, 0.014):  # (this model's picks: 0.011-0.022 from 10th to 90th pct)
+        single, single_guesses, none = run(False, confidence)
+        burst, burst_guesses, longest = run(True, confidence)
+        assert none == 0 and longest >= (2 if confidence else 3)
+        assert burst_guesses == single_guesses and sum(map(len, sum(single_guesses, []))) > 20
+        assert burst == single

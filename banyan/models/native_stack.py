@@ -28,6 +28,7 @@ each step that no projection changed its method since (a test that dequantizes a
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from ctypes import POINTER, c_double, c_int64, c_void_p
 
 import numpy as np
@@ -351,17 +352,34 @@ class NativeLayerStack:
     def greedy_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata, vocab: int, later_slots: torch.Tensor,
                      stops: frozenset[int]) -> list[list[int]] | None:
-        """`greedy` over a burst of decode steps (ForwardBatch.decode_steps): step j's inputs
-        are step j - 1's tokens one position on, their K/V to later_slots[j - 1] ([steps - 1,
-        T] int64, already in the table); it stops after a step that picked one of `stops`. Each
-        step is the call `greedy` makes for a step of these decodes (the same bits); between
+        """`greedy` over a burst of decode steps (run_burst), stopping after a step that
+        picked one of `stops`. -> each request's tokens over the k steps run (k each), or None
+        where greedy would decline the first."""
+        if not self.picks_greedy:
+            return None
+        vocab = min(vocab, self._struct.head.out_features)
+        picked = self.run_burst(input_ids, positions, meta, later_slots, vocab,
+                                lambda step, row, hidden: not (stops and
+                                                               not stops.isdisjoint(row.tolist())))
+        return None if picked is None else picked.T.tolist()
+
+    def run_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata, later_slots: torch.Tensor, vocab: int,
+                  after: Callable[[int, np.ndarray, torch.Tensor], bool]) -> np.ndarray | None:
+        """Decode steps back to back (ForwardBatch.decode_steps), up to later_slots.shape[0]
+        + 1: step j's inputs are step j - 1's picks one position on, their K/V to
+        later_slots[j - 1] ([steps - 1, T] int64, already in the table). With vocab > 0 a
+        step's greedy picks come from its native call (as in `greedy`); with 0 `after` writes
+        them from the step's final-normed hidden states [T, hidden] (a draft model's guesses).
+        after(j, picks of step j [T], hidden) says whether step j + 1 runs. Each step is the
+        call `greedy` or `forward` makes for a step of these decodes (the same bits); between
         them only the pointers that move are set. Arrays by numpy and pointers by arithmetic:
         a torch op costs ~10-20 us here (the weights' stream evicted its code and data), as
-        much as a burst saves a step at bf16. -> each request's tokens over the k steps run
-        (k each), or None where greedy would decline the first."""
+        much as a burst saves a step at bf16. -> int64 [k, T], the picks of the k steps run,
+        or None where the stack does not run the first."""
         steps, T = later_slots.shape[0] + 1, input_ids.shape[0]
         plan = meta.native if isinstance(meta, NativeMetadata) else None
-        if plan is None or plan.num_tokens != T or not self.picks_greedy:
+        if plan is None or plan.num_tokens != T:
             return None
         assert later_slots.dtype == torch.int64 and later_slots.is_contiguous()
         # (made before the first step: after it, its weight stream has evicted numpy as well)
@@ -373,18 +391,18 @@ class NativeLayerStack:
         row = T * 8  # bytes of one step's row of each int64 [steps, T] array
         token_at, position_at = picked.ctypes.data, positions_at.ctypes.data
         slot_at, length_at = later_slots.data_ptr() - row, req_len_at.ctypes.data
-        vocab = min(vocab, self._struct.head.out_features)
-        hidden = self._run(input_ids, positions, meta, tokens[0], vocab)  # (the steps' output)
+        hidden = self._run(input_ids, positions, meta, tokens[0] if vocab else None, vocab)
         if hidden is None:
             return None
         s = self._step
         done = 1
-        while done < steps and not (stops and not stops.isdisjoint(picked[done - 1].tolist())):
+        while after(done - 1, picked[done - 1], hidden) and done < steps:
             offset = done * row
-            s.input_ids, s.greedy_out = token_at + offset - row, token_at + offset
+            s.input_ids = token_at + offset - row
+            s.greedy_out = token_at + offset if vocab else 0
             s.positions, s.slots = position_at + offset, slot_at + offset
             s.req_len = length_at + offset
             self._invoke()
             done += 1
-        del hidden, positions_at, req_len_at  # (held until here: the steps read and write them)
-        return picked[:done].T.tolist()
+        del positions_at, req_len_at  # (held until here: the steps read them)
+        return picked[:done]

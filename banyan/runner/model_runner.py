@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from banyan.attention.registry import create_backend
@@ -306,6 +308,18 @@ class ModelRunner:
         with torch.inference_mode():
             return self.stack.greedy_burst(inputs.input_ids, inputs.positions, inputs.attn_meta,
                                            vocab, burst.later_slots, burst.stops)
+
+    def hidden_burst(self, inputs: StepInputs,
+                     after: Callable[[int, np.ndarray, torch.Tensor], bool]) -> int | None:
+        """A burst's decode steps (inputs.burst) with each step's inputs picked by `after` from
+        the hidden states of the step before (NativeLayerStack.run_burst: a draft model's
+        guesses) -> the steps run, or None where the layer stack does not run them."""
+        if self.stack is None or inputs.burst is None or inputs.long_part is not None:
+            return None
+        with torch.inference_mode():
+            picked = self.stack.run_burst(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                          inputs.burst.later_slots, 0, after)
+        return None if picked is None else len(picked)
 
     @staticmethod
     def _stack_picks(inputs: StepInputs) -> bool:
