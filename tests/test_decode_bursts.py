@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from banyan import Engine
+from banyan.args import EngineArgs
 from banyan.batch import ForwardBatch, SamplingRow
 from banyan.cache.radix import RadixCache
 from banyan.kernels import native
@@ -144,6 +145,11 @@ def _burst_batch(steps: int, later: list[int], temperature: float = 0.0) -> Forw
                         out_slots=[10, 11], sample_indices=[0, 1],
                         sampling=[SamplingRow(params, [1], []), SamplingRow(params, [2], [])],
                         decode_steps=steps, later_slots=later)
+
+
+def test_a_bad_burst_size_is_refused_at_startup() -> None:
+    with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1"):
+        EngineArgs(num_scheduler_steps=0)
 
 
 def test_batch_checks_name_a_bad_burst() -> None:
