@@ -9,7 +9,7 @@ the burst budget, so it runs alone: the ratio should be ~1). Ratios per round, b
 single steps, then their median.
 
     python benchmarks/decode_bursts.py [--configs none,int8,int4] [--rounds 12] [--batched]
-                                       [--out FILE]
+                                       [--dtype bfloat16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def ratios(runs: dict[int, list[float]]) -> dict[str, Any]:
     return {"runs": runs, "ratio_by_round": by_round, "ratio_median": statistics.median(by_round)}
 
 
-def measure(quantization: str, rounds: int, batched: bool) -> dict[str, Any]:
-    engine = Engine(str(resolve_model_dir(None, show_progress=False)), dtype="bfloat16",
+def measure(quantization: str, rounds: int, batched: bool, dtype: str) -> dict[str, Any]:
+    engine = Engine(str(resolve_model_dir(None, show_progress=False)), dtype=dtype,
                     device="cpu", quantization=quantization, disable_tqdm=True,
                     kv_cache_memory="512MiB")
     config = engine.core.scheduler.config
@@ -62,12 +62,14 @@ def main() -> None:
     parser.add_argument("--configs", default="none,int8,int4")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--batched", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the activations' dtype (float32 where the CPU has no bf16 units)")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
     result: dict[str, Any] = {"command": command_line(), "machine": machine_info(),
                               "configs": {}}
     for quantization in ns.configs.split(","):
-        result["configs"][quantization] = measure(quantization, ns.rounds, ns.batched)
+        result["configs"][quantization] = measure(quantization, ns.rounds, ns.batched, ns.dtype)
         r = result["configs"][quantization]
         print(quantization, {name: (round(part["ratio_median"], 3),
                                     {k: [round(x, 1) for x in v] for k, v in part["runs"].items()})

@@ -15,7 +15,8 @@
 #   roofline   #13: a fresh 2,048-token prefill against the bf16 matmul peak of the same process
 #   contention #13: batch-1 decode beside a 2-thread matmul loop: default, fixed 2, 1 thread
 #   lowprec    #16: int8 / int4 / the GGUF blocks beside llama.cpp on Q8_0 / Q4_0 (installed on
-#              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5-12 min); on
+#              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5-12 min), and
+#              batch 1 with and without bursts of decode steps (decode_bursts.py, ~3 min); on
 #              AMX also the quantized GEMM's three paths (quant_onednn_crossover.py --tiles 2)
 #   spec       #17: none / ngram / draft, grounded and chat at batch 1, and under load (~15 min)
 #   exact      #17: speculation changes no greedy token (dense bf16 and GGUF, alone and after a
@@ -111,6 +112,9 @@ for s in $STEPS; do
       --gguf "Q8_0=$PEERS_DIR/smol-Q8_0.gguf" --gguf "Q4_0=$PEERS_DIR/smol-Q4_0.gguf" \
       --gguf-dtypes "$DTYPE" --configs "$LOWPREC_CONFIGS" \
       $(q "" --batched) --reps $(q 1 3) --note "$CPU" --out "$RESULTS/lowprec-$TAG.json"
+    # batch 1 with bursts of decode steps (the default) against single steps, in one engine
+    $PY benchmarks/decode_bursts.py --dtype "$DTYPE" --rounds $(q 2 12) \
+      --out "$RESULTS/decode-bursts-$TAG.json"
     # on AMX: the quantized GEMM on vdpbf16ps, on AMX tiles and dequantized into oneDNN
     if [ "$DTYPE" = bfloat16 ] && $PY -c "from banyan.kernels import native
 raise SystemExit(native.prefill_tiles() != 2)"; then
