@@ -52,8 +52,7 @@ class ReqToTokenTable:
             self.table.numpy()[rows_np, at + steps] = later_slots.numpy()
             return
         steps_t = torch.arange(1, ahead + 1, device=self.device).unsqueeze(1)
-        self.table.index_put_((rows.repeat(ahead), (positions + steps_t).flatten()),
-                              later_slots.flatten().to(self.table.dtype))
+        self.write(rows.repeat(ahead), (positions + steps_t).flatten(), later_slots.flatten())
 
     def write_batch(
         self,

@@ -357,10 +357,11 @@ class NativeLayerStack:
         where greedy would decline the first."""
         if not self.picks_greedy:
             return None
+        def no_stop(step: int, row: np.ndarray, hidden: torch.Tensor) -> bool:
+            return not stops or stops.isdisjoint(row.tolist())
+
         vocab = min(vocab, self._struct.head.out_features)
-        picked = self.run_burst(input_ids, positions, meta, later_slots, vocab,
-                                lambda step, row, hidden: not (stops and
-                                                               not stops.isdisjoint(row.tolist())))
+        picked = self.run_burst(input_ids, positions, meta, later_slots, vocab, no_stop)
         return None if picked is None else picked.T.tolist()
 
     def run_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -404,5 +405,4 @@ class NativeLayerStack:
             s.req_len = length_at + offset
             self._invoke()
             done += 1
-        del positions_at, req_len_at  # (held until here: the steps read them)
         return picked[:done]

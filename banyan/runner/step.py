@@ -26,7 +26,7 @@ from banyan.batch import ForwardBatch, SamplingRow, StepOutput, TokenLogprobs
 from banyan.host_tensors import int64_tensor, to_device
 from banyan.runner.model_runner import ModelRunner, StepInputs
 from banyan.runner.threads import ThreadGovernor
-from banyan.sampling.sampler import SampleResult, Sampler
+from banyan.sampling.sampler import Sampler
 from banyan.structured.masks import advance_grammars, fill_token_masks
 
 
@@ -117,14 +117,13 @@ class ModelStepRunner:
         if burst is not None:
             t1 = time.perf_counter()
             tokens, logprobs = burst, []
+        elif greedy is not None:
+            t1 = time.perf_counter()
+            tokens, logprobs = self._accept(batch, greedy, [None] * len(greedy))
         else:
-            if greedy is not None:
-                t1 = time.perf_counter()
-                result = SampleResult(greedy, [None] * len(greedy))
-            else:
-                logits, prompt_logprobs = self.model_runner.compute(inputs)
-                t1 = time.perf_counter()
-                result = self.sampler.sample(logits, rows, token_masks=masks)
+            logits, prompt_logprobs = self.model_runner.compute(inputs)
+            t1 = time.perf_counter()
+            result = self.sampler.sample(logits, rows, token_masks=masks)
             tokens, logprobs = self._accept(batch, result.next_tokens, result.logprobs)
         if masks is not None:  # here, on the worker, so matchers see tokens in step order
             advance_grammars(batch.sampling, tokens)

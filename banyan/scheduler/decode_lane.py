@@ -93,14 +93,16 @@ class DecodeLane:
         later: list[list[int]] = []  # per member, its slots for sub-steps 1..
         take = self._take_slot
         for req in running:
-            slots = req.slots
+            slots, run = req.slots, req.decode_run
             start = len(slots)
-            taken = [take(req) for _ in range(steps)]
-            slots += taken
+            slot = run.pop() if len(run) > 1 else take(req)
+            slots.append(slot)
             prefix.append(start)
-            out_slots.append(taken[0])
-            if steps > 1:
-                later.append(taken[1:])
+            out_slots.append(slot)
+            if steps > 1:  # (the usual step takes one slot: no list a member)
+                more = [take(req) for _ in range(steps - 1)]
+                slots += more
+                later.append(more)
             req.row_synced = start + steps
         if steps > 1:
             batch.decode_steps, batch.burst_stops = steps, self._stops
