@@ -1,10 +1,10 @@
 """Two builds of the paged-attention kernel alternated call by call in one process (a drift of
 these VMs' speed, 20-40% between runs, hits both alike), on SmolLM2-135M's heads (30 layers of
 9 query x 3 KV heads of 64, bf16, random K/V): the decode steps of benchmarks/decode_attention.py
-(random 64 x 192 keys, shared-prefix 8 x 8 over 1,024 + 100), one request's lone decode and
-13-token speculative check over 100 / 300 / 1,000 keys (batch 1), and one layer of the prefill
-kernel (benchmarks/prefill_attention.py: a fresh 2,048-token prefill, 256 tokens over 2,048
-cached). Medians of --rounds calls.
+(random 64 x 192 keys, shared-prefix 8 x 8 over 1,024 + 100), benchmarks/kv_quant.py's 64 x
+256 over int8 / fp8 pools, one request's lone decode and 13-token speculative check over 100 /
+300 / 1,000 keys (batch 1), and one layer of the prefill kernel (benchmarks/prefill_attention.py:
+a fresh 2,048-token prefill, 256 tokens over 2,048 cached). Medians of --rounds calls.
 
 Build the other checkout's kernels (any Banyan call that loads them writes the library into
 ~/.cache/banyan/kernels, named by a hash of the sources), then:
@@ -26,6 +26,7 @@ from banyan.attention.native_plan import plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import attention_kernels, native
 from decode_attention import decode_step, workload_rows  # (this script's folder)
+from kv_quant import decode_case
 from prefill_attention import case as prefill_case
 from two_builds import native_libraries, parse_args
 
@@ -54,6 +55,8 @@ def cases() -> dict[str, Callable[[], None]]:
     random_rows, shared_rows = workload_rows()
     out = {"64 decodes x 192 keys": decode_step(random_rows, torch.bfloat16)[0],
            "shared-prefix 8 x 8, 1024 + 100": decode_step(shared_rows, torch.bfloat16)[0]}
+    for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):  # kv_quant.py's step: bf16 queries, codes
+        out[f"64 decodes x 256 keys, {kv} pool"] = decode_case(torch.bfloat16, kv, 256)[0]
     for keys in (100, 300, 1000):
         out[f"lone decode, {keys} keys"] = lone(keys, 1)
         out[f"13-token check, {keys} keys"] = lone(keys, 13)

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import torch
 
+from banyan.kernels import native
 from banyan.kernels.native import (
     _DTYPE_SUFFIX,
     _KV_CODE_SUFFIX,
     kernel_range,
-    load,
     prefill_tiles,
 )
 
@@ -23,7 +23,9 @@ def _attention_entry(kind: str, q: torch.Tensor, pool_k: torch.Tensor,
                      tensors: tuple[torch.Tensor, ...]) -> tuple[Callable[..., None], bool]:
     """The attention entry point banyan_{kind}_{queries}_{pool} for these operands (all
     contiguous; a quantized pool's float32 scales given), and whether the pool is quantized."""
-    lib = load()
+    # (looked up on the module at each call, so that a script pointing native.load at another
+    # build, as the A/B benchmarks do, gets that build here too)
+    lib = native.load()
     assert lib is not None, "native kernels unavailable: check supports() first"
     quantized = pool_k.dtype != q.dtype
     kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
