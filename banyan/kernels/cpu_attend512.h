@@ -224,7 +224,8 @@ inline void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r, int d, 
 // probability is 0): [pair][d / 16] words of 16 dims. P, Codes: attend512's.
 template <typename P, typename Codes>
 inline const __m512i* interleave_values(Scratch& sc, const P* vpool, const int32_t* cs, int cn,
-                                        int64_t kvh, int64_t h, int d) {
+                                        int64_t kvh, int64_t h, int d,
+                                        const CodesBf16<Codes>& bf16) {
     __m512i* vi = reinterpret_cast<__m512i*>(sc.vb.data());
     const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
     for (int jp = 0; jp < (cn + 1) / 2; ++jp) {
@@ -239,8 +240,8 @@ inline const __m512i* interleave_values(Scratch& sc, const P* vpool, const int32
         for (int c2 = 0; c2 < d / 32; ++c2) {
             __m512i a, b;
             if constexpr (!std::is_same<Codes, void>::value) {
-                a = codes_bf16x32<Codes>(va + c2 * 32);
-                b = codes_bf16x32<Codes>(vb2 + c2 * 32);
+                a = bf16(va + c2 * 32);
+                b = bf16(vb2 + c2 * 32);
             } else {
                 a = _mm512_loadu_si512(va + c2 * 32);
                 b = _mm512_loadu_si512(vb2 + c2 * 32);
@@ -268,6 +269,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
     static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "codes: bf16 pairs only");
     const T* kr[VBLK];
     alignas(64) float ks[VBLK];
+    [[maybe_unused]] const CodesBf16<Codes> bf16;
     prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, 2 * VBLK), kvh, h, d);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int cn = static_cast<int>(std::min<int64_t>(CHUNK, n - c0));
@@ -298,7 +300,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
                     uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
                     for (int e = 0; e < d; e += 32)
-                        _mm512_storeu_si512(kc + e, codes_bf16x32<Codes>(kpool + row * d + e));
+                        _mm512_storeu_si512(kc + e, bf16(kpool + row * d + e));
                     kr[j] = kc;
                     ks[j] = kscale[row] * code_unit<Codes>;
                     sc.vsc[j0 + j] = vscale[row] * code_unit<Codes>;
@@ -334,7 +336,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         // 3. the chunk's values, converted once, into every row's accumulator
         if constexpr (kPairs) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-            const __m512i* vi = interleave_values<P, Codes>(sc, vpool, cs, cn, kvh, h, d);
+            const __m512i* vi = interleave_values<P, Codes>(sc, vpool, cs, cn, kvh, h, d, bf16);
             const int words = d / 16;
             int r = 0;
             // past the rows that see none of the chunk, three rows at a time while they see the

@@ -160,7 +160,7 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         // 4. the values as pairs of keys, then O += P V, 32 rows x 32 dims a block of tiles
         // (pairs past the chunk's: stale finite values, times probabilities of 0)
         const char* vi = reinterpret_cast<const char*>(
-            interleave_values<uint16_t, void>(sc, vpool, cs, cn, kvh, h, d));
+            interleave_values<uint16_t, void>(sc, vpool, cs, cn, kvh, h, d, CodesBf16<void>{}));
         for (int r = 0; r < padded; r += kTileBlock) {
             const int real = std::min(kTileBlock, rows - r);
             float* acc = sc.acc.data() + static_cast<size_t>(r0 + r) * d;

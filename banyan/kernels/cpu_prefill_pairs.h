@@ -117,11 +117,11 @@ inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul)
 // 32 values of a pool row as bf16: as they are, or a quantized pool's codes (Codes: I8, E4M3,
 // E5M2), exact in bf16 (their scales are applied to the products).
 template <typename Codes, typename P>
-inline __m512i row_bf16x32(const P* p) {
+inline __m512i row_bf16x32(const P* p, const CodesBf16<Codes>& bf16) {
     if constexpr (std::is_same<Codes, void>::value)
         return _mm512_loadu_si512(p);
     else
-        return codes_bf16x32<Codes>(p);
+        return bf16(p);
 }
 
 // The key rows of the block [k0, k0 + nk) of KV head h as bf16 (kb16 [nk][d]), a quantized
@@ -135,11 +135,12 @@ inline void key_block(Buffers& b, const P* kpool, const P* vpool, const float* k
                       const float* vscale, const int32_t* slots, int64_t k0, int64_t nk,
                       int64_t kend, int64_t kvh, int64_t h, int64_t d, float* kmul, float* vmul) {
     const int64_t ahead = std::min<int64_t>(kend - k0 - nk, BK);
+    const CodesBf16<Codes> bf16;
     for (int64_t j = 0; j < nk; ++j) {
         const int64_t row = static_cast<int64_t>(slots[k0 + j]) * kvh + h;
         const P* src = kpool + row * d;
         for (int64_t e = 0; e < d; e += 32)
-            _mm512_storeu_si512(&b.kb16[j * d + e], row_bf16x32<Codes>(src + e));
+            _mm512_storeu_si512(&b.kb16[j * d + e], row_bf16x32<Codes>(src + e, bf16));
         if constexpr (!std::is_same<Codes, void>::value) {
             kmul[j] = kscale[row] * code_unit<Codes>;
             vmul[j] = vscale[row] * code_unit<Codes>;
@@ -162,14 +163,15 @@ template <typename Codes, typename P>
 inline void value_pairs(const P* vpool, const int32_t* slots, int64_t k0, int64_t nk,
                         int64_t kvh, int64_t h, int64_t d, uint32_t* vp) {
     const __m512i lo = _mm512_loadu_si512(kPairLo), hi = _mm512_loadu_si512(kPairHi);
+    const CodesBf16<Codes> bf16;
     for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
         const P* a = vpool + (static_cast<int64_t>(slots[k0 + 2 * q]) * kvh + h) * d;
         const bool lone = 2 * q + 1 >= nk;
         const P* b =
             lone ? a : vpool + (static_cast<int64_t>(slots[k0 + 2 * q + 1]) * kvh + h) * d;
         for (int64_t c = 0; c < d; c += 32) {
-            const __m512i va = row_bf16x32<Codes>(a + c);
-            const __m512i vb = lone ? _mm512_setzero_si512() : row_bf16x32<Codes>(b + c);
+            const __m512i va = row_bf16x32<Codes>(a + c, bf16);
+            const __m512i vb = lone ? _mm512_setzero_si512() : row_bf16x32<Codes>(b + c, bf16);
             _mm512_storeu_si512(vp + q * d + c, _mm512_permutex2var_epi16(va, lo, vb));
             _mm512_storeu_si512(vp + q * d + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
         }
