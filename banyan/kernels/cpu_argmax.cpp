@@ -15,6 +15,7 @@
 
 #include "cpu_avx512.h"
 #include "cpu_dtypes.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -63,8 +64,8 @@ template <typename T>
 void argmax_rows(const T* x, int64_t rows, int64_t n, int64_t stride, int64_t* out,
                  int64_t n_threads) {
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min(rows, n_threads)));
-#pragma omp parallel for num_threads(threads) if (rows > 1)
-    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * stride, n);
+    banyan_team::parallel_for(rows, threads,
+                              [&](int64_t r) { out[r] = argmax_row(x + r * stride, n); });
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 
 #include "cpu_avx512.h"
 #include "cpu_dtypes.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -32,20 +33,6 @@ constexpr int64_t kParallelElems = 1 << 12;
 
 inline int threads_for(int64_t elems, int64_t n_threads) {
     return static_cast<int>(elems >= kParallelElems ? n_threads : 1);
-}
-
-// body(r) for rows r in [0, rows), the rows shared by `threads` threads (schedule(static)). One
-// thread runs them here, outside any OpenMP region: entering a region of one thread cost ~0.3
-// us (libgomp's team set-up), and a one-token step through the layer stack has four such ops a
-// layer (two norms, RoPE, SiLU).
-template <typename F>
-inline void for_rows(int64_t rows, int threads, F&& body) {
-    if (threads <= 1) {
-        for (int64_t r = 0; r < rows; ++r) body(r);
-        return;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) body(r);
 }
 
 // Branch-free bf16 rounding of a float (NaN kept NaN), so the loops below vectorise.
@@ -97,7 +84,7 @@ inline void norm_row(const typename C::T* x, const typename C::T* w, typename C:
 template <typename C>
 void add_rms_norm(typename C::T* residual, const typename C::T* add, const typename C::T* w,
                   typename C::T* out, int64_t rows, int64_t n, float eps, int64_t n_threads) {
-    for_rows(rows, threads_for(rows * n, n_threads), [&](int64_t r) {
+    banyan_team::parallel_for(rows, threads_for(rows * n, n_threads), [&](int64_t r) {
         typename C::T* x = residual + r * n;
         if (add != nullptr) {
             const typename C::T* a = add + r * n;
@@ -145,7 +132,7 @@ inline void store16m(uint16_t* p, __m512 v, __mmask16 m) {
 template <typename C>
 void silu_and_mul(const typename C::T* gate_up, typename C::T* out, int64_t rows, int64_t n,
                   int64_t n_threads) {
-    for_rows(rows, threads_for(rows * n, n_threads), [&](int64_t r) {
+    banyan_team::parallel_for(rows, threads_for(rows * n, n_threads), [&](int64_t r) {
         const typename C::T* g = gate_up + r * 2 * n;
         const typename C::T* u = g + n;
         typename C::T* o = out + r * n;
@@ -212,7 +199,7 @@ void rope_qk(const typename C::T* qkv, int64_t stride, const typename C::T* cos,
              float eps, typename C::T* q_out, typename C::T* k_out, int64_t rows, int64_t heads,
              int64_t kvh, int64_t d, int64_t n_threads) {
     const int64_t half = d / 2;
-    for_rows(rows, threads_for(rows * (heads + kvh) * d, n_threads), [&](int64_t r) {
+    banyan_team::parallel_for(rows, threads_for(rows * (heads + kvh) * d, n_threads), [&](int64_t r) {
         typename C::T normed[512];  // one head after its norm (d <= 512, checked by the caller)
         const typename C::T* c = cos + r * half;
         const typename C::T* s = sin + r * half;

@@ -25,6 +25,7 @@
 #include "cpu_dtypes.h"
 #include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
+#include "cpu_team.h"
 
 
 #if defined(BANYAN_INT4_BF16)
@@ -126,8 +127,7 @@ void linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group, const u
     const int64_t groups = K / group;
     // the bf16 values the dot products see, summed in float32
     group_sums(x, T, K, group, xsum, [](uint16_t v) { return bf16_to_f32(v); });
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
+    banyan_team::parallel_for(panels, threads_for(panels, n_threads), [&](int64_t p) {
         const uint8_t* wp = w + p * (K / 2) * PANEL;
         for (int64_t t0 = 0; t0 < T; t0 += kTokens) {
             const uint16_t* xt = x + t0 * K;
@@ -140,7 +140,7 @@ void linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group, const u
                 default: panel_bf16<4>(xt, st, K, group, wp, scale, mins, bias, ot, N, p); break;
             }
         }
-    }
+    });
 }
 
 }  // namespace

@@ -38,6 +38,7 @@
 #include "cpu_dtypes.h"
 #include "cpu_int8act_halves.h"
 #include "cpu_int8act_panels512.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -115,14 +116,13 @@ const QRows& quantize(const X* x, int64_t T, int64_t K, int64_t n_threads) {
     r.dsum.resize(T * blocks);
     r.qsum.resize(T * blocks);
     QRows* rp = &r;
-#pragma omp parallel for num_threads(threads_for(T, n_threads)) schedule(static) if (T > 4)
-    for (int64_t t = 0; t < T; ++t) {
+    banyan_team::parallel_for(T, (T > 4) ? threads_for(T, n_threads) : 1, [&](int64_t t) {
         const FlushDenormals flush;
         static thread_local std::vector<float> wide;
         quantize_row(as_f32(x + t * K, K, wide), K, rp->q.data() + t * K,
                      rp->d.data() + t * blocks, rp->dsum.data() + t * blocks,
                      rp->qsum.data() + t * blocks);
-    }
+    });
     return r;
 }
 
@@ -173,11 +173,10 @@ template <typename Half, typename O>
 void over_halves(int64_t T, int64_t N, const float* bias, O* out, int64_t n_threads,
                  Half half) {
     const int64_t units = 2 * ((N + PANEL - 1) / PANEL);
-#pragma omp parallel for num_threads(threads_for(units, n_threads)) schedule(static)
-    for (int64_t u = 0; u < units; ++u) {
+    banyan_team::parallel_for(units, threads_for(units, n_threads), [&](int64_t u) {
         const FlushDenormals flush;
         const int64_t row0 = u * HALF;
-        if (row0 >= N) continue;  // the padding half of the last panel
+        if (row0 >= N) return;  // the padding half of the last panel
         alignas(32) float res[ATB * HALF];
         for (int64_t t0 = 0; t0 < T; t0 += ATB) {
             const int64_t tb = std::min<int64_t>(ATB, T - t0);
@@ -185,7 +184,7 @@ void over_halves(int64_t T, int64_t N, const float* bias, O* out, int64_t n_thre
             store_rows(res, HALF, tb, bias, out + t0 * N, N, row0,
                        std::min<int64_t>(HALF, N - row0));
         }
-    }
+    });
 }
 
 template <typename S>
@@ -310,8 +309,7 @@ template <typename Pair, typename One, typename O>
 void over_panels(const Pair& pair, const One& one, int64_t T, const float* bias, O* out,
                  int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, units = (panels + 1) / 2;
-#pragma omp parallel for num_threads(threads_for(units, n_threads)) schedule(static)
-    for (int64_t u = 0; u < units; ++u) {
+    banyan_team::parallel_for(units, threads_for(units, n_threads), [&](int64_t u) {
         const FlushDenormals flush;
         alignas(64) float res[std::max(PTB, 2 * TB2) * PANEL];
         const int64_t p = 2 * u;
@@ -327,7 +325,7 @@ void over_panels(const Pair& pair, const One& one, int64_t T, const float* bias,
                 store_panel(res, p, tb, bias, out + t0 * N, N);
             }
         }
-    }
+    });
 }
 #endif
 

@@ -5,6 +5,7 @@
 // Activations and sums in float32; AVX-512F, AVX2 + FMA, or plain loops.
 
 #include "cpu_quant_common.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -124,14 +125,13 @@ void banyan_int8g_linear_f32(const float* x, int64_t T, int64_t K, int64_t group
                              const int8_t* w, const float* scale, const float* bias, float* out,
                              int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
+    banyan_team::parallel_for(panels, threads_for(panels, n_threads), [&](int64_t p) {
         const int8_t* wp = w + p * K * PANEL;
         for_token_blocks(T, [&](int64_t t0, auto b) {  // (kGroupSums whatever the block)
             int8g_panel<decltype(b)::value, kGroupSums>(x + t0 * K, K, group, wp, scale, bias,
                                                         out + t0 * N, N, p);
         });
-    }
+    });
 }
 
 }  // extern "C"

@@ -32,6 +32,7 @@
 #include "cpu_attend512.h"
 #include "cpu_paged_attention.h"
 #include "cpu_paged_attender.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -55,13 +56,13 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
     // Work items: whole parts (every KV head, the part's rows read in order) where there are
     // parts enough to share, else a part's KV heads apart (2 or 3 parts: a short last one)
     const int64_t per = parts >= 2 * n_threads ? kvh : 1, items = parts * kvh / per;
-#pragma omp parallel num_threads(static_cast<int>(std::min(n_threads, items)))
-    {
+    const int64_t threads = std::min(n_threads, items);
+    std::atomic<int64_t> claimed{0};  // items go to threads as they come free
+    banyan_team::parallel_team(threads, [&](int, int) {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
         const TileSession session(at.tiles);
         at.fit(static_cast<int>(rows));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
+        for (int64_t it = claimed.fetch_add(1); it < items; it = claimed.fetch_add(1)) {
             const int64_t p = it * per / kvh, h0 = it * per % kvh, p0 = p * kPartKeys;
             const int64_t len = std::min(kPartKeys, n - p0);
             // tokens before the part see none of its keys (a long chunk's first ones)
@@ -80,19 +81,19 @@ void lone_request(const typename C::T* q, const typename K::T* kpool,
                                       st + ((p * e + t) * heads + h * g + gh) * width);
             }
         }
-#pragma omp for schedule(static)
-        for (int64_t tr = 0; tr < e * heads; ++tr) {  // (token, query head)
-            static thread_local std::vector<float> acc;  // (this thread's)
-            acc.assign(d, 0.0f);
-            float fm = -INFINITY, fl = 0.0f;
-            const int64_t seen = n - e + tr / heads + 1;  // its keys: the parts it has alone
-            for (int64_t p = 0; p * kPartKeys < seen; ++p) {
-                const float* state = st + (p * e * heads + tr) * width;
-                fold(fm, fl, acc.data(), state[0], state[1], state + 2, d);
-            }
-            Attender<C, K>::finish(acc.data(), fl, out + tr * d, d);
+    });
+    // then each row's parts folded in order, once every part is in
+    banyan_team::parallel_for(e * heads, threads, [&](int64_t tr) {  // (token, query head)
+        static thread_local std::vector<float> acc;  // (this thread's)
+        acc.assign(d, 0.0f);
+        float fm = -INFINITY, fl = 0.0f;
+        const int64_t seen = n - e + tr / heads + 1;  // its keys: the parts it has alone
+        for (int64_t p = 0; p * kPartKeys < seen; ++p) {
+            const float* state = st + (p * e * heads + tr) * width;
+            fold(fm, fl, acc.data(), state[0], state[1], state + 2, d);
         }
-    }
+        Attender<C, K>::finish(acc.data(), fl, out + tr * d, d);
+    });
 }
 
 template <typename C, typename K>
@@ -144,8 +145,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
     // Fewer slices than threads (a few short decodes): each KV head of a slice is a work item
     // of its own, so the threads share them.
     const int64_t split = slices < n_threads ? kvh : 1, items = slices * split;
-#pragma omp parallel num_threads(static_cast<int>(n_threads))
-    {
+    banyan_team::parallel_team(n_threads, [&](int, int) {
         Attender<C, K>& at = thread_attender<C, K>(kpool, vpool, kscale, vscale, kvh, d, scale);
         const TileSession session(at.tiles);
         std::vector<int64_t> offset;  // first state row of each member of the slice
@@ -215,7 +215,7 @@ void paged_attention(const typename C::T* q, const typename K::T* kpool,
                 at.sc.ahead.stop();
             }
         }
-    }
+    });
 }
 
 }  // namespace

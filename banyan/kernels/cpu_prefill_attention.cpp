@@ -26,6 +26,7 @@
 // Built at run time by banyan/kernels/native.py; called through attention_kernels.py.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +40,7 @@
 #include "cpu_prefill_common.h"
 #include "cpu_prefill_pairs.h"
 #include "cpu_prefill_tiles.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -257,13 +259,12 @@ void prefill_attention(const typename C::T* q, const typename K::T* kpool,
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& a, const Item& b) { return a.cost > b.cost; });
     const int64_t n_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, n_threads)))
-    {
+    std::atomic<int64_t> claimed{0};  // items go to threads as they come free
+    banyan_team::parallel_team(n_threads, [&](int, int) {
         Buffers buf;
         Tiles tl;
         tl.begin();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; ++it) {
+        for (int64_t it = claimed.fetch_add(1); it < n_items; it = claimed.fetch_add(1)) {
             const Item& w = items[it];
             const int64_t i = w.req, prefix = req_len[i] - n_new[i];
             const int64_t bqi = std::min(bq, n_new[i] - w.t0);
@@ -287,7 +288,7 @@ void prefill_attention(const typename C::T* q, const typename K::T* kpool,
                                out + q_start[i] * heads * d);
         }
         tl.end();
-    }
+    });
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include "cpu_quant_common.h"
 #include "cpu_quant_fill.h"
 #include "cpu_quant_gemm_tiles.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -153,9 +154,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         return;
     }
 #endif
-#pragma omp parallel num_threads(threads_for(panels / NP, n_threads))
-    {
-        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int tid, int team) {
+        const int64_t n = team, i = tid;
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
         // two tiles, this group's and the next's (filled meanwhile: Fill); 64-byte aligned (a
         // std::vector of __m512i drops the alignment attribute); none for pairs read in place
@@ -191,7 +191,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
             }
         }
         std::free(tiles);
-    }
+    });
 }
 
 // The layer's bf16 weight as plain rows [N, K]: each panel's pairs (fill_tile) transposed back
@@ -279,8 +279,7 @@ void panel_values(const QuantWeight& w, int64_t p, float* rows) {
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t K = w.K, panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
+    banyan_team::parallel_for(panels, threads_for(panels, n_threads), [&](int64_t p) {
         std::vector<float> rows(static_cast<size_t>(PANEL * K));
         const float* rs = sum_scales(w);
         if (rs)  // the codes themselves
@@ -298,7 +297,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
                 out[t * N + n] = f32_to_bf16(rs ? std::fma(sum, rs[n], b) : sum + b);
             }
         }
-    }
+    });
 }
 #endif
 

@@ -25,6 +25,7 @@
 #include "cpu_amx_tiles.h"
 #include "cpu_quant_common.h"
 #include "cpu_quant_fill.h"
+#include "cpu_team.h"
 
 #if defined(BANYAN_AMX_TILES) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BANYAN_GEMM_TILES 1
@@ -86,9 +87,8 @@ template <typename Tiles>
 void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t K = w.K, panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
-#pragma omp parallel num_threads(threads_for(panels / NP, n_threads))
-    {
-        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int tid, int team) {
+        const int64_t n = team, i = tid;
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
         auto* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * NP * 64));
         // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
@@ -117,7 +117,7 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         tl.end();
         std::free(pad);
         std::free(tile);
-    }
+    });
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 
 #include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -304,11 +305,10 @@ void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint
     // of floats, in L2) cost what it saved (measured on Zen 1: 1.0x at 16-32 tokens, 1.24-1.39x
     // at 512).
     if (T >= 6 * MAX_TB) {
-#pragma omp parallel num_threads(threads_for(panels, n_threads))
-        {
+        banyan_team::parallel_team(threads_for(panels, n_threads), [&](int tid, int n) {
             std::vector<float> codes(static_cast<size_t>(K) * PANEL);
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; ++p) {
+            const banyan_team::Share share(panels, tid, n);
+            for (int64_t p = share.begin; p < share.end; ++p) {
                 widen_codes(w + p * (K / 2) * PANEL, K, codes.data());
                 for_token_blocks(T, [&](int64_t t0, auto b) {
                     int4_panel_widened<decltype(b)::value>(x + t0 * K, xsum + t0 * groups, K,
@@ -316,18 +316,17 @@ void int4_linear(const float* x, int64_t T, int64_t K, int64_t group, const uint
                                                            bias, out + t0 * N, N, p);
                 });
             }
-        }
+        });
         return;
     }
 #endif
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
+    banyan_team::parallel_for(panels, threads_for(panels, n_threads), [&](int64_t p) {
         const uint8_t* wp = w + p * (K / 2) * PANEL;
         for_token_blocks(T, [&](int64_t t0, auto b) {  // (kInt4Sums whatever the block)
             int4_panel<decltype(b)::value, kInt4Sums>(x + t0 * K, xsum + t0 * groups, K, group,
                                                        wp, scale, mins, bias, out + t0 * N, N, p);
         });
-    }
+    });
 }
 
 
@@ -340,14 +339,13 @@ void banyan_int8_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* 
                             const float* scale, const float* bias, float* out, int64_t N,
                             int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads_for(panels, n_threads)) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
+    banyan_team::parallel_for(panels, threads_for(panels, n_threads), [&](int64_t p) {
         const int8_t* wp = w + p * K * PANEL;
         for_token_blocks(T, [&](int64_t t0, auto b) {  // (kInt8Sums whatever the block)
             int8_panel<decltype(b)::value, kInt8Sums>(x + t0 * K, K, wp, scale, bias,
                                                        out + t0 * N, N, p);
         });
-    }
+    });
 }
 
 // x [T, K] float32 (K % group == 0, group even), w [panels, K / 2, 16] bytes, scale and mins

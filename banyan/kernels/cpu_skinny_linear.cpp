@@ -7,6 +7,7 @@
 // or AVX-512 code from the same source (-march=native). Below it, the same for bf16.
 #include <algorithm>
 #include <cstdint>
+#include "cpu_team.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -165,8 +166,7 @@ static void skinny(const typename R::T* x, int64_t T, int64_t K, const typename 
                    int64_t n_threads) {
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(n_threads, (N + 7) / 8));
     const int64_t chunk = (N + parts * 8 - 1) / (parts * 8) * 8;
-#pragma omp parallel for num_threads(parts) schedule(static)
-    for (int64_t c = 0; c < parts; ++c) {
+    banyan_team::parallel_for(parts, parts, [&](int64_t c) {
         const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
         for (int64_t t0 = 0; t0 < T; t0 += 8) {
             const int64_t tb = std::min<int64_t>(8, T - t0);
@@ -183,7 +183,7 @@ static void skinny(const typename R::T* x, int64_t T, int64_t K, const typename 
                 default: R::template run<8>(xt, K, w, bias, ot, N, n0, n1); break;
             }
         }
-    }
+    });
 }
 
 extern "C" {
