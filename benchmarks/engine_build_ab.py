@@ -1,0 +1,68 @@
+"""Two builds of the native kernels in one engine, request by request: batch-1 128/128 decode
+speed with the layer stack's entry point taken from each library in turn (every kernel a step
+calls is that library's own), ABBA order, per weight format. Where layer_stack_ab.py times one
+step through the runner, this times what a user sees: the engine's steps, bursts included.
+
+    python benchmarks/engine_build_ab.py A.so B.so [--quantization int4,int8,none]
+        [--rounds 16] [--out F]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import statistics
+import sys
+from argparse import ArgumentParser
+
+from banyan import Engine
+from banyan.bench.offline import batch1, machine_info
+from banyan.model_files import resolve_model_dir
+from two_builds import parse_args  # (this script's folder)
+
+
+def main() -> int:
+    def more(ap: ArgumentParser) -> None:
+        ap.add_argument("--quantization", default="int4,int8,none")
+
+    ns = parse_args(__doc__, "128", 16, more)
+    cases = []
+    for q in ns.quantization.split(","):
+        engine = Engine(str(resolve_model_dir(None)), dtype="bfloat16", device="cpu",
+                        quantization=q, disable_tqdm=True, kv_cache_memory="512MiB")
+        vocab = engine.core.vocab_size
+        stack = engine.core.scheduler.runner.model_runner.stack
+        if stack is None:
+            raise SystemExit(f"{q}: no native layer stack here")
+        entry = stack._call
+        calls = {}
+        for name, path in (("a", ns.a), ("b", ns.b)):
+            fn = getattr(ctypes.CDLL(str(path)), entry.__name__)
+            fn.argtypes, fn.restype = entry.argtypes, entry.restype
+            calls[name] = fn
+        batch1(engine, 16, 8, vocab)  # warm
+        tok_s: dict[str, list[float]] = {"a": [], "b": []}
+        for r in range(ns.rounds):
+            for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                stack._call = calls[name]
+                tok_s[name].append(batch1(engine, 128, 128, vocab)["decode_tok_s"])
+        stack._call = entry
+        ratios = [b / a for a, b in zip(tok_s["a"], tok_s["b"])]
+        case = {"quantization": q, "a_tok_s": statistics.median(tok_s["a"]),
+                "b_tok_s": statistics.median(tok_s["b"]),
+                "b_over_a_tok_s": statistics.median(ratios),
+                "ratios_by_round": [round(x, 3) for x in ratios]}
+        cases.append(case)
+        print(f"{q:5s} a {case['a_tok_s']:6.1f} b {case['b_tok_s']:6.1f} tok/s  "
+              f"b/a {case['b_over_a_tok_s']:.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})",
+              flush=True)
+        del engine
+    if ns.out:
+        ns.out.write_text(json.dumps({"command": ns.command, "machine": machine_info(),
+                                      "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
+                                      "cases": cases}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
