@@ -29,6 +29,13 @@ struct Share {
     }
 };
 
+class Team;
+
+// The team the calling thread runs a step for (its thread 0), or null; null while it runs its
+// own share of a job, so that a loop nested in a job's body runs on that thread alone, as a
+// region nested in a region did.
+inline thread_local Team* active = nullptr;
+
 class Team {
   public:
     explicit Team(int threads) : n_(threads) {}
@@ -42,7 +49,9 @@ class Team {
         job_ = Job{fn, ctx, threads};
         done_.store(0, std::memory_order_relaxed);
         seq_.fetch_add(1, std::memory_order_release);
+        active = nullptr;
         fn(ctx, 0, threads);
+        active = this;
         wait_done();
     }
 
@@ -83,8 +92,6 @@ class Team {
     int n_;
 };
 
-// The team the calling thread runs a step for (its thread 0), or null.
-inline thread_local Team* active = nullptr;
 
 // body(tid, n) once on each of n threads, n = min(threads, the team's size) inside a step,
 // else what OpenMP gives for `threads`; one thread: here, without a region.
