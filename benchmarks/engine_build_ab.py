@@ -9,7 +9,6 @@ step through the runner, this times what a user sees: the engine's steps, bursts
 
 from __future__ import annotations
 
-import ctypes
 import json
 import statistics
 import sys
@@ -18,7 +17,7 @@ from argparse import ArgumentParser
 from banyan import Engine
 from banyan.bench.offline import batch1, machine_info
 from banyan.model_files import resolve_model_dir
-from two_builds import parse_args  # (this script's folder)
+from two_builds import parse_args, stack_entries  # (this script's folder)
 
 
 def main() -> int:
@@ -35,11 +34,7 @@ def main() -> int:
         if stack is None:
             raise SystemExit(f"{q}: no native layer stack here")
         entry = stack._call
-        calls = {}
-        for name, path in (("a", ns.a), ("b", ns.b)):
-            fn = getattr(ctypes.CDLL(str(path)), entry.__name__)
-            fn.argtypes, fn.restype = entry.argtypes, entry.restype
-            calls[name] = fn
+        calls = stack_entries(stack, ns.a, ns.b)
         batch1(engine, 16, 8, vocab)  # warm
         tok_s: dict[str, list[float]] = {"a": [], "b": []}
         for r in range(ns.rounds):

@@ -20,7 +20,6 @@ default; float32 where the CPU has no bf16 units).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -32,7 +31,7 @@ from banyan.batch import ForwardBatch
 from banyan.bench.offline import machine_info
 from banyan.model_files import gguf_source, resolve_model_dir
 from banyan.runner.model_runner import ModelRunner
-from two_builds import parse_args  # (this script's folder)
+from two_builds import parse_args, stack_entries  # (this script's folder)
 
 CONTEXT = 300
 STRIDE = 400  # slots a row may use
@@ -72,11 +71,7 @@ def main() -> int:
     if stack is None:
         raise SystemExit("no native layer stack for this model here")
     entry = stack._call
-    calls = {}
-    for name, path in (("a", ns.a), ("b", ns.b)):
-        fn = getattr(ctypes.CDLL(str(path)), entry.__name__)
-        fn.argtypes, fn.restype = entry.argtypes, entry.restype
-        calls[name] = fn
+    calls = stack_entries(stack, ns.a, ns.b)
     ids = [(7 * i) % 4000 + 100 for i in range(CONTEXT)]
     for r in range(rows):  # every row's context in the pool
         runner.forward(ForwardBatch(rows=[r], prefix_lens=[0], extend_lens=[CONTEXT],

@@ -89,3 +89,16 @@ def typed_libraries(paths: Mapping[K, Path]) -> dict[K, ctypes.CDLL]:
         native._build = build  # type: ignore[assignment]
         native.load.cache_clear()
     return libs
+
+
+def stack_entries(stack: object, a: Path, b: Path) -> dict[str, Callable[..., int]]:
+    """The layer stack's entry point (`stack._call`, a native_stack.NativeLayerStack's) from each
+    library, typed as the stack's own: set `stack._call` to one or the other between steps (every
+    kernel a step calls is then that library's), and back to the original after."""
+    entry = stack._call  # type: ignore[attr-defined]
+    calls = {}
+    for name, path in (("a", a), ("b", b)):
+        fn = getattr(ctypes.CDLL(str(path)), entry.__name__)
+        fn.argtypes, fn.restype = entry.argtypes, entry.restype
+        calls[name] = fn
+    return calls
