@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 namespace banyan_team {
 
@@ -28,6 +29,13 @@ struct Share {
         end = begin + q + (tid < r ? 1 : 0);
     }
 };
+
+// One turn of a spin-wait: x86's `pause` (less power, and the core to a sibling thread).
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 class Team;
 
@@ -60,7 +68,7 @@ class Team {
         uint64_t seen = 0;
         for (;;) {
             uint64_t s;
-            while ((s = seq_.load(std::memory_order_acquire)) == seen) __builtin_ia32_pause();
+            while ((s = seq_.load(std::memory_order_acquire)) == seen) spin_pause();
             seen = s;
             const Job job = job_;
             if (job.fn == nullptr) return;
@@ -84,14 +92,13 @@ class Team {
         int threads;
     };
     void wait_done() {
-        while (done_.load(std::memory_order_acquire) != n_ - 1) __builtin_ia32_pause();
+        while (done_.load(std::memory_order_acquire) != n_ - 1) spin_pause();
     }
     alignas(64) std::atomic<uint64_t> seq_{0};
     alignas(64) std::atomic<int> done_{0};
     alignas(64) Job job_{nullptr, nullptr, 0};
     int n_;
 };
-
 
 // body(tid, n) once on each of n threads, n = min(threads, the team's size) inside a step,
 // else what OpenMP gives for `threads`; one thread: here, without a region.
@@ -104,8 +111,9 @@ void parallel_team(int64_t threads, F&& body) {
     if (Team* team = active) {
         const int n = static_cast<int>(threads < team->size() ? threads : team->size());
         if (n > 1) {
-            team->run(n, [](void* ctx, int tid, int m) { (*static_cast<F*>(ctx))(tid, m); },
-                      &body);
+            using Body = std::remove_reference_t<F>;
+            team->run(n, [](void* ctx, int tid, int m) { (*static_cast<Body*>(ctx))(tid, m); },
+                      const_cast<void*>(static_cast<const void*>(&body)));
             return;
         }
         body(0, 1);
