@@ -63,8 +63,8 @@ int64_t argmax_row(const T* x, int64_t n) {
 template <typename T>
 void argmax_rows(const T* x, int64_t rows, int64_t n, int64_t stride, int64_t* out,
                  int64_t n_threads) {
-    const int threads = static_cast<int>(std::max<int64_t>(1, std::min(rows, n_threads)));
-    banyan_team::parallel_for(rows, threads,
+    // (a thread a row at most, parallel_for's own cap)
+    banyan_team::parallel_for(rows, n_threads,
                               [&](int64_t r) { out[r] = argmax_row(x + r * stride, n); });
 }
 

@@ -199,7 +199,8 @@ void rope_qk(const typename C::T* qkv, int64_t stride, const typename C::T* cos,
              float eps, typename C::T* q_out, typename C::T* k_out, int64_t rows, int64_t heads,
              int64_t kvh, int64_t d, int64_t n_threads) {
     const int64_t half = d / 2;
-    banyan_team::parallel_for(rows, threads_for(rows * (heads + kvh) * d, n_threads), [&](int64_t r) {
+    const int threads = threads_for(rows * (heads + kvh) * d, n_threads);
+    banyan_team::parallel_for(rows, threads, [&](int64_t r) {
         typename C::T normed[512];  // one head after its norm (d <= 512, checked by the caller)
         const typename C::T* c = cos + r * half;
         const typename C::T* s = sin + r * half;

@@ -26,8 +26,6 @@
 #include <utility>
 #include <vector>
 
-#include <omp.h>
-
 #include "cpu_attend.h"
 #include "cpu_attend512.h"
 #include "cpu_paged_attention.h"

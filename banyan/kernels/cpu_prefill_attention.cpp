@@ -33,8 +33,6 @@
 #include <type_traits>
 #include <vector>
 
-#include <omp.h>
-
 #include "cpu_dtypes.h"
 #include "cpu_paged_attention.h"
 #include "cpu_prefill_common.h"

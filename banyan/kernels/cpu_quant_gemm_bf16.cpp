@@ -16,8 +16,6 @@
 // steps of 1 to 256 tokens. Without AVX512-BF16 a scalar loop gives the same values (the tests'
 // path on other CPUs; the engine takes this kernel only where the CPU has the instruction).
 
-#include <omp.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <vector>
@@ -154,8 +152,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         return;
     }
 #endif
-    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int tid, int team) {
-        const int64_t n = team, i = tid;
+    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int64_t i, int64_t n) {
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
         // two tiles, this group's and the next's (filled meanwhile: Fill); 64-byte aligned (a
         // std::vector of __m512i drops the alignment attribute); none for pairs read in place

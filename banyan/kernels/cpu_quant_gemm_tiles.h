@@ -31,8 +31,6 @@
 #define BANYAN_GEMM_TILES 1
 
 #include <immintrin.h>
-#include <omp.h>
-
 namespace {
 
 inline int& gemm_tiles_mode() {
@@ -87,8 +85,7 @@ template <typename Tiles>
 void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t K = w.K, panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
-    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int tid, int team) {
-        const int64_t n = team, i = tid;
+    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int64_t i, int64_t n) {
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
         auto* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * NP * 64));
         // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
