@@ -136,7 +136,7 @@ class EngineArgs:
         "Attention implementation: auto (on CUDA triton where it runs, on CPU cpu-native where "
         "its kernel builds; else sdpa), sdpa (portable PyTorch), cpu-native (the C++ CPU "
         "kernel, falling back to sdpa for long prefill chunks), triton (Triton kernels over the "
-        "paged pool; CUDA, unquantized KV).", choices=["auto", "sdpa", "cpu-native", "triton"]))
+        "paged pool; CUDA).", choices=["auto", "sdpa", "cpu-native", "triton"]))
     speculative_algorithm: str = field(default="none", metadata=_doc(
         "Speculative decoding: ngram (guess from the request's own prompt and output: prompt "
         "lookup), draft (a smaller model with the same tokenizer, --spec-draft-model), none. "

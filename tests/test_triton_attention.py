@@ -14,7 +14,9 @@ interpreter covers here:
 - tables with holes (each row's slots scattered over the pool) and stale entries past every
   row's end (slots holding other data, some of them other rows' live slots);
 - float32 and bfloat16 pools (a float16 one once). Under the interpreter bfloat16 products run
-  in float32 (numpy has no bfloat16), so the GPU's bf16 tensor-core path is not what runs here.
+  in float32 (numpy has no bfloat16), so the GPU's bf16 tensor-core path is not what runs here;
+- quantized pools (int8, fp8 e4m3 and e5m2 codes with a scale per row), read in place, against
+  SDPA over the same codes dequantized; every one of the 256 fp8 codes decoded as torch does.
 
 On a CUDA machine the same tests run the compiled kernels on the GPU instead.
 """
@@ -37,7 +39,7 @@ from banyan.attention.registry import create_backend  # noqa: E402
 from banyan.attention.torch_backend import SdpaBackend  # noqa: E402
 from banyan.attention.triton_backend import SplitPolicy, TritonBackend  # noqa: E402
 from banyan.kernels import triton_attention  # noqa: E402
-from banyan.mem.kv_pool import KVPool, kv_code_dtype  # noqa: E402
+from banyan.mem.kv_pool import KVPool, kv_code_dtype, quantize_rows  # noqa: E402
 from banyan.mem.req_table import ReqToTokenTable  # noqa: E402
 from tests.test_cascade_attention import Req, Scene  # noqa: E402
 
@@ -75,8 +77,15 @@ def compare(scene: Scene, backend: TritonBackend, layers: int | None = None) -> 
         k, v = (torch.randn(k_shape, generator=scene.gen).to(dtype).to(slots.device)
                 for _ in range(2))
         got = backend.forward(q, k, v, layer, metas[0])
-        assert torch.equal(scene.pool.k[layer][slots], k)
-        assert torch.equal(scene.pool.v[layer][slots], v)
+        pool = scene.pool
+        for x, codes, scales in ((k, pool.k, pool.k_scale), (v, pool.v, pool.v_scale)):
+            if not pool.quantized:
+                assert torch.equal(codes[layer][slots], x)
+                continue
+            want_codes, want_scales = quantize_rows(x, pool.code_dtype)
+            assert torch.equal(codes[layer][slots].view(torch.uint8),
+                               want_codes.view(torch.uint8))
+            assert torch.equal(scales[layer][slots], want_scales)
         want = sdpa.forward(q, k, v, layer, metas[1])
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -159,13 +168,73 @@ def test_split_count() -> None:
     assert count(1, 1, 256, 16, 264) == 1
 
 
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_decodes_over_a_quantized_pool(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """Codes read in place with their rows' scales, split contexts merged, GQA 4."""
+    reqs = scattered([(n - 1, 1) for n in (1, 65, 200, 777)], seed=5)
+    scene = Scene(reqs, 8, 2, dim=64, dtype=dtype, layers=1, device=DEVICE,
+                  stale=stale_live(reqs), kv_cache_dtype=kv_cache_dtype)
+    compare(scene, TritonBackend(scene.pool, scene.table, splits=SMALL_SPLITS))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_extends_and_decodes_over_a_quantized_pool(kv_cache_dtype: str) -> None:
+    """A mixed step (extends over cached prefixes, causal within the new tokens, beside
+    decodes), head_dim 24 (padded), bfloat16 queries."""
+    reqs = scattered([(37, 65), (130, 1), (0, 9), (300, 1), (64, 3)], seed=9)
+    scene = Scene(reqs, 4, 2, dim=24, dtype=BF16, layers=1, device=DEVICE,
+                  kv_cache_dtype=kv_cache_dtype)
+    backend = TritonBackend(scene.pool, scene.table, splits=SMALL_SPLITS)
+    meta = backend.plan(scene.batch, scene.out_slots)
+    assert meta.decode is not None and meta.extend is not None
+    compare(scene, backend)
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_fp8_code_decodes_as_torch_does(code_dtype: torch.dtype) -> None:
+    """One key a code: 256 slots whose single dimension holds code c (scale 1), attended by a
+    one-hot query over exactly that key, gives back torch's value of c (NaN codes aside; inf
+    codes of e5m2 too: the quantizer never writes them)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(code_dtype)
+    finite = torch.isfinite(codes.float())
+    values = []
+    for c in range(256):
+        if not finite[c]:
+            values.append(float("nan"))
+            continue
+        pool = KVPool(1, 2, 1, 16, F32, DEVICE, code_dtype)
+        row = torch.zeros(16, dtype=torch.uint8)
+        row[0] = c
+        for codes_, scales in ((pool.k[0], pool.k_scale[0]), (pool.v[0], pool.v_scale[0])):
+            codes_.view(torch.uint8)[1, 0] = row.to(DEVICE)
+            scales[1, 0] = 1.0
+        table = ReqToTokenTable(1, 4, DEVICE)
+        table.table[0, 0] = 1
+        q = torch.zeros(1, 1, 16, device=DEVICE)
+        out = torch.empty_like(q)
+        mid_o, mid_lse = torch.empty(1, 1, 1, 16, device=DEVICE), torch.empty(1, 1, 1,
+                                                                             device=DEVICE)
+        ints = torch.tensor([[0], [1], [0]], dtype=torch.int32, device=DEVICE)
+        triton_attention.decode_attention(q, pool.k[0], pool.v[0], table.table, ints[0],
+                                          ints[1], ints[2], mid_o, mid_lse, 1.0, out,
+                                          pool.k_scale[0], pool.v_scale[0])
+        values.append(out[0, 0, 0].item())  # one key: its value, weight 1
+    got = torch.tensor(values)
+    assert torch.equal(got[finite], codes.float()[finite])
+
+
 def test_refusals_and_auto() -> None:
     table = ReqToTokenTable(2, 16, "cpu")
     int8 = KVPool(1, 8, 2, 16, torch.float32, "cpu", kv_code_dtype("int8"))
-    with pytest.raises(ValueError, match="reads unquantized KV only.*int8"):
-        create_backend("triton", int8, table)
-    with pytest.raises(ValueError, match="unquantized"):
-        TritonBackend(int8, table)
+    with pytest.raises(ValueError, match="needs its K and V scales"):
+        triton_attention.decode_attention(
+            torch.zeros(1, 2, 16), int8.k[0], int8.v[0], table.table, *torch.zeros(3, 1,
+            dtype=torch.int32), torch.empty(1, 2, 1, 16), torch.empty(1, 2, 1), 1.0,
+            torch.empty(1, 2, 16))
     meta = KVPool(1, 8, 2, 16, torch.float32, "meta")
     assert "runs on CUDA devices, not meta" in (TritonBackend.refusal(meta) or "")
     # On CPU auto keeps its order (the interpreter is a test tool), even with it switched on.
@@ -182,16 +251,19 @@ def test_auto_prefers_triton_on_cuda() -> None:
     assert create_backend("auto", pool, ReqToTokenTable(2, 16, "cuda")).name == "triton"
 
 
-def test_engine_greedy_matches_sdpa(llama_dir: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_engine_greedy_matches_sdpa(llama_dir: Path, kv_cache_dtype: str) -> None:
     """The tiny llama (4 heads over 2 KV heads, head_dim 16): prompts of 5 and 90 tokens in
-    chunks of 32 (extends over a cached prefix), then decodes, equal greedy tokens."""
+    chunks of 32 (extends over a cached prefix), then decodes, equal greedy tokens; over a
+    quantized pool too (SDPA dequantizing what it gathers, the kernels reading the codes)."""
     prompts = [[5 + i for i in range(5)], [7 + (i * 13) % 400 for i in range(90)]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     outputs = {}
     for name in ("sdpa", "triton"):
         with Engine(str(llama_dir), dtype="float32", device=DEVICE, disable_tqdm=True,
-                    attention_backend=name, chunked_prefill_size=32,
-                    max_prefill_tokens=64) as engine:
+                    attention_backend=name, chunked_prefill_size=32, max_prefill_tokens=64,
+                    kv_cache_dtype=kv_cache_dtype) as engine:
+            assert engine.core.scheduler.runner.model_runner.backend.name == name
             outputs[name] = [o.output_ids for o in engine.generate(input_ids=prompts,
                                                                    sampling_params=params)]
     assert outputs["triton"] == outputs["sdpa"]

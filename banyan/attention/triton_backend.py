@@ -8,7 +8,8 @@ device once per step.
 
 Runs on CUDA devices. On CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before
 the kernels are first imported), which is how the tests check it: far too slow to serve, so
-`auto` never picks it there. Unquantized pools only (float32, bfloat16, float16).
+`auto` never picks it there. Pools of float32, bfloat16 or float16, or quantized ones
+(`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`), whose codes the kernels read in place.
 
 Not done yet (needs a GPU to measure): CUDA-graph capture (the hooks below keep the base's
 refusals), pinned host buffers for the per-step copy, tuned block sizes and split counts.
@@ -106,9 +107,6 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def refusal(cls, pool: KVPool) -> str | None:
-        if pool.quantized:
-            return (f"reads unquantized KV only (float32, bfloat16, float16), not "
-                    f"--kv-cache-dtype {pool.kv_cache_dtype}: use sdpa or cpu-native for it")
         if pool.dtype not in DTYPES:
             return f"does not compute in {pool.dtype}"
         if importlib.util.find_spec("triton") is None:
@@ -220,10 +218,12 @@ class TritonBackend(AttentionBackend):
                 dec.mid_o = torch.empty((*shape, q.shape[2]), dtype=torch.float32,
                                         device=q.device)
             self.kernels.decode_attention(q, layer.k, layer.v, table, dec.rows, dec.seq_lens,
-                                          dec.tokens, dec.mid_o, dec.mid_lse, self.scale, out)
+                                          dec.tokens, dec.mid_o, dec.mid_lse, self.scale, out,
+                                          layer.k_scale, layer.v_scale)
         ext = meta.extend
         if ext is not None:
             self.kernels.extend_attention(q, layer.k, layer.v, table, ext.rows,
                                           ext.prefix, ext.lens, ext.tokens, ext.block_req,
-                                          ext.block_start, self.scale, out)
+                                          ext.block_start, self.scale, out, layer.k_scale,
+                                          layer.v_scale)
         return out

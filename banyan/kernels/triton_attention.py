@@ -22,6 +22,14 @@ online softmax uses exp2), accumulation is float32, and the output is rounded to
 Both run the same loop (`_attend`): a query tile whose rows each see positions up to their
 own last one; the decode tile's rows are the G heads of a KV head, the extend tile's are tokens.
 
+A quantized pool (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`: one-byte codes, a float32 scale per
+(slot, KV head) row) is read in place too, as the CPU kernel reads it: the codes go to the
+query's dtype as they are (int8 and fp8 codes are exact in bf16 and fp16), each key's scale
+multiplies its scores and each value's scale its probabilities, so no dequantized copy of a
+block is made. fp8 bytes are decoded with integer operations into float16 (e5m2 is float16's
+top byte; e4m3's seven low bits sit where float16's exponent and mantissa start, 2^-8 of the
+value, which the scale makes up): the same instructions on a GPU and in the interpreter.
+
 The interpreter computes bfloat16 matrix products wrongly (numpy has no bfloat16), so under it
 the operands of bf16 products are upcast to float32 (`UPCAST`); on a GPU they stay bf16 and run
 on tensor cores. float32 products use IEEE precision, not TF32: a float32 model is meant to
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -79,15 +88,37 @@ def _dot_flags(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> tuple[boo
 
 # ---------------------------------------------------------------------------- shared loop
 
+# QUANT: how the pool holds K/V (a constexpr of the kernels)
+PLAIN, INT8, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3
+QUANT_OF = {torch.int8: INT8, torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
+# what _code_values leaves out of a code's value, made up by its row's scale
+CODE_UNIT = {INT8: 1.0, FP8_E4M3: 256.0, FP8_E5M2: 1.0}
+
 
 @triton.jit
-def _attend(q, k_base, v_base, table_row, stride_s, lo, hi, last, scale_log2,
-            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, d_mask,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _code_values(c, QUANT: tl.constexpr):
+    """A block of codes (int8, or fp8 bytes read as uint8) -> float32 values before the row
+    scale (e4m3's at 2^-8 of themselves: CODE_UNIT)."""
+    if QUANT == INT8:
+        return c.to(tl.float32)
+    bits = c.to(tl.int32)
+    if QUANT == FP8_E4M3:  # sign to float16's; exponent and mantissa to the top of theirs
+        half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    else:  # e5m2: float16's top byte
+        half = bits << 8
+    return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _attend(q, k_base, v_base, ks_base, vs_base, table_row, stride_s, stride_ss, lo, hi, last,
+            scale_log2, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            d_mask, UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+            UNIT: tl.constexpr):
     """Online softmax of a [ROWS, BLOCK_D] query tile over positions [lo, hi) of one table
     row, row r seeing positions <= last[r] (< hi) -> (running max m, sum l, output sum acc),
     float32, scores in base 2. k_base/v_base: the KV head's [1, BLOCK_D] pointers into the
-    pool, slot s at + s * stride_s. An empty range leaves m = -inf, l = 0."""
+    pool, slot s at + s * stride_s; a quantized pool's (QUANT) row scales at ks_base/vs_base
+    + s * stride_ss, times UNIT. An empty range leaves m = -inf, l = 0."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -98,12 +129,19 @@ def _attend(q, k_base, v_base, table_row, stride_s, lo, hi, last, scale_log2,
         slots = tl.load(table_row + pos, mask=pos_mask, other=0).to(tl.int64)
         offset = slots[:, None] * stride_s
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + offset, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offset, mask=kv_mask, other=0.0)
-        if UPCAST:
+        k = tl.load(k_base + offset, mask=kv_mask, other=0)
+        v = tl.load(v_base + offset, mask=kv_mask, other=0)
+        if QUANT != PLAIN:  # codes in q's dtype (exact there), the scales kept aside
+            k = _code_values(k, QUANT).to(q.dtype)
+            v = _code_values(v, QUANT).to(q.dtype)
+            k_scale = tl.load(ks_base + slots * stride_ss, mask=pos_mask, other=0.0) * UNIT
+            v_scale = tl.load(vs_base + slots * stride_ss, mask=pos_mask, other=0.0) * UNIT
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if QUANT != PLAIN:  # each key's scale times its scores
+            qk = qk * k_scale[None, :]
         qk = tl.where(pos[None, :] <= last[:, None], qk, float("-inf"))
         # Every row sees position lo (last >= lo), so m_new is finite from the first block
         # on, and a row whose later block is all masked adds exp2(-inf) = 0.
@@ -111,9 +149,47 @@ def _attend(q, k_base, v_base, table_row, stride_s, lo, hi, last, scale_log2,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = p
+        if QUANT != PLAIN:  # each value's scale times its probabilities
+            pv = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """How the kernels read a layer's pool: K/V as they load them (fp8 codes as bytes), the row
+    scales (the pools themselves, never read, when unquantized) with their slot stride, and the
+    constexprs that go with them (QUANT, UNIT, UPCAST, PRECISION)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    stride_ss: int
+    consts: dict[str, object]
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> PoolView:
+        if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride() \
+                or k_pool.stride(-1) != 1:  # the kernels address K and V with one set of strides
+            raise ValueError("K and V pools must be alike, with contiguous head rows")
+        quant = QUANT_OF.get(k_pool.dtype, PLAIN)
+        if quant == PLAIN:
+            upcast, precision = _dot_flags(k_pool.dtype)
+            return cls(k_pool, v_pool, k_pool, v_pool, 0, dict(
+                QUANT=PLAIN, UNIT=1.0, UPCAST=upcast, PRECISION=precision))
+        if k_scale is None or v_scale is None or k_scale.shape != k_pool.shape[:2] \
+                or v_scale.shape != k_scale.shape or k_scale.stride() != v_scale.stride() \
+                or k_scale.stride(-1) != 1:
+            raise ValueError("a quantized pool needs its K and V scales, [slots, KV heads] alike")
+        upcast, precision = _dot_flags(q.dtype)  # the codes go to q's dtype
+        read_as = torch.int8 if quant == INT8 else torch.uint8
+        return cls(k_pool.view(read_as), v_pool.view(read_as), k_scale, v_scale,
+                   k_scale.stride(0), dict(QUANT=quant, UNIT=CODE_UNIT[quant], UPCAST=upcast,
+                                           PRECISION=precision))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -123,13 +199,13 @@ def _attend(q, k_base, v_base, table_row, stride_s, lo, hi, last, scale_log2,
 # multiple of 16) it would compile a kernel variant in the middle of serving (~1 s each).
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    Q, K, V, Table, Rows, SeqLens, Tokens, MidO, MidLse,
+    Q, K, V, KS, VS, Table, Rows, SeqLens, Tokens, MidO, MidLse,
     scale_log2, num_splits,
-    stride_qt, stride_qh, stride_s, stride_h, stride_tr,
+    stride_qt, stride_qh, stride_s, stride_h, stride_ss, stride_tr,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, UNIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -154,9 +230,10 @@ def _decode_split_kernel(
         q = q.to(tl.float32)
     last = tl.full([BLOCK_H], 0, tl.int32) + (hi - 1)  # no causality within a split
     m_i, l_i, acc = _attend(q, K + kv_head * stride_h + d[None, :],
-                            V + kv_head * stride_h + d[None, :], Table + row * stride_tr,
-                            stride_s, lo, hi, last, scale_log2, BLOCK_H, BLOCK_N, BLOCK_D,
-                            d_mask, UPCAST, PRECISION)
+                            V + kv_head * stride_h + d[None, :], KS + kv_head, VS + kv_head,
+                            Table + row * stride_tr, stride_s, stride_ss, lo, hi, last,
+                            scale_log2, BLOCK_H, BLOCK_N, BLOCK_D, d_mask, UPCAST, PRECISION,
+                            QUANT, UNIT)
     filled = l_i > 0  # an empty split (lo >= hi) leaves l_i = 0: weight 0 in the merge
     safe_l = tl.where(filled, l_i, 1.0)
     out = tl.where(filled[:, None], acc / safe_l[:, None], 0.0)
@@ -189,13 +266,6 @@ def _decode_merge_kernel(
              mask=d_mask)
 
 
-def _check_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
-    # the kernels address K and V with one set of strides
-    if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride() \
-            or k_pool.stride(-1) != 1:
-        raise ValueError("K and V pools must be alike, with contiguous head rows")
-
-
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -208,25 +278,27 @@ def decode_attention(
     mid_lse: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[tokens[b]] = attention of q[tokens[b]] over positions [0, seq_lens[b]) of table row
-    rows[b]. q/out: [T, H, D]; k/v_pool: [slots, KVH, D]; rows/seq_lens/tokens: [B] int32;
-    mid_o: [B, H, S, D] and mid_lse: [B, H, S] float32 scratch, S being the split count."""
-    _check_pool(k_pool, v_pool)
+    rows[b]. q/out: [T, H, D]; k/v_pool: [slots, KVH, D] (codes, with k/v_scale [slots, KVH]
+    float32, for a quantized pool); rows/seq_lens/tokens: [B] int32; mid_o: [B, H, S, D] and
+    mid_lse: [B, H, S] float32 scratch, S being the split count."""
+    pool = PoolView.of(q, k_pool, v_pool, k_scale, v_scale)
     batch, heads, splits = mid_lse.shape
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     group = heads // kv_heads
     block_h, head_blocks = decode_tile(group)
     block_d = head_block(head_dim)
-    upcast, precision = _dot_flags(k_pool.dtype)
     _decode_split_kernel[(batch, kv_heads * head_blocks, splits)](
-        q, k_pool, v_pool, table, rows, seq_lens, tokens, mid_o, mid_lse,
-        scale * LOG2E, splits,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0),
+        q, pool.k, pool.v, pool.k_scale, pool.v_scale, table, rows, seq_lens, tokens, mid_o,
+        mid_lse, scale * LOG2E, splits,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), pool.stride_ss,
+        table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h,
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, UPCAST=upcast, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, **pool.consts, num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, heads)](
         mid_o, mid_lse, tokens, out, splits,
@@ -241,12 +313,12 @@ def decode_attention(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Table, BlockReq, BlockStart, ReqRow, ReqPrefix, ReqLen, ReqToken, Out,
+    Q, K, V, KS, VS, Table, BlockReq, BlockStart, ReqRow, ReqPrefix, ReqLen, ReqToken, Out,
     scale_log2,
-    stride_qt, stride_qh, stride_s, stride_h, stride_tr, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_s, stride_h, stride_ss, stride_tr, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, UNIT: tl.constexpr,
 ):
     blk = tl.program_id(0)
     h = tl.program_id(1)
@@ -272,9 +344,10 @@ def _extend_kernel(
     hi = prefix + tl.minimum(n, m0 + BLOCK_M)
     last = tl.minimum(prefix + m, hi - 1)
     m_i, l_i, acc = _attend(q, K + kv_head * stride_h + d[None, :],
-                            V + kv_head * stride_h + d[None, :], Table + row * stride_tr,
-                            stride_s, 0, hi, last, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
-                            d_mask, UPCAST, PRECISION)
+                            V + kv_head * stride_h + d[None, :], KS + kv_head, VS + kv_head,
+                            Table + row * stride_tr, stride_s, stride_ss, 0, hi, last,
+                            scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, d_mask, UPCAST, PRECISION,
+                            QUANT, UNIT)
     out = acc / l_i[:, None]  # l_i > 0: position 0 is visible to every row
     tl.store(Out + (token0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -293,23 +366,24 @@ def extend_attention(
     block_start: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Extends: request r's req_lens[r] new tokens (flat batch rows req_tokens[r]...) at
     positions req_prefix[r]... of table row req_rows[r], over its cached prefix and causally
     over themselves, all read from the pool (the new tokens' K/V are stored already).
-    block_req/block_start: [NB] int32, one entry per BLOCK_M new tokens (`extend_blocks`)."""
-    _check_pool(k_pool, v_pool)
+    block_req/block_start: [NB] int32, one entry per BLOCK_M new tokens (`extend_blocks`);
+    k/v_scale: a quantized pool's, as decode_attention's."""
+    pool = PoolView.of(q, k_pool, v_pool, k_scale, v_scale)
     heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n = extend_blocks(head_dim)
-    upcast, precision = _dot_flags(k_pool.dtype)
     _extend_kernel[(block_req.shape[0], heads)](
-        q, k_pool, v_pool, table, block_req, block_start,
+        q, pool.k, pool.v, pool.k_scale, pool.v_scale, table, block_req, block_start,
         req_rows, req_prefix, req_lens, req_tokens, out, scale * LOG2E,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), table.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), pool.stride_ss,
+        table.stride(0), out.stride(0), out.stride(1),
         GROUP=heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=head_block(head_dim), UPCAST=upcast, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        BLOCK_D=head_block(head_dim), **pool.consts, num_warps=4, num_stages=2,
     )
 
 
