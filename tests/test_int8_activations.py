@@ -348,6 +348,8 @@ def test_startup_errors_name_the_flag(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--activation-quant int8 .* needs --quantization"):
         check_activation_quant("int8", "none")
     check_activation_quant("int8", "gguf")
+    with pytest.raises(ValueError, match="CPU only"):
+        check_activation_quant("int8", "int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="--activation-quant int8"):  # auto resolved to none
         ModelRunner(llama_dir, dtype="float32", num_slots=64, max_rows=2, max_context=64,
                     show_progress=False, quantization="auto", activation_quant="int8")

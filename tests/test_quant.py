@@ -338,8 +338,14 @@ def test_startup_errors_name_the_format() -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="fp4")
-    with pytest.raises(ValueError, match="CPU only"):
-        check_quantization("int8", torch.device("cuda"), torch.float32, [64])
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="blocks on CPU only"):
+        check_quantization("gguf", cuda, torch.float32, [64])
+    check_quantization("int8", cuda, torch.float16, [64])  # the Triton kernel's (quant_cuda)
+    with pytest.raises(ValueError, match=r"linear layers with \[40\] inputs"):
+        check_quantization("int4", cuda, torch.bfloat16, [64, 40])
+    with pytest.raises(ValueError, match="runs on CPU and CUDA"):
+        check_quantization("int8", torch.device("mps"), torch.float32, [64])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         check_quantization("int8", cpu, torch.float16, [64])
     with pytest.raises(ValueError, match=r"linear layers with \[40\] inputs"):

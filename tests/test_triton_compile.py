@@ -5,6 +5,8 @@ parameters are the ones the launchers use (decode_tile, extend_blocks, head_bloc
 
 Shapes (tests/triton_hopper.py): head_dim 64 (SmolLM2) and 128 (Llama 3 8B), GQA groups 3 and
 4, bf16 and float32 pools (float32 with IEEE products), one and 16 decode splits in the merge.
+Quantized pools (int8, fp8 e4m3 / e5m2 codes, bf16 queries) at SmolLM2's shape; the weight-only
+int8 / int4 linear (kernels/triton_quant_linear.py) at 16- and 64-row blocks, bf16 and float32.
 The fused element-wise kernels (kernels/triton_fused.py) too, at hidden sizes 576 and 2048.
 The compiler runs in a process of its own, without the interpreter the other Triton tests set."""
 
@@ -36,9 +38,11 @@ def compiled() -> dict[str, dict[str, object]]:
 
 def test_every_variant_compiles_for_hopper(compiled: dict[str, dict[str, object]]) -> None:
     dtypes = len(triton_hopper.TYPES)
-    attention = dtypes * len(triton_hopper.SHAPES) * 2 + len(triton_hopper.SPLITS)
+    attention = (dtypes * len(triton_hopper.SHAPES) + len(triton_hopper.QUANTIZED)) * 2 \
+        + len(triton_hopper.SPLITS)
+    quant_linear = dtypes * 2 * 2  # int8 / int4 x two row blocks
     fused = dtypes * (len(triton_hopper.WIDTHS) + 3)  # norms, SiLU-and-mul, RoPE x 2
-    assert len(compiled) == attention + fused
+    assert len(compiled) == attention + quant_linear + fused
 
 
 def test_shared_memory_fits_a_hopper_block(compiled: dict[str, dict[str, object]]) -> None:
@@ -50,5 +54,7 @@ def test_shared_memory_fits_a_hopper_block(compiled: dict[str, dict[str, object]
 
 def test_bf16_products_run_on_tensor_cores(compiled: dict[str, dict[str, object]]) -> None:
     for case, row in compiled.items():
-        if "bf16" in case and case.startswith(("decode", "extend")):
-            assert row["mma"], case
+        attention = case.startswith(("decode", "extend"))
+        codes = attention and any(f"-{name}-" in case for name in triton_hopper.QUANTIZED.values())
+        if ("bf16" in case or codes) and (attention or case.startswith("quant-linear")):
+            assert row["mma"], case  # (a quantized pool's codes go to its bf16 queries' dtype)

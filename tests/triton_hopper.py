@@ -1,7 +1,8 @@
-"""Compiles the Triton attention kernels for a Hopper GPU (sm_90) on this host and prints one
-JSON line per kernel variant: {"case", "shared", "mma"}. Run as a process of its own by
-tests/test_triton_compile.py: under TRITON_INTERPRET=1 (which the interpreter tests set in
-the test process) `triton.jit` makes interpreted functions, which cannot be compiled."""
+"""Compiles the Triton attention and quantized-linear kernels for a Hopper GPU (sm_90) on this
+host and prints one JSON line per kernel variant: {"case", "shared", "mma"}. Run as a process
+of its own by tests/test_triton_compile.py: under TRITON_INTERPRET=1 (which the interpreter
+tests set in the test process) `triton.jit` makes interpreted functions, which cannot be
+compiled."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from triton.compiler import ASTSource
 
 from banyan.kernels import triton_attention as ta
 from banyan.kernels import triton_fused as tf
+from banyan.kernels import triton_quant_linear as tq
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 SHAPES = [(3, 64), (4, 128)]  # (GQA group, head_dim): SmolLM2's and Llama 3 8B's
 SPLITS = [1, 16]
 WIDTHS = [576, 2048]  # hidden sizes of the fused norm: SmolLM2's, Llama 3.2 1B's
+# a quantized pool's codes (bf16 queries)
+QUANTIZED = {torch.int8: "int8", torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2"}
 
 
 def compile_for_hopper(fn: triton.JITFunction, pointers: dict[str, str],
@@ -33,28 +37,54 @@ def compile_for_hopper(fn: triton.JITFunction, pointers: dict[str, str],
                           target=HOPPER, options=options)
 
 
-def kernels(dtype: torch.dtype, group: int, head_dim: int) -> dict[str, object]:
-    """The decode and extend kernels with the tile parameters their launchers use."""
-    pool = "*" + TYPES[dtype]
-    upcast, precision = ta._dot_flags(dtype, interpreted=False)  # as on a GPU
+def kernels(dtype: torch.dtype, group: int, head_dim: int,
+            codes: torch.dtype | None = None) -> dict[str, object]:
+    """The decode and extend kernels with the tile parameters their launchers use, over a pool
+    of `dtype` or (codes) of one-byte codes with float32 row scales, queries in `dtype`."""
+    q = "*" + TYPES[dtype]
+    quant = ta.QUANT_OF[codes] if codes is not None else ta.PLAIN.value
+    pool = q if codes is None else "*i8" if codes == torch.int8 else "*u8"
+    upcast, precision = ta.dot_flags(dtype, interpreted=False)  # as on a GPU
+    consts = dict(UPCAST=upcast, PRECISION=precision, QUANT=quant,
+                  UNIT=ta.CODE_UNIT.get(quant, 1.0))
+    kv = {"K": pool, "V": pool, "KS": "*fp32", "VS": "*fp32"}
     block_d = ta.head_block(head_dim)
     block_h, head_blocks = ta.decode_tile(group)
     ints = dict.fromkeys(("Table", "Rows", "SeqLens", "Tokens"), "*i32")
     decode = compile_for_hopper(
-        ta._decode_split_kernel,
-        {"Q": pool, "K": pool, "V": pool, **ints, "MidO": "*fp32", "MidLse": "*fp32"},
+        ta._decode_split_kernel, {"Q": q, **kv, **ints, "MidO": "*fp32", "MidLse": "*fp32"},
         dict(GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h,
-             BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_D=block_d, UPCAST=upcast, PRECISION=precision),
+             BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_D=block_d, **consts),
         num_warps=4, num_stages=2)
     block_m, block_n = ta.extend_blocks(head_dim)
     ints = dict.fromkeys(("Table", "BlockReq", "BlockStart", "ReqRow", "ReqPrefix", "ReqLen",
                           "ReqToken"), "*i32")
     extend = compile_for_hopper(
-        ta._extend_kernel, {"Q": pool, "K": pool, "V": pool, "Out": pool, **ints},
+        ta._extend_kernel, {"Q": q, **kv, "Out": q, **ints},
         dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-             UPCAST=upcast, PRECISION=precision),
+             **consts),
         num_warps=4, num_stages=2)
     return {"decode": decode, "extend": extend}
+
+
+def quant_linear_kernels() -> dict[str, object]:
+    """The weight-only int8 / int4 linear (kernels/triton_quant_linear.py) for a decode-sized
+    and a prefill-sized block of rows, bf16 and float32 activations."""
+    out = {}
+    for dtype, name in TYPES.items():
+        upcast, precision = ta.dot_flags(dtype, interpreted=False)
+        x = "*" + TYPES[dtype]
+        for int4 in (False, True):
+            for rows in (1, 512):
+                bm = tq.block_m(rows)
+                out[f"quant-linear-{'int4' if int4 else 'int8'}-{name}-m{bm}"] = compile_for_hopper(
+                    tq._quant_linear_kernel,
+                    {"X": x, "W": "*u8" if int4 else "*i8", "Scale": "*fp16" if int4 else "*fp32",
+                     "Mins": "*fp16" if int4 else "*fp32", "Bias": "*fp32", "Out": x},
+                    dict(INT4=int4, GROUP=32, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=tq.BLOCK_N,
+                         BLOCK_K=tq.BLOCK_K, UPCAST=upcast, PRECISION=precision),
+                    num_warps=4, num_stages=2)
+    return out
 
 
 def main() -> None:
@@ -64,6 +94,13 @@ def main() -> None:
             for kind, k in kernels(dtype, group, head_dim).items():
                 print(json.dumps({"case": f"{kind}-{name}-g{group}-d{head_dim}",
                                   "shared": k.metadata.shared, "mma": "mma" in k.asm["ptx"]}))
+    for codes, name in QUANTIZED.items():  # bf16 queries over a quantized pool, SmolLM2's shape
+        for kind, k in kernels(torch.bfloat16, 3, 64, codes).items():
+            print(json.dumps({"case": f"{kind}-{name}-g3-d64", "shared": k.metadata.shared,
+                              "mma": "mma" in k.asm["ptx"]}))
+    for case, k in quant_linear_kernels().items():
+        print(json.dumps({"case": case, "shared": k.metadata.shared,
+                          "mma": "mma" in k.asm["ptx"]}))
     for splits in SPLITS:
         k = compile_for_hopper(
             ta._decode_merge_kernel,

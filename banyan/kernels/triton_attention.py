@@ -80,7 +80,7 @@ def decode_tile(group: int) -> tuple[int, int]:
     return block_h, triton.cdiv(group, block_h)
 
 
-def _dot_flags(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> tuple[bool, str | None]:
+def dot_flags(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> tuple[bool, str | None]:
     """(UPCAST, input precision) of the products for K/V of this dtype (see the module doc)."""
     upcast = interpreted and dtype == torch.bfloat16
     return upcast, ("ieee" if dtype == torch.float32 else None)
@@ -88,11 +88,12 @@ def _dot_flags(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> tuple[boo
 
 # ---------------------------------------------------------------------------- shared loop
 
-# QUANT: how the pool holds K/V (a constexpr of the kernels)
-PLAIN, INT8, FP8_E4M3, FP8_E5M2 = 0, 1, 2, 3
-QUANT_OF = {torch.int8: INT8, torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
+# QUANT: how the pool holds K/V (a constexpr of the kernels; globals they read must be one)
+PLAIN, INT8, FP8_E4M3, FP8_E5M2 = (tl.constexpr(i) for i in range(4))
+QUANT_OF = {torch.int8: INT8.value, torch.float8_e4m3fn: FP8_E4M3.value,
+            torch.float8_e5m2: FP8_E5M2.value}
 # what _code_values leaves out of a code's value, made up by its row's scale
-CODE_UNIT = {INT8: 1.0, FP8_E4M3: 256.0, FP8_E5M2: 1.0}
+CODE_UNIT = {INT8.value: 1.0, FP8_E4M3.value: 256.0, FP8_E5M2.value: 1.0}
 
 
 @triton.jit
@@ -176,17 +177,17 @@ class PoolView:
         if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride() \
                 or k_pool.stride(-1) != 1:  # the kernels address K and V with one set of strides
             raise ValueError("K and V pools must be alike, with contiguous head rows")
-        quant = QUANT_OF.get(k_pool.dtype, PLAIN)
-        if quant == PLAIN:
-            upcast, precision = _dot_flags(k_pool.dtype)
+        quant = QUANT_OF.get(k_pool.dtype, PLAIN.value)
+        if quant == PLAIN.value:
+            upcast, precision = dot_flags(k_pool.dtype)
             return cls(k_pool, v_pool, k_pool, v_pool, 0, dict(
-                QUANT=PLAIN, UNIT=1.0, UPCAST=upcast, PRECISION=precision))
+                QUANT=quant, UNIT=1.0, UPCAST=upcast, PRECISION=precision))
         if k_scale is None or v_scale is None or k_scale.shape != k_pool.shape[:2] \
                 or v_scale.shape != k_scale.shape or k_scale.stride() != v_scale.stride() \
                 or k_scale.stride(-1) != 1:
             raise ValueError("a quantized pool needs its K and V scales, [slots, KV heads] alike")
-        upcast, precision = _dot_flags(q.dtype)  # the codes go to q's dtype
-        read_as = torch.int8 if quant == INT8 else torch.uint8
+        upcast, precision = dot_flags(q.dtype)  # the codes go to q's dtype
+        read_as = torch.int8 if quant == INT8.value else torch.uint8
         return cls(k_pool.view(read_as), v_pool.view(read_as), k_scale, v_scale,
                    k_scale.stride(0), dict(QUANT=quant, UNIT=CODE_UNIT[quant], UPCAST=upcast,
                                            PRECISION=precision))

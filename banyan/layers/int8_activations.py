@@ -39,12 +39,16 @@ WEIGHT_FORMATS = ("int8", "int4", "gguf")
 BF16_KINDS = ("int4", "int4_wide", "int8", "int5")
 
 
-def check_activation_quant(mode: str, quantization: str) -> None:
+def check_activation_quant(mode: str, quantization: str,
+                           device: torch.device = torch.device("cpu")) -> None:
     """ValueError at startup unless the mode can run on these weights (quantization as
-    resolved: auto already made gguf or none)."""
+    resolved: auto already made gguf or none) and this device (its kernels are CPU ones)."""
     if mode not in ACTIVATION_QUANTS:
         raise ValueError(f"--activation-quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
                          f"got {mode!r}")
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"--activation-quant {mode} runs on CPU only (its kernels are CPU "
+                         f"kernels); this engine is on {device.type}")
     if mode != "none" and quantization not in WEIGHT_FORMATS:
         raise ValueError(f"--activation-quant {mode} runs the quantized linear kernels: it "
                          f"needs --quantization int8, int4 or gguf (a GGUF model), not "

@@ -14,6 +14,7 @@ cpu_quant_gemm_bf16.cpp), as a bf16 model's GEMM does with its weights.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -86,9 +87,24 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
                          f"got {quantization!r}")
     if quantization == "none":
         return
-    if device.type != "cpu":
-        raise ValueError(f"--quantization {quantization} runs on CPU only (its kernels are "
-                         f"CPU kernels); this engine is on {device.type}")
+    if device.type == "cuda":
+        from banyan.layers.quant_cuda import check_cuda_quantization  # (it imports this module)
+
+        check_cuda_quantization(quantization, dtype)
+    elif device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU and CUDA (its kernels); "
+                         f"this engine is on {device.type}")
+    else:
+        _check_cpu(quantization, dtype)
+    if quantization == "int4":
+        group = INT4_GROUP_SIZES[0]
+        bad = sorted({k for k in in_features if k % group})
+        if bad:
+            raise ValueError(f"--quantization int4 groups {group} inputs; this model has "
+                             f"linear layers with {bad} inputs")
+
+
+def _check_cpu(quantization: str, dtype: torch.dtype) -> None:
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"--quantization {quantization} takes float32 or bfloat16 activations, "
                          f"not {dtype}")
@@ -96,12 +112,6 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
         raise ValueError(f"--quantization {quantization} needs the native CPU kernels, which "
                          f"did not build here (a C++ compiler is required; "
                          f"{native.ENV_SWITCH}=0 turns them off)")
-    if quantization == "int4":
-        group = INT4_GROUP_SIZES[0]
-        bad = sorted({k for k in in_features if k % group})
-        if bad:
-            raise ValueError(f"--quantization int4 groups {group} inputs; this model has "
-                             f"linear layers with {bad} inputs")
 
 
 def quantization_runs(quantization: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -114,25 +124,36 @@ def quantization_runs(quantization: str, device: torch.device, dtype: torch.dtyp
     return True
 
 
-class _QuantMethod(LinearMethod):
-    """Shared by the int8/int4 methods: no weights of their own at build (they adopt a loaded
-    dense layer), float32 activations into the kernel, the input's dtype out."""
-
-    # the short kernels at every step size: tokens in blocks of 4 with one count of partial
-    # sums (the float32 ones on x widened), or int4's bf16 kernel
-    can_be_batch_invariant = True
+class WeightOnlyMethod(LinearMethod):
+    """A quantized weight made from a loaded dense layer (no weights of its own at build),
+    which can say the values it computes with (`dequantized_weight`, the tests' reference)."""
 
     def create_weights(self, layer: Linear) -> None:
         raise NotImplementedError("quantized weights are made from a loaded dense layer (adopt)")
 
-    def _take_dense(self, layer: Linear) -> torch.Tensor:
+    @staticmethod
+    def _take_dense(layer: Linear) -> torch.Tensor:
+        """The layer's dense weight, removed (the codes replace it); its bias kept in float32."""
         weight = layer.weight.detach()
-        del layer.weight  # the packed codes replace it
+        del layer.weight
         bias = layer.bias
         if bias is not None:
             del layer.bias
             layer.bias = bias.detach().float().contiguous()
         return weight
+
+    @abstractmethod
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        """[out, in] float32: exactly the values the layer multiplies by."""
+
+
+class _QuantMethod(WeightOnlyMethod):
+    """Shared by the CPU int8/int4 methods: float32 activations into the kernel, the input's
+    dtype out."""
+
+    # the short kernels at every step size: tokens in blocks of 4 with one count of partial
+    # sums (the float32 ones on x widened), or int4's bf16 kernel
+    can_be_batch_invariant = True
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
@@ -218,9 +239,6 @@ class _QuantMethod(LinearMethod):
     @staticmethod
     def _bias_ptr(layer: Linear) -> int | None:
         return layer.bias.data_ptr() if layer.bias is not None else None
-
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class Int8Method(_QuantMethod):
@@ -332,18 +350,28 @@ class Int4Method(_QuantMethod):
         return layer.out_features * (layer.in_features // 2 + per_group * groups)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        pairs = from_panels(layer.codes, layer.out_features)
-        codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(layer.out_features, -1)
-        scale = from_panels(layer.scale, layer.out_features)
-        low = from_panels(layer.mins, layer.out_features)
-        scale_per_input = scale.float().repeat_interleave(self.group, dim=1)
-        low_per_input = low.float().repeat_interleave(self.group, dim=1)
-        return codes.float() * scale_per_input + low_per_input
+        return int4_values(from_panels(layer.codes, layer.out_features),
+                           from_panels(layer.scale, layer.out_features),
+                           from_panels(layer.mins, layer.out_features), self.group)
 
 
-def quantized_method(quantization: str) -> type[LinearMethod] | None:
-    """The linear method class quantizing at load for a --quantization value (None for 'none'
-    and for 'gguf', whose methods are made from the file's blocks)."""
+def int4_values(pairs: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                group: int) -> torch.Tensor:
+    """Codes two a byte ([out, in / 2] uint8, input k even in the low nibble) with a scale and
+    minimum per `group` inputs -> the [out, in] float32 values code x scale + minimum."""
+    codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)
+    scale_per_input = scale.float().repeat_interleave(group, dim=1)
+    low_per_input = low.float().repeat_interleave(group, dim=1)
+    return codes.float() * scale_per_input + low_per_input
+
+
+def quantized_method(quantization: str, device: torch.device) -> type[LinearMethod] | None:
+    """The linear method class quantizing at load for a --quantization value on `device`
+    (None for 'none' and for 'gguf', whose methods are made from the file's blocks)."""
+    if device.type == "cuda" and quantization in ("int8", "int4"):
+        from banyan.layers.quant_cuda import TritonInt4Method, TritonInt8Method  # (as above)
+
+        return TritonInt8Method if quantization == "int8" else TritonInt4Method
     return {"none": None, "int8": Int8Method, "int4": Int4Method, "gguf": None}[quantization]
 
 
@@ -354,7 +382,7 @@ def dequantize_in_place(model: nn.Module) -> int:
 
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and isinstance(module.method, _QuantMethod):
+        if isinstance(module, Linear) and isinstance(module.method, WeightOnlyMethod):
             weight = module.method.dequantized_weight(module)
             module.weight = nn.Parameter(weight, requires_grad=False)
             if module.bias is not None:

@@ -34,8 +34,8 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     check_quantization(quantization, device, dtype,
                        [m.in_features for m in model.modules() if isinstance(m, Linear)])
     check_linear_kernel(linear_kernel)
-    if quantization != "none":  # their long steps' products on AMX tiles where they pay
-        gemm_tiles_route(dtype)
+    if quantization != "none" and device.type == "cpu":  # their long steps' products on AMX
+        gemm_tiles_route(dtype)                             # tiles where they pay
     if batch_invariant and quantization == "none" and linear_kernel == "auto":
         linear_kernel = "native"  # (torch's GEMMs: make_batch_invariant refuses them)
     if quantization == "gguf":
@@ -54,7 +54,7 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
         elif dense and linear_kernel != "auto":
             logger.info("--linear-kernel %s does not apply to them", linear_kernel)
         return
-    method = quantized_method(quantization)
+    method = quantized_method(quantization, device)
     if method is not None and linear_kernel == "native":
         raise ValueError(_NATIVE_NEEDS)
     method = method or _dense_method(model, device, dtype, linear_kernel)

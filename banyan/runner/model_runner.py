@@ -110,7 +110,7 @@ class ModelRunner:
         if quantization == "auto":  # a GGUF model computes from its blocks where it can
             runnable = gguf_file is not None and quantization_runs("gguf", self.device, self.dtype)
             quantization = "gguf" if runnable else "none"
-        check_activation_quant(activation_quant, quantization)  # before the weights load
+        check_activation_quant(activation_quant, quantization, self.device)  # before loading
         # The linears the file's blocks replace are not read from its dequantized conversion
         # (0.25 s of the default model's start; a 7B file's float32 copy is 28 GB).
         gguf_path = gguf_file if quantization == "gguf" else None

@@ -52,7 +52,7 @@ class DraftHead:
         """The head's 4-bit pick where it reads fewer bytes: a bf16 draft on a CPU whose int4
         kernels run, its head not already 4-bit nor small; else None (the plain logits)."""
         head = model.lm_head if model.lm_head is not None else model.tied_head
-        if (dtype != torch.bfloat16 or native.load() is None
+        if (dtype != torch.bfloat16 or device.type != "cpu" or native.load() is None
                 or not quantization_runs("int4", device, dtype) or model.config.hidden % GROUP):
             return None
         if head is not None and isinstance(head.method, Int4Method):

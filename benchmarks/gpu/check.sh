@@ -1,5 +1,6 @@
 #!/bin/bash
-# Issue 20's GPU check, for a machine with a CUDA GPU; fits in 8 minutes, prints progress.
+# Issue 20's GPU check, for a machine with a CUDA GPU; ~10 minutes (each stage time-limited);
+# prints progress.
 #   1. Python: the machine's own torch (a CUDA build), triton, transformers, tokenizers; the
 #      rest of Banyan's dependencies from wheels in .whl/ when there are any (a GPU machine
 #      without internet: make them beforehand with benchmarks/gpu/fetch_wheels.sh). Where pip
@@ -10,8 +11,10 @@
 #      does not stop the next: one run reports everything.
 #   3. benchmarks/gpu/bench.py: random 64 x 128/128 and batch-1 on two random-weight models,
 #      where a batch-1 step's time goes, and the fused element-wise kernels off and on
-#      (batch1_variants.py).
-# Writes env.txt, gpu-tests.log, gpu-check.json, gpu-check.md and a profile table per model
+#      (batch1_variants.py); then benchmarks/gpu/low_precision.py: int8 / int4 weights and an
+#      fp8 KV cache against bf16 on the 1.2B shape.
+# Writes env.txt, gpu-tests.log, gpu-check.json, gpu-check.md, gpu-low-precision.json / .md
+# and a profile table per model
 # into $OUT (or benchmarks/results).
 #   benchmarks/gpu/check.sh
 set -uo pipefail
@@ -45,11 +48,15 @@ tests=$?
 tail -12 "$DIR/gpu-tests.log"
 echo "== Triton, CUDA-graph and transformers-on-CUDA tests ($(elapsed))"
 timeout 140 $PYTEST tests/test_triton_attention.py tests/test_cuda_graph.py \
-  tests/test_cuda_reference.py tests/test_triton_fused.py >> "$DIR/gpu-tests.log" 2>&1
+  tests/test_cuda_reference.py tests/test_triton_fused.py tests/test_triton_quant_linear.py \
+  >> "$DIR/gpu-tests.log" 2>&1
 [ $? -eq 0 ] || tests=1
 tail -12 "$DIR/gpu-tests.log"
 echo "== benchmark ($(elapsed))"
 timeout 300 $PY benchmarks/gpu/bench.py --out-dir "$DIR" --diagnose 2>&1 | grep -v "nanobind\|leaked"
 bench=${PIPESTATUS[0]}
-echo "== done in $(elapsed): tests exit $tests, benchmark exit $bench"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "== low precision ($(elapsed))"
+timeout 150 $PY benchmarks/gpu/low_precision.py --out-dir "$DIR" 2>&1 | grep -v "nanobind\|leaked"
+low=${PIPESTATUS[0]}
+echo "== done in $(elapsed): tests exit $tests, benchmark exit $bench, low precision exit $low"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$low" -eq 0 ]
