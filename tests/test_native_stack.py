@@ -171,12 +171,20 @@ def test_rope_tables_grow_and_hold_the_embeddings_own_values(
         assert torch.equal(one[0][0], cos[p]) and torch.equal(one[1][0], sin[p])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_stack_equals_the_model_over_an_int8_pool(model_dirs: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize("arch,dtype,quantization,kv", [
+    ("llama", "float32", "int8", "int8"), ("qwen3", "float32", "int8", "int8"),
+    ("llama", "float32", "int4", "fp8_e4m3"), ("qwen2", "bfloat16", "none", "int8"),
+    ("llama", "bfloat16", "int8", "fp8_e4m3"), ("qwen3", "bfloat16", "int4", "fp8_e5m2")])
+def test_stack_equals_the_model_over_a_quantized_pool(model_dirs: dict[str, Path], arch: str,
+                                                      dtype: str, quantization: str,
+                                                      kv: str) -> None:
     """The stack quantizes the new K/V rows itself: the same codes and scales as the pool's
-    quantize_rows, so the same hidden states (and the same pool) as the per-op path."""
-    runner = make_runner(model_dirs[arch], dtype="float32", quantization="int8",
-                         kv_cache_dtype="int8")
+    quantize_rows (a bf16 row widened first, as it is there), so the same hidden states (and
+    the same pool) as the per-op path, and it attends the codes with the same kernels."""
+    runner = make_runner(model_dirs[arch], dtype=dtype, quantization=quantization,
+                         kv_cache_dtype=kv, **({"linear_kernel": "native"}
+                                               if quantization == "none" else {}))
+    assert runner.stack is not None and runner.pool.quantized
     _check_steps(runner)
 
 
@@ -200,11 +208,7 @@ def test_stack_equals_the_model_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Pa
 
 def test_stack_stands_aside_without_native_pieces(llama_dir: Path) -> None:
     assert make_runner(llama_dir, dtype="bfloat16", linear_kernel="torch").stack is None
-    assert make_runner(llama_dir, dtype="bfloat16", linear_kernel="native",
-                       kv_cache_dtype="int8").stack is None  # bf16 over bf16 K/V only
     assert make_runner(llama_dir, dtype="float32", linear_kernel="torch").stack is None
-    assert make_runner(llama_dir, dtype="float32", quantization="int8",
-                       kv_cache_dtype="fp8_e4m3").stack is None  # fp8 K/V: stored by torch
     assert make_runner(llama_dir, dtype="float32", quantization="int8",
                        attention_backend="sdpa").stack is None
     runner = make_runner(llama_dir, dtype="float32", quantization="int8")

@@ -15,6 +15,7 @@
 
 #include "cpu_dtypes.h"
 #include "cpu_quant_common.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -128,10 +129,10 @@ void quantize_row(const float* xr, int64_t d, const float* shifts, int64_t n_shi
 template <int kMant, int kBias>
 void quantize_rows(const float* x, int64_t rows, int64_t d, const float* shifts, int64_t n_shifts,
                    float code_max, uint8_t* codes, float* scales, int64_t n_threads) {
-#pragma omp parallel for num_threads(threads_for(rows * d / 4096 + 1, n_threads)) schedule(static)
-    for (int64_t r = 0; r < rows; ++r)
+    banyan_team::parallel_for(rows, threads_for(rows * d / 4096 + 1, n_threads), [&](int64_t r) {
         quantize_row<kMant, kBias>(x + r * d, d, shifts, n_shifts, code_max, codes + r * d,
                                    scales + r);
+    });
 }
 
 }  // namespace

@@ -1,10 +1,10 @@
 // A whole decoder-layer stack in one call, for steps of a few tokens (decodes, small batches):
 // the tokens' embedding rows and their positions' cos / sin rows gathered; for each layer, add
 // + RMSNorm, the qkv projection, RoPE (with Qwen3's q/k norms), the K/V stored into the pool
-// (as they are, or int8 codes with scales), paged attention, the o projection, add + RMSNorm,
-// gate/up, SiLU-and-mul, down; then the final add + RMSNorm. In float32 (any projection
-// kernel), or in bf16 over a bf16 pool (the skinny bf16 kernel, or any float32 projection
-// kernel between a widened copy of its input and a rounded copy of its output).
+// (as they are, or int8 / fp8 codes with scales), paged attention, the o projection, add +
+// RMSNorm, gate/up, SiLU-and-mul, down; then the final add + RMSNorm. In float32 (any
+// projection kernel), or in bf16 (the skinny bf16 kernel, or any float32 projection kernel
+// between a widened copy of its input and a rounded copy of its output).
 //
 // Why: at one token the kernels themselves take ~half of a step; the rest was Python dispatch
 // around them (~40 calls a layer, each allocating its output and checking its inputs). This
@@ -26,6 +26,7 @@
 #include "cpu_int4_api.h"
 #include "cpu_paged_attention.h"
 #include "cpu_stack_api.h"
+#include "cpu_stack_kv.h"
 #include "cpu_team.h"
 
 namespace {
@@ -65,9 +66,9 @@ struct StackLayer {
     const void* q_norm;  // Qwen3's per-head norms, or null
     const void* k_norm;
     StackLinear qkv, o, gate_up, down;
-    void* k_pool;  // this layer's [slots, KVH, D]: of the element type, or int8 codes with scales
+    void* k_pool;  // this layer's [slots, KVH, D]: of the element type, or codes with scales
     void* v_pool;
-    float* k_scale;  // [slots, KVH] for an int8 pool, else null
+    float* k_scale;  // [slots, KVH] for a quantized pool, else null
     float* v_scale;
 };
 
@@ -88,6 +89,7 @@ struct StackModel {
     const float *screen_scale, *screen_slack;
     int64_t screen_group;
     int64_t* screen_counts;
+    KvStore kv;  // the pool's storage (cpu_stack_kv.h)
 };
 
 // One step: T tokens, the attention plan of the native backend (native_plan.py) covering all.
@@ -239,34 +241,8 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
     for (int64_t i = 0; i < T * l.out; ++i) out[i] = f32_to_bf16(wide_out[i]);
 }
 
-// One token's K (or V) rows into the pool: as they are (float32 or bf16), or int8 codes with a
-// scale per (slot, head) row exactly as kv_pool.quantize_rows makes them (scale = the row's
-// largest magnitude, at least 1e-30, over 127; codes = x / scale rounded half to even, clamped),
-// so the pool holds what the per-op path would have stored, bit for bit. (The bf16 stack runs
-// over a bf16 pool only.)
-template <typename T>
-void store_row(const T* x, int64_t slot, int64_t kvh, int64_t d, void* pool, float* scales) {
-    if (scales == nullptr) {
-        std::memcpy(static_cast<T*>(pool) + slot * kvh * d, x, kvh * d * sizeof(T));
-        return;
-    }
-    if constexpr (std::is_same<T, float>::value) {
-        for (int64_t h = 0; h < kvh; ++h) {
-            const float* xh = x + h * d;
-            float top = 0.0f;
-            for (int64_t e = 0; e < d; ++e) top = std::max(top, std::fabs(xh[e]));
-            const float scale = std::max(top, 1e-30f) / 127.0f;
-            int8_t* codes = static_cast<int8_t*>(pool) + (slot * kvh + h) * d;
-            for (int64_t e = 0; e < d; ++e)
-                codes[e] = static_cast<int8_t>(
-                    std::min(127.0f, std::max(-127.0f, std::nearbyint(xh[e] / scale))));
-            scales[slot * kvh + h] = scale;
-        }
-    }
-}
-
 // The row kernel's requests, then the prefill kernel's (each writes its own rows of out), over
-// a pool of P: T itself (no scales) or int8 codes with their scales.
+// a pool of P: T itself (no scales) or int8 / fp8 codes with their scales.
 template <typename T, typename P, typename Paged, typename Prefill>
 void attend_pool(const StackModel* m, const StackStep* s, const T* q, T* out, const void* k_pool,
                  const void* v_pool, const float* ks, const float* vs, Paged paged,
@@ -280,29 +256,34 @@ void attend_pool(const StackModel* m, const StackStep* s, const T* q, T* out, co
               s->n_new, s->order, s->group_start, s->group_prefix, s->n_groups, out, H, KVH, D,
               sm, nt);
     if (s->pf_reqs > 0) {
-        auto call = [&](auto... tiles) {  // bf16 over bf16: the step's tile mode as well
+        auto call = [&](auto... tiles) {  // bf16 queries: the step's tile mode as well
             prefill(q, k, v, ks, vs, s->table, s->table_stride, s->pf_req_row, s->pf_req_len,
                     s->pf_q_start, s->pf_n_new, s->pf_reqs, out, H, KVH, D, sm, nt, tiles...);
         };
-        if constexpr (std::is_same<Prefill, decltype(&banyan_prefill_attention_stack_bf16)>())
+        if constexpr (std::is_same<T, uint16_t>::value)
             call(s->pf_tiles);
         else
             call();
     }
 }
 
+template <typename T, typename K>
+void attend_codes(const StackModel* m, const StackLayer& L, const StackStep* s, const T* q,
+                  T* out) {
+    attend_pool<T, typename K::T>(m, s, q, out, L.k_pool, L.v_pool, L.k_scale, L.v_scale,
+                                  CodeKernels<T, K>::attention, CodeKernels<T, K>::prefill);
+}
+
 template <typename T>
 void attend(const StackModel* m, const StackLayer& L, const StackStep* s, const T* q, T* out) {
-    if constexpr (std::is_same<T, float>::value) {
-        if (L.k_scale != nullptr) {  // an int8 pool
-            attend_pool<T, int8_t>(m, s, q, out, L.k_pool, L.v_pool, L.k_scale, L.v_scale,
-                                   banyan_paged_attention_f32_int8,
-                                   banyan_prefill_attention_f32_int8);
-            return;
-        }
+    switch (m->kv.codes) {
+        case kKvInt8: return attend_codes<T, I8>(m, L, s, q, out);
+        case kKvE4M3: return attend_codes<T, E4M3>(m, L, s, q, out);
+        case kKvE5M2: return attend_codes<T, E5M2>(m, L, s, q, out);
+        default:
+            attend_pool<T, T>(m, s, q, out, L.k_pool, L.v_pool, nullptr, nullptr,
+                              Kernels<T>::attention, Kernels<T>::prefill);
     }
-    attend_pool<T, T>(m, s, q, out, L.k_pool, L.v_pool, nullptr, nullptr, Kernels<T>::attention,
-                      Kernels<T>::prefill);
 }
 
 // Scratch of one step, kept per thread between calls (a decode step's few KiB are reused).
@@ -384,9 +365,9 @@ int64_t run_layers(const StackModel* m, const StackStep* s) {
         clock.lap(kOpRope);
         for (int64_t t = 0; t < T_; ++t) {  // rotated k and the untouched v into the pool
             store_row(b.k.data() + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool,
-                      L.k_scale);
+                      L.k_scale, m->kv);
             store_row(b.qkv.data() + t * qkv_n + q_size + kv_size, s->slots[t], m->kv_heads, D,
-                      L.v_pool, L.v_scale);
+                      L.v_pool, L.v_scale, m->kv);
         }
         clock.lap(kOpKvStore);
         attend(m, L, s, b.q.data(), b.attn.data());

@@ -335,23 +335,34 @@ BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e4m3, E4M3)
 BANYAN_PREFILL_TILES_ENTRY(banyan_prefill_attention_tiles_bf16_fp8_e5m2, E5M2)
 #endif
 
-// The layer stack's call for bf16 queries over a bf16 pool (cpu_layer_stack.cpp), its products
-// where the per-op path's are (CpuNativeBackend.tiles: 0 the vector paths, 1 tiles emulated, 2
-// AMX's; only 0 in a build without the tile path), so a chunk has one set of bits either way.
-void banyan_prefill_attention_stack_bf16(BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, uint16_t),
-                                         int64_t tiles) {
+// The layer stack's calls for bf16 queries (cpu_layer_stack.cpp), one per pool type, their
+// products where the per-op path's are (CpuNativeBackend.tiles: 0 the vector paths, 1 tiles
+// emulated, 2 AMX's; only 0 in a build without the tile path), so a chunk has one set of bits
+// either way.
 #if defined(BANYAN_PREFILL_TILES)
-    if (tiles > 0) {
-        banyan_prefill_attention_tiles_bf16_bf16(q, k, v, kscale, vscale, table, table_stride,
-                                                 req_row, req_len, q_start, n_new, n_reqs, out,
-                                                 heads, kvh, d, scale, n_threads, tiles == 2);
-        return;
+#define BANYAN_PREFILL_STACK_ENTRY(NAME, K, SFX)                                               \
+    void NAME(BANYAN_PREFILL_ATTENTION_PARAMS(BF16::T, K::T), int64_t tiles) {                 \
+        if (tiles > 0)                                                                         \
+            return banyan_prefill_attention_tiles_bf16_##SFX(                                  \
+                q, k, v, kscale, vscale, table, table_stride, req_row, req_len, q_start,       \
+                n_new, n_reqs, out, heads, kvh, d, scale, n_threads, tiles == 2);              \
+        banyan_prefill_attention_bf16_##SFX(q, k, v, kscale, vscale, table, table_stride,      \
+                                            req_row, req_len, q_start, n_new, n_reqs, out,     \
+                                            heads, kvh, d, scale, n_threads);                  \
+    }
+#else
+#define BANYAN_PREFILL_STACK_ENTRY(NAME, K, SFX)                                               \
+    void NAME(BANYAN_PREFILL_ATTENTION_PARAMS(BF16::T, K::T), int64_t) {                       \
+        banyan_prefill_attention_bf16_##SFX(q, k, v, kscale, vscale, table, table_stride,      \
+                                            req_row, req_len, q_start, n_new, n_reqs, out,     \
+                                            heads, kvh, d, scale, n_threads);                  \
     }
 #endif
-    banyan_prefill_attention_bf16_bf16(q, k, v, kscale, vscale, table, table_stride, req_row,
-                                       req_len, q_start, n_new, n_reqs, out, heads, kvh, d, scale,
-                                       n_threads);
-}
+
+BANYAN_PREFILL_STACK_ENTRY(banyan_prefill_attention_stack_bf16, BF16, bf16)
+BANYAN_PREFILL_STACK_ENTRY(banyan_prefill_attention_stack_bf16_int8, I8, int8)
+BANYAN_PREFILL_STACK_ENTRY(banyan_prefill_attention_stack_bf16_fp8_e4m3, E4M3, fp8_e4m3)
+BANYAN_PREFILL_STACK_ENTRY(banyan_prefill_attention_stack_bf16_fp8_e5m2, E5M2, fp8_e5m2)
 
 // 2: this build has the tile path and Linux granted this process AMX's tile state; 1: the
 // tile path only emulated (no AMX here, or not granted); 0: no tile path in this build.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cpu_dtypes.h"
 #include "cpu_paged_attention.h"
 
 extern "C" {
@@ -27,11 +28,25 @@ void banyan_rope_qk_bf16(const uint16_t* qkv, int64_t stride, const uint16_t* co
                          int64_t heads, int64_t kvh, int64_t d, int64_t n_threads);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_f32, float, float);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_int8, float, int8_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_fp8_e4m3, float, uint8_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_f32_fp8_e5m2, float, uint8_t);
 BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_bf16, uint16_t, uint16_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_int8, uint16_t, int8_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_fp8_e4m3, uint16_t, uint8_t);
+BANYAN_PAGED_ATTENTION_SIGNATURE(banyan_paged_attention_bf16_fp8_e5m2, uint16_t, uint8_t);
 BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_f32, float, float);
 BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_int8, float, int8_t);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_fp8_e4m3, float, uint8_t);
+BANYAN_PREFILL_ATTENTION_SIGNATURE(banyan_prefill_attention_f32_fp8_e5m2, float, uint8_t);
+// bf16 queries: the tile mode after the arguments (cpu_prefill_attention.cpp)
 void banyan_prefill_attention_stack_bf16(BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, uint16_t),
                                          int64_t tiles);
+void banyan_prefill_attention_stack_bf16_int8(BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, int8_t),
+                                              int64_t tiles);
+void banyan_prefill_attention_stack_bf16_fp8_e4m3(
+    BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, uint8_t), int64_t tiles);
+void banyan_prefill_attention_stack_bf16_fp8_e5m2(
+    BANYAN_PREFILL_ATTENTION_PARAMS(uint16_t, uint8_t), int64_t tiles);
 void banyan_quant_gemm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t kind,
                             const void* codes, const void* scale, const void* mins, int64_t group,
                             const float* bias, uint16_t* out, int64_t N, int64_t n_threads);
@@ -95,3 +110,28 @@ struct Kernels<uint16_t> {
     static constexpr auto prefill = banyan_prefill_attention_stack_bf16;  // (+ a tile mode)
     static constexpr auto argmax = banyan_argmax_rows_bf16;
 };
+
+// Attention over a quantized pool (codes K: cpu_dtypes.h's I8, E4M3, E5M2) for each element
+// type's queries.
+template <typename T, typename K>
+struct CodeKernels;
+
+#define BANYAN_CODE_KERNELS(T_, K_, PAGED, PREFILL)  \
+    template <>                                      \
+    struct CodeKernels<T_, K_> {                     \
+        static constexpr auto attention = PAGED;     \
+        static constexpr auto prefill = PREFILL;     \
+    };
+
+BANYAN_CODE_KERNELS(float, I8, banyan_paged_attention_f32_int8, banyan_prefill_attention_f32_int8)
+BANYAN_CODE_KERNELS(float, E4M3, banyan_paged_attention_f32_fp8_e4m3,
+                    banyan_prefill_attention_f32_fp8_e4m3)
+BANYAN_CODE_KERNELS(float, E5M2, banyan_paged_attention_f32_fp8_e5m2,
+                    banyan_prefill_attention_f32_fp8_e5m2)
+BANYAN_CODE_KERNELS(uint16_t, I8, banyan_paged_attention_bf16_int8,
+                    banyan_prefill_attention_stack_bf16_int8)
+BANYAN_CODE_KERNELS(uint16_t, E4M3, banyan_paged_attention_bf16_fp8_e4m3,
+                    banyan_prefill_attention_stack_bf16_fp8_e4m3)
+BANYAN_CODE_KERNELS(uint16_t, E5M2, banyan_paged_attention_bf16_fp8_e5m2,
+                    banyan_prefill_attention_stack_bf16_fp8_e5m2)
+#undef BANYAN_CODE_KERNELS

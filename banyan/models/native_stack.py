@@ -6,8 +6,8 @@ allocating its output and checking its inputs) as in its kernels. The stack call
 kernels in the same order with the same threads, so its hidden states equal the per-op path's
 bit for bit (tested); it runs when every piece has a native kernel:
 
-- float32 activations on CPU, the K/V pool in float32 or int8 (stored as kv_pool.quantize_rows
-  does; fp8 codes are left to torch's conversion); or bf16 activations over a bf16 pool,
+- float32 or bf16 activations on CPU, the K/V pool of that type or of int8 / fp8 codes
+  (stored as kv_pool.quantize_rows stores them: cpu_stack_kv.h),
 - every projection's method names its kernel (`LinearMethod.native`: the skinny float32,
   int8, int4 and GGUF-block methods; in bf16, the skinny bf16 method (on its pairs or its
   plain weight), or the quantized ones
@@ -41,7 +41,7 @@ from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyBf16Method
 from banyan.layers.panels import unpack_bf16_pairs
 from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
-from banyan.mem.kv_pool import KVPool
+from banyan.mem.kv_pool import FP8_SCALE_SHIFTS, KVPool
 from banyan.models import head_screen
 from banyan.models.llama import LlamaForCausalLM
 
@@ -65,7 +65,10 @@ ANY_STEP_KINDS = frozenset(LINEAR_KINDS[k] for k in ("q8_int4", "q8_int4_wide", 
                                                      "q8_int5"))
 ROPE_ROWS = 4096  # the RoPE tables' first size (positions); they double as positions need
 ROPE_BLOCK = 512  # positions the tables are made in at a time (see _grow_rope)
-STACK_POOLS = {torch.float32: (None, torch.int8), torch.bfloat16: (None,)}
+# The pools each element type's stack stores into and attends (cpu_stack_kv.h: KvCodes): as
+# they are, or codes with row scales, quantized as kv_pool.quantize_rows does.
+KV_CODES = {None: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+STACK_POOLS = {torch.float32: tuple(KV_CODES), torch.bfloat16: tuple(KV_CODES)}
 # The projection kernels each element type's stack runs: the dense kernel of its own type, and
 # every quantized one (float32 inside).
 _QUANTIZED = frozenset(LINEAR_KINDS) - {"skinny_f32", "skinny_bf16", "pairs_bf16"}
@@ -91,6 +94,10 @@ class StackLayer(ctypes.Structure):
                 ("v_pool", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p)]
 
 
+class KvStore(ctypes.Structure):
+    _fields_ = [("codes", c_int64), ("shifts", c_void_p), ("n_shifts", c_int64)]
+
+
 class StackModel(ctypes.Structure):
     _fields_ = [("layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("intermediate", c_int64),
@@ -99,7 +106,7 @@ class StackModel(ctypes.Structure):
                 ("rope_sin", c_void_p), ("rope_rows", c_int64), ("head", StackLinear),
                 ("screen_codes", c_void_p), ("screen_scale", c_void_p),
                 ("screen_slack", c_void_p), ("screen_group", c_int64),
-                ("screen_counts", c_void_p)]
+                ("screen_counts", c_void_p), ("kv", KvStore)]
 
 
 class StackStep(ctypes.Structure):
@@ -251,6 +258,9 @@ class NativeLayerStack:
             return None
         keep += [model.norm.weight, model.embed_tokens.weight]
         stack = cls(model, backend, layers, keep, methods)
+        shifts = torch.tensor(FP8_SCALE_SHIFTS, dtype=torch.float32)
+        stack._keep.append(shifts)
+        stack._struct.kv = KvStore(KV_CODES[pool.code_dtype], shifts.data_ptr(), shifts.numel())
         head = model.lm_head if model.lm_head is not None else model.tied_head
         spec = linear(head) if head is not None else None  # (its method checked as theirs)
         if spec is not None:  # else greedy() declines: the model's own head runs
