@@ -363,12 +363,17 @@ int64_t run_layers(const StackModel* m, const StackStep* s) {
                    static_cast<const T*>(L.q_norm), static_cast<const T*>(L.k_norm), eps,
                    b.q.data(), b.k.data(), T_, m->heads, m->kv_heads, D, nt);
         clock.lap(kOpRope);
-        for (int64_t t = 0; t < T_; ++t) {  // rotated k and the untouched v into the pool
-            store_row(b.k.data() + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool,
-                      L.k_scale, m->kv);
-            store_row(b.qkv.data() + t * qkv_n + q_size + kv_size, s->slots[t], m->kv_heads, D,
-                      L.v_pool, L.v_scale, m->kv);
-        }
+        // rotated k and the untouched v into the pool; codes of many tokens (a batched step's)
+        // quantized on all threads
+        // (b is this thread's: the team's threads take its rows through these pointers)
+        const T *k_rows = b.k.data(), *v_rows = b.qkv.data() + q_size + kv_size;
+        const int64_t store_threads = m->kv.codes != kKvPlain && T_ >= 8 ? nt : 1;
+        banyan_team::parallel_for(T_, store_threads, [&](int64_t t) {
+            store_row(k_rows + t * kv_size, s->slots[t], m->kv_heads, D, L.k_pool, L.k_scale,
+                      m->kv);
+            store_row(v_rows + t * qkv_n, s->slots[t], m->kv_heads, D, L.v_pool, L.v_scale,
+                      m->kv);
+        });
         clock.lap(kOpKvStore);
         attend(m, L, s, b.q.data(), b.attn.data());
         clock.lap(kOpAttention);
