@@ -389,21 +389,28 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[in
     return ids[len(prompt):]
 
 
-@needs_kernels
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_engine_greedy_equals_torch_with_the_dequantized_weights(
-        model_dirs: dict[str, Path], quantization: str) -> None:
-    path = model_dirs["qwen2"]  # tied head and q/k/v biases: the quantized head is a copy
-    prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(3)]
-    steps = 12
+def assert_greedy_equals_torch(path: Path, quantization: str, requests: int, steps: int,
+                               method_prefix: str) -> None:
+    """A float32 engine with `--quantization` on CPU: every linear's method named
+    method_prefix..., and each request's greedy tokens transformers' with the weights those
+    methods multiply by."""
+    prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(requests)]
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
     with Engine(str(path), dtype="float32", device="cpu", disable_tqdm=True,
                 quantization=quantization) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
         runner = engine.core.scheduler.runner.model_runner
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-        assert linears and all(type(m.method).__name__.lower().startswith(quantization)
+        assert linears and all(type(m.method).__name__.lower().startswith(method_prefix)
                                for m in linears)
         hf = _hf_with_weights_of(runner, path)
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == _hf_greedy(hf, prompt, steps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_greedy_equals_torch_with_the_dequantized_weights(
+        model_dirs: dict[str, Path], quantization: str) -> None:
+    # qwen2: a tied head and q/k/v biases (the quantized head is a copy)
+    assert_greedy_equals_torch(model_dirs["qwen2"], quantization, 3, 12, quantization)

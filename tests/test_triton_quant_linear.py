@@ -129,20 +129,8 @@ def test_engine_greedy_equals_torch_with_the_dequantized_weights(
     if DEVICE == "cuda":
         pytest.skip("test_engine_on_cuda_runs_the_kernel runs the engine on the GPU")
     from banyan.runner import linear_setup
-    from tests.test_quant import _hf_greedy, _hf_with_weights_of
+    from tests.test_quant import assert_greedy_equals_torch
 
     monkeypatch.setattr(linear_setup, "quantized_method",
                         lambda q, device: quantized_method(q, torch.device("cuda")))
-    path = model_dirs["qwen2"]
-    prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(2)]
-    steps = 6
-    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-    with Engine(str(path), dtype="float32", device="cpu", disable_tqdm=True,
-                quantization=quantization) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
-        runner = engine.core.scheduler.runner.model_runner
-        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-        assert linears and all(type(m.method).__name__.startswith("Triton") for m in linears)
-        hf = _hf_with_weights_of(runner, path)
-    for prompt, out in zip(prompts, outs):
-        assert out.output_ids == _hf_greedy(hf, prompt, steps)
+    assert_greedy_equals_torch(model_dirs["qwen2"], quantization, 2, 6, "triton")
