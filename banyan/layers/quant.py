@@ -9,7 +9,8 @@ panel the 16 rows' weights for one input sit side by side. `dequantized_weight` 
 [out, in] float32 matrix a layer computes with, which is what the tests check the kernels
 against (in float64) and what a torch reference model uses. A bf16 model's long steps on a
 CPU with AVX512-BF16 compute with those values rounded once to bf16 (kernels/
-cpu_quant_gemm_bf16.cpp), as a bf16 model's GEMM does with its weights.
+cpu_quant_gemm_bf16.cpp), as a bf16 model's GEMM does with its weights. On CUDA the same
+formats and values run through Triton (layers/quant_cuda.py); `quantized_method` picks by device.
 """
 
 from __future__ import annotations
