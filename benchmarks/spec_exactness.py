@@ -7,7 +7,8 @@ is) and all of them submitted at once, so that their decodes are grouped by the 
 speculated requests' checks run alone.
 
     python benchmarks/spec_exactness.py [--model DIR_OR_GGUF] [--dtype bfloat16]
-        [--chat 6] [--grounded 4] [--output-len 160] [--shared-prefix] [--out F]
+        [--kv-cache-dtype auto] [--chat 6] [--grounded 4] [--output-len 160] [--shared-prefix]
+        [--out F]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: Banyan's default model")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the pool's storage (both engines)")
     ap.add_argument("--chat", type=int, default=6)
     ap.add_argument("--grounded", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=160)
@@ -41,7 +43,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ns = ap.parse_args()
     base: dict[str, Any] = dict(model=ns.model, dtype=ns.dtype, kv_cache_memory="1GiB",
-                                disable_tqdm=True)
+                                kv_cache_dtype=ns.kv_cache_dtype, disable_tqdm=True)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=ns.output_len, ignore_eos=True)
 
     def lone(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -74,6 +76,7 @@ def main() -> int:
     if ns.out:
         ns.out.write_text(json.dumps({"command": command_line(),
                                       "machine": machine_info(), "dtype": ns.dtype,
+                                      "kv_cache_dtype": ns.kv_cache_dtype,
                                       "shared_prefix": ns.shared_prefix,
                                       "output_len": ns.output_len, "results": results},
                                      indent=2) + "\n")

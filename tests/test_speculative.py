@@ -78,6 +78,25 @@ def test_greedy_identical_to_transformers(model_dirs: dict[str, Path], arch: str
         assert not engine.core.scheduler.speculation._state  # every request forgotten
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_speculation_over_a_quantized_pool_changes_no_token(model_dirs: dict[str, Path],
+                                                            kv: str) -> None:
+    """Checks store and read a quantized pool's codes (and roll rejected ones back) as decodes
+    do: the same greedy tokens with speculation as without, over the same storage."""
+    target = model_dirs["llama"]
+    prompts = prompts_1_to_300(5, seed=4)
+    max_new = [8 + (7 * i) % 19 for i in range(len(prompts))]
+    with Engine(str(target), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
+                kv_cache_dtype=kv) as plain:
+        want = run_greedy(plain, prompts, max_new)
+    # the target as its own draft: most guesses accepted (its own pool is unquantized: with
+    # fp8 not all), so checks keep tokens and roll rejected ones back
+    with spec_engine(target, "draft", target, kv_cache_dtype=kv) as engine:
+        assert run_greedy(engine, prompts, max_new) == want
+        assert engine.core.scheduler.speculation.stats.acceptance_rate > 0.5
+        check_pool_empty(engine)
+
+
 def test_seeded_sampling_draws_the_same_tokens(model_dirs: dict[str, Path]) -> None:
     """A seeded row's noise depends on (seed, position) only: checking guesses changes nothing."""
     target = model_dirs["llama"]
