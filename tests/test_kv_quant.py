@@ -81,6 +81,35 @@ def test_fp8_native_rows_equal_the_torch_rule(code_dtype: torch.dtype, head_dim:
     assert torch.equal(fast_scale, scale)
 
 
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_native_dequantizing_equals_the_torch_rule(code_dtype: torch.dtype,
+                                                      dtype: torch.dtype,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_kv_quant.cpp's rows of values bit for bit dequantize_rows' torch composition: every
+    finite code (subnormals too) times scales from 1e-30 to 1e3 (products down into float32's
+    denormals), rounded to bf16 once; rows of 24 values (no 16-wide rows) take torch's."""
+    from banyan.kernels import fused_ops, native
+
+    if native.load() is None or not native.load().banyan_fp8_dequantize_here():
+        pytest.skip("native fp8 dequantizer unavailable")
+    g = torch.Generator().manual_seed(5)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64, 1)[:, torch.randperm(256,
+                                                                              generator=g)]
+    codes = codes.reshape(-1, 2, 64)  # [128, 2, 64]
+    finite = torch.isfinite(torch.arange(256, dtype=torch.uint8).view(code_dtype).float())
+    codes[~finite[codes.long()]] = 0  # the pool holds finite codes only
+    scale = torch.rand(128, 2, generator=g) * torch.logspace(-30, 3, 128)[:, None]
+    codes = codes.view(code_dtype)
+    native_rows = fused_ops.fp8_dequantize_rows
+    fast = native_rows(codes, scale, dtype)
+    assert fast is not None and native_rows(codes[..., :24].contiguous(), scale, dtype) is None
+    monkeypatch.setattr(fused_ops, "fp8_dequantize_rows", lambda *args: None)
+    want = dequantize_rows(codes, scale, dtype)  # the torch composition
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert fast.dtype == dtype and torch.equal(fast.view(bits), want.view(bits))
+
+
 def test_the_same_memory_holds_more_tokens(llama_dir: Path) -> None:
     with _engine(llama_dir, kv_cache_dtype="auto") as plain:
         base = plain.core.kv_capacity

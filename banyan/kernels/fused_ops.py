@@ -152,6 +152,37 @@ def _fp8_quantizer(code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
     return fn
 
 
+@functools.cache
+def _fp8_dequantizer(code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+    lib = native.load()
+    name = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(code_dtype)
+    if lib is None or name is None or not lib.banyan_fp8_dequantize_here():
+        return None
+    fn = getattr(lib, f"banyan_fp8_dequantize_rows_{name}")
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64]
+    fn.restype = None
+    return fn
+
+
+def fp8_dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                        ) -> torch.Tensor | None:
+    """mem/kv_pool.dequantize_rows for fp8 codes [..., D] (D % 16 == 0) and their scales
+    [...] into float32 or bfloat16, in one native call (cpu_kv_quant.cpp), bit for bit the
+    torch composition's; None where the kernel cannot run."""
+    fn = _fp8_dequantizer(codes.dtype)
+    d = codes.shape[-1] if codes.dim() else 0
+    if fn is None or codes.device.type != "cpu" or d == 0 or d % 16 or \
+            dtype not in (torch.float32, torch.bfloat16):
+        return None
+    c, s = codes.contiguous(), scale.float().contiguous()
+    out = torch.empty(codes.shape, dtype=dtype)
+    with native.kernel_range("banyan::fp8_dequantize_rows"):
+        fn(c.data_ptr(), s.data_ptr(), c.numel() // d, d, out.data_ptr(),
+           int(dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
 def fp8_quantize_rows(x: torch.Tensor, code_dtype: torch.dtype, shifts: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """mem/kv_pool.quantize_rows's fp8 rule in one native call (cpu_kv_quant.cpp): x [..., D]

@@ -107,7 +107,12 @@ def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `quantize_rows`, in float32 then rounded to `dtype` once."""
+    """The inverse of `quantize_rows`, in float32 then rounded to `dtype` once (fp8 on CPU in
+    one native call, the same bits)."""
+    if codes.dtype != torch.int8:
+        native = fused_ops.fp8_dequantize_rows(codes, scale, dtype)
+        if native is not None:
+            return native
     return codes.float().mul_(scale.unsqueeze(-1)).to(dtype)
 
 
