@@ -2,7 +2,7 @@
 # Every "Done when" figure of #13, #16 and #17 on this machine, in one go, each side by side in
 # one run as the issues ask, JSON under benchmarks/results/ named with TAG:
 #
-#   benchmarks/run_targets.sh                      # all steps, ~75 min on a Zen 4 (+ installs)
+#   benchmarks/run_targets.sh                      # all steps, ~85 min on a Zen 4 (+ installs)
 #   STEPS="sbs spec" benchmarks/run_targets.sh     # a subset, in the order given
 #   QUICK=1 benchmarks/run_targets.sh              # small sizes: checks that every step runs
 #
@@ -18,6 +18,8 @@
 #              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5-12 min), and
 #              batch 1 with and without bursts of decode steps (decode_bursts.py, ~3 min); on
 #              AMX also the quantized GEMM's three paths (quant_onednn_crossover.py --tiles 2)
+#   kv         #16: the quantized KV cache, its attention kernel and perplexity, then end to end
+#              beside bf16's pool (kv_quant_engine.py, ~8 min)
 #   spec       #17: none / ngram / draft, grounded and chat at batch 1, and under load (~15 min)
 #   exact      #17: speculation changes no greedy token (dense bf16 and GGUF, alone and after a
 #              shared prefix)
@@ -48,7 +50,7 @@ PY
 )
 TAG=${TAG:-$CPU_TAG-$(date +%m%d-%H%M)${QUICK:+-quick}}
 DTYPE=${DTYPE:-$AUTO_DTYPE}
-STEPS=${STEPS:-"info sbs roofline contention lowprec spec exact det attn"}
+STEPS=${STEPS:-"info sbs roofline contention lowprec kv spec exact det attn"}
 RESULTS=benchmarks/results
 DENSE=$($PY -c "from banyan.model_files import resolve_model_dir as r; print(r(None))")
 GGUF=$($PY -c "from banyan.models.gguf_loader import default_model_file as f; print(f())")
@@ -121,6 +123,14 @@ raise SystemExit(native.prefill_tiles() != 2)"; then
       $PY benchmarks/quant_onednn_crossover.py --tokens $(q 64 64,256,1024,2048) --tiles 2 \
         --rounds $(q 3 15) --out "$RESULTS/quant-gemm-paths-$TAG.json"
     fi
+    ;;
+  kv)
+    step kv
+    # the quantized KV cache: the attention kernel alone with perplexity, then end to end
+    # (batch 1 and random 64 through the engine, each storage beside bf16's)
+    $PY benchmarks/kv_quant.py --rounds $(q 1 9) --out "$RESULTS/kv-quant-$TAG.json"
+    [ "$DTYPE" = bfloat16 ] && $PY benchmarks/kv_quant_engine.py --rounds $(q 1 3) \
+      --random $(q 8 64) --out "$RESULTS/kv-quant-engine-$TAG.json"
     ;;
   spec)
     step spec
