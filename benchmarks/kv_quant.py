@@ -81,16 +81,16 @@ def perplexities() -> list[dict[str, object]]:
     folder = resolve_model_dir(None)
     ids = list(load_tokenizer(folder).encode(REFERENCE_TEXT))
     rows = []
-    searched = kv_pool._fp8_shifts
+    searched = kv_pool.fp8_shifts
     # fp8 also as it was before the scale search: each row's one max-scaled scale
     for kv, one_scale in (("auto", False), ("int8", False), ("fp8_e4m3", False),
                           ("fp8_e5m2", False), ("fp8_e4m3", True), ("fp8_e5m2", True)):
-        kv_pool._fp8_shifts = (lambda device: torch.ones(1)) if one_scale else searched
+        kv_pool.fp8_shifts = (lambda device: torch.ones(1)) if one_scale else searched
         runner = ModelRunner(folder, dtype="float32", num_slots=len(ids) + 1, max_rows=1,
                              max_context=len(ids), kv_cache_dtype=kv, show_progress=False)
         rows.append({"kv_cache_dtype": kv + (" (one scale a row)" if one_scale else ""),
                      "tokens": len(ids), "ppl": banyan_perplexity(runner, ids, 128).ppl})
-    kv_pool._fp8_shifts = searched
+    kv_pool.fp8_shifts = searched
     for row in rows:
         row["vs_auto"] = row["ppl"] / rows[0]["ppl"] - 1
     return rows

@@ -45,8 +45,7 @@ def kernels(dtype: torch.dtype, group: int, head_dim: int,
     quant = ta.QUANT_OF[codes] if codes is not None else ta.PLAIN.value
     pool = q if codes is None else "*i8" if codes == torch.int8 else "*u8"
     upcast, precision = ta.dot_flags(dtype, interpreted=False)  # as on a GPU
-    consts = dict(UPCAST=upcast, PRECISION=precision, QUANT=quant,
-                  UNIT=ta.CODE_UNIT.get(quant, 1.0))
+    consts = dict(UPCAST=upcast, PRECISION=precision, QUANT=quant)
     kv = {"K": pool, "V": pool, "KS": "*fp32", "VS": "*fp32"}
     block_d = ta.head_block(head_dim)
     block_h, head_blocks = ta.decode_tile(group)

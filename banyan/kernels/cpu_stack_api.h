@@ -1,6 +1,7 @@
 // The C entry points the layer stack (cpu_layer_stack.cpp) calls, defined in the other files
-// of this library: its element-wise ops, attention and projection kernels (int4's are in
-// cpu_int4_api.h), and which of them each element type's stack runs (Kernels).
+// of this library: its element-wise ops, fp8 K/V quantizers, attention and projection kernels
+// (int4's are in cpu_int4_api.h), and which of them each element type's stack runs (Kernels,
+// CodeKernels).
 #pragma once
 
 #include <cstdint>
@@ -81,6 +82,12 @@ int64_t banyan_head_screen_bf16(const uint16_t* x, int64_t K, const int32_t* pai
                                 int64_t kind, const int8_t* codes, const float* scale,
                                 int64_t group, const float* slack, int64_t N, int64_t vocab,
                                 int64_t n_threads);
+void banyan_fp8_quantize_rows_e4m3(const float* x, int64_t rows, int64_t d, const float* shifts,
+                                   int64_t n_shifts, uint8_t* codes, float* scales,
+                                   int64_t n_threads);
+void banyan_fp8_quantize_rows_e5m2(const float* x, int64_t rows, int64_t d, const float* shifts,
+                                   int64_t n_shifts, uint8_t* codes, float* scales,
+                                   int64_t n_threads);
 void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
                            int64_t group, const void* w, const void* scale, const void* mins,
                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);

@@ -12,15 +12,7 @@
 #include <vector>
 
 #include "cpu_dtypes.h"
-
-extern "C" {
-void banyan_fp8_quantize_rows_e4m3(const float* x, int64_t rows, int64_t d, const float* shifts,
-                                   int64_t n_shifts, uint8_t* codes, float* scales,
-                                   int64_t n_threads);
-void banyan_fp8_quantize_rows_e5m2(const float* x, int64_t rows, int64_t d, const float* shifts,
-                                   int64_t n_shifts, uint8_t* codes, float* scales,
-                                   int64_t n_threads);
-}
+#include "cpu_stack_api.h"
 
 namespace {
 

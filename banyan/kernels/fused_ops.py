@@ -139,28 +139,23 @@ def rope_qk(
     return q, k
 
 
-@functools.cache
-def _fp8_quantizer(code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
-    lib = native.load()
-    name = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(code_dtype)
-    if lib is None or name is None:
-        return None
-    fn = getattr(lib, f"banyan_fp8_quantize_rows_{name}")
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
-    fn.restype = None
-    return fn
+_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_FP8_ARGS = {"quantize": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
+             "dequantize": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64]}
 
 
 @functools.cache
-def _fp8_dequantizer(code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+def _fp8_rows(verb: str, code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+    """cpu_kv_quant.cpp's banyan_fp8_{verb}_rows_{e4m3|e5m2}, typed, or None where it cannot
+    run (no library, not an fp8 dtype; the dequantizer needs AVX2 + F16C)."""
     lib = native.load()
-    name = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(code_dtype)
-    if lib is None or name is None or not lib.banyan_fp8_dequantize_here():
+    name = _FP8_NAMES.get(code_dtype)
+    if lib is None or name is None or \
+            (verb == "dequantize" and not lib.banyan_fp8_dequantize_here()):
         return None
-    fn = getattr(lib, f"banyan_fp8_dequantize_rows_{name}")
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64]
+    fn = getattr(lib, f"banyan_fp8_{verb}_rows_{name}")
+    fn.argtypes = _FP8_ARGS[verb]
     fn.restype = None
     return fn
 
@@ -170,7 +165,7 @@ def fp8_dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     """mem/kv_pool.dequantize_rows for fp8 codes [..., D] (D % 16 == 0) and their scales
     [...] into float32 or bfloat16, in one native call (cpu_kv_quant.cpp), bit for bit the
     torch composition's; None where the kernel cannot run."""
-    fn = _fp8_dequantizer(codes.dtype)
+    fn = _fp8_rows("dequantize", codes.dtype)
     d = codes.shape[-1] if codes.dim() else 0
     if fn is None or codes.device.type != "cpu" or d == 0 or d % 16 or \
             dtype not in (torch.float32, torch.bfloat16):
@@ -188,7 +183,7 @@ def fp8_quantize_rows(x: torch.Tensor, code_dtype: torch.dtype, shifts: torch.Te
     """mem/kv_pool.quantize_rows's fp8 rule in one native call (cpu_kv_quant.cpp): x [..., D]
     -> (codes [..., D] code_dtype, scales [...] float32), bit for bit the torch composition's;
     shifts: the scale shifts tried, float32. None where the kernel cannot run."""
-    fn = _fp8_quantizer(code_dtype)
+    fn = _fp8_rows("quantize", code_dtype)
     if fn is None or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0:
         return None
     xf = x.float().contiguous()

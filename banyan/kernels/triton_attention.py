@@ -92,14 +92,12 @@ def dot_flags(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> tuple[bool
 PLAIN, INT8, FP8_E4M3, FP8_E5M2 = (tl.constexpr(i) for i in range(4))
 QUANT_OF = {torch.int8: INT8.value, torch.float8_e4m3fn: FP8_E4M3.value,
             torch.float8_e5m2: FP8_E5M2.value}
-# what _code_values leaves out of a code's value, made up by its row's scale
-CODE_UNIT = {INT8.value: 1.0, FP8_E4M3.value: 256.0, FP8_E5M2.value: 1.0}
 
 
 @triton.jit
 def _code_values(c, QUANT: tl.constexpr):
     """A block of codes (int8, or fp8 bytes read as uint8) -> float32 values before the row
-    scale (e4m3's at 2^-8 of themselves: CODE_UNIT)."""
+    scale (e4m3's at 2^-8 of themselves: _attend's scales make up for it)."""
     if QUANT == INT8:
         return c.to(tl.float32)
     bits = c.to(tl.int32)
@@ -113,13 +111,12 @@ def _code_values(c, QUANT: tl.constexpr):
 @triton.jit
 def _attend(q, k_base, v_base, ks_base, vs_base, table_row, stride_s, stride_ss, lo, hi, last,
             scale_log2, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            d_mask, UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-            UNIT: tl.constexpr):
+            d_mask, UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """Online softmax of a [ROWS, BLOCK_D] query tile over positions [lo, hi) of one table
     row, row r seeing positions <= last[r] (< hi) -> (running max m, sum l, output sum acc),
     float32, scores in base 2. k_base/v_base: the KV head's [1, BLOCK_D] pointers into the
     pool, slot s at + s * stride_s; a quantized pool's (QUANT) row scales at ks_base/vs_base
-    + s * stride_ss, times UNIT. An empty range leaves m = -inf, l = 0."""
+    + s * stride_ss. An empty range leaves m = -inf, l = 0."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -135,8 +132,11 @@ def _attend(q, k_base, v_base, ks_base, vs_base, table_row, stride_s, stride_ss,
         if QUANT != PLAIN:  # codes in q's dtype (exact there), the scales kept aside
             k = _code_values(k, QUANT).to(q.dtype)
             v = _code_values(v, QUANT).to(q.dtype)
-            k_scale = tl.load(ks_base + slots * stride_ss, mask=pos_mask, other=0.0) * UNIT
-            v_scale = tl.load(vs_base + slots * stride_ss, mask=pos_mask, other=0.0) * UNIT
+            k_scale = tl.load(ks_base + slots * stride_ss, mask=pos_mask, other=0.0)
+            v_scale = tl.load(vs_base + slots * stride_ss, mask=pos_mask, other=0.0)
+            if QUANT == FP8_E4M3:  # (_code_values left its values at 2^-8 of themselves)
+                k_scale = k_scale * 256.0
+                v_scale = v_scale * 256.0
         elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -162,7 +162,7 @@ def _attend(q, k_base, v_base, ks_base, vs_base, table_row, stride_s, stride_ss,
 class PoolView:
     """How the kernels read a layer's pool: K/V as they load them (fp8 codes as bytes), the row
     scales (the pools themselves, never read, when unquantized) with their slot stride, and the
-    constexprs that go with them (QUANT, UNIT, UPCAST, PRECISION)."""
+    constexprs that go with them (QUANT, UPCAST, PRECISION)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -180,8 +180,8 @@ class PoolView:
         quant = QUANT_OF.get(k_pool.dtype, PLAIN.value)
         if quant == PLAIN.value:
             upcast, precision = dot_flags(k_pool.dtype)
-            return cls(k_pool, v_pool, k_pool, v_pool, 0, dict(
-                QUANT=quant, UNIT=1.0, UPCAST=upcast, PRECISION=precision))
+            return cls(k_pool, v_pool, k_pool, v_pool, 0,
+                       dict(QUANT=quant, UPCAST=upcast, PRECISION=precision))
         if k_scale is None or v_scale is None or k_scale.shape != k_pool.shape[:2] \
                 or v_scale.shape != k_scale.shape or k_scale.stride() != v_scale.stride() \
                 or k_scale.stride(-1) != 1:
@@ -189,8 +189,7 @@ class PoolView:
         upcast, precision = dot_flags(q.dtype)  # the codes go to q's dtype
         read_as = torch.int8 if quant == INT8.value else torch.uint8
         return cls(k_pool.view(read_as), v_pool.view(read_as), k_scale, v_scale,
-                   k_scale.stride(0), dict(QUANT=quant, UNIT=CODE_UNIT[quant], UPCAST=upcast,
-                                           PRECISION=precision))
+                   k_scale.stride(0), dict(QUANT=quant, UPCAST=upcast, PRECISION=precision))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -206,7 +205,7 @@ def _decode_split_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, UNIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -234,7 +233,7 @@ def _decode_split_kernel(
                             V + kv_head * stride_h + d[None, :], KS + kv_head, VS + kv_head,
                             Table + row * stride_tr, stride_s, stride_ss, lo, hi, last,
                             scale_log2, BLOCK_H, BLOCK_N, BLOCK_D, d_mask, UPCAST, PRECISION,
-                            QUANT, UNIT)
+                            QUANT)
     filled = l_i > 0  # an empty split (lo >= hi) leaves l_i = 0: weight 0 in the merge
     safe_l = tl.where(filled, l_i, 1.0)
     out = tl.where(filled[:, None], acc / safe_l[:, None], 0.0)
@@ -319,7 +318,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_s, stride_h, stride_ss, stride_tr, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, UNIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     blk = tl.program_id(0)
     h = tl.program_id(1)
@@ -348,7 +347,7 @@ def _extend_kernel(
                             V + kv_head * stride_h + d[None, :], KS + kv_head, VS + kv_head,
                             Table + row * stride_tr, stride_s, stride_ss, 0, hi, last,
                             scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, d_mask, UPCAST, PRECISION,
-                            QUANT, UNIT)
+                            QUANT)
     out = acc / l_i[:, None]  # l_i > 0: position 0 is visible to every row
     tl.store(Out + (token0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

@@ -82,14 +82,14 @@ FP8_SCALE_SHIFTS = (1.0, 2 ** 0.25, 2 ** 0.5, 2 ** 0.75)
 
 
 @functools.cache
-def _fp8_shifts(device: torch.device) -> torch.Tensor:
+def fp8_shifts(device: torch.device) -> torch.Tensor:
     return torch.tensor(FP8_SCALE_SHIFTS, dtype=torch.float32, device=device)
 
 
 def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] float -> (codes [..., D] code_dtype, scale [...] float32), row-wise."""
     if code_dtype != torch.int8:
-        native = fused_ops.fp8_quantize_rows(x, code_dtype, _fp8_shifts(x.device))
+        native = fused_ops.fp8_quantize_rows(x, code_dtype, fp8_shifts(x.device))
         if native is not None:
             return native
     xf = x.float()
@@ -97,7 +97,7 @@ def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tenso
     if code_dtype == torch.int8:
         scaled = xf / scale.unsqueeze(-1)
         return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
-    tried = scale.unsqueeze(-1) * _fp8_shifts(x.device)  # [..., S]
+    tried = scale.unsqueeze(-1) * fp8_shifts(x.device)  # [..., S]
     codes = (xf.unsqueeze(-2) / tried.unsqueeze(-1)).to(code_dtype)  # [..., S, D]
     err = (codes.double() * tried.double().unsqueeze(-1) - xf.double().unsqueeze(-2))
     best = err.square_().sum(-1).argmin(-1, keepdim=True)  # [..., 1]: the first of equals

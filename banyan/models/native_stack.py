@@ -41,7 +41,8 @@ from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyBf16Method
 from banyan.layers.panels import unpack_bf16_pairs
 from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, DEQUANT_MIN_TOKENS
-from banyan.mem.kv_pool import FP8_SCALE_SHIFTS, KVPool
+from banyan.mem import kv_pool
+from banyan.mem.kv_pool import KVPool
 from banyan.models import head_screen
 from banyan.models.llama import LlamaForCausalLM
 
@@ -65,10 +66,9 @@ ANY_STEP_KINDS = frozenset(LINEAR_KINDS[k] for k in ("q8_int4", "q8_int4_wide", 
                                                      "q8_int5"))
 ROPE_ROWS = 4096  # the RoPE tables' first size (positions); they double as positions need
 ROPE_BLOCK = 512  # positions the tables are made in at a time (see _grow_rope)
-# The pools each element type's stack stores into and attends (cpu_stack_kv.h: KvCodes): as
-# they are, or codes with row scales, quantized as kv_pool.quantize_rows does.
+# The pools the stack stores into and attends, in either element type (cpu_stack_kv.h:
+# KvCodes): as they are, or codes with row scales, quantized as kv_pool.quantize_rows does.
 KV_CODES = {None: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
-STACK_POOLS = {torch.float32: tuple(KV_CODES), torch.bfloat16: tuple(KV_CODES)}
 # The projection kernels each element type's stack runs: the dense kernel of its own type, and
 # every quantized one (float32 inside).
 _QUANTIZED = frozenset(LINEAR_KINDS) - {"skinny_f32", "skinny_bf16", "pairs_bf16"}
@@ -202,7 +202,7 @@ class NativeLayerStack:
                 and native.load() is not None and pool.device.type == "cpu"):
             return None
         dtype = model.embed_tokens.weight.dtype
-        if pool.dtype != dtype or pool.code_dtype not in STACK_POOLS.get(dtype, ()):
+        if pool.dtype != dtype or dtype not in STACK_KINDS or pool.code_dtype not in KV_CODES:
             return None
         cfg = model.config
         keep: list[torch.Tensor] = []
@@ -258,7 +258,7 @@ class NativeLayerStack:
             return None
         keep += [model.norm.weight, model.embed_tokens.weight]
         stack = cls(model, backend, layers, keep, methods)
-        shifts = torch.tensor(FP8_SCALE_SHIFTS, dtype=torch.float32)
+        shifts = kv_pool.fp8_shifts(pool.device)  # (the per-op path's, whatever they are)
         stack._keep.append(shifts)
         stack._struct.kv = KvStore(KV_CODES[pool.code_dtype], shifts.data_ptr(), shifts.numel())
         head = model.lm_head if model.lm_head is not None else model.tied_head
