@@ -289,6 +289,20 @@ def test_stop_string_spanning_two_tokens_is_trimmed(tokenizer: Any) -> None:
     assert acc.push(ids[-1]).stopped and acc.finish() == ""
 
 
+def test_included_stop_string_ends_the_text(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Once upon a time, 你好 the end", add_special_tokens=False)
+    acc = TextAccumulator(tokenizer, [], stop=["on a ti", "你"], include_stop=True)
+    emitted = []
+    for token in ids:
+        delta = acc.push(token)
+        emitted.append(delta.text)
+        if delta.stopped:
+            break
+    assert delta.stopped and delta.stop == "on a ti"
+    assert "".join(emitted) == acc.text == "Once upon a ti"
+    assert acc.finish() == ""
+
+
 def test_stop_string_at_the_start_gives_empty_text(tokenizer: Any) -> None:
     ids = tokenizer.encode("你好 world", add_special_tokens=False)
     emitted, stopped, acc = accumulate(tokenizer, ids, ["你"])

@@ -168,6 +168,21 @@ def test_stop_strings(client: OpenAI) -> None:
     streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30,
                                          stop=stop, stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in streamed) == expected
+    # vLLM's include_stop_str_in_output (SGLang's no_stop_trim): the stop string ends the text.
+    kept = expected + stop
+    keep = {"temperature": 0.0,
+            "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, stop=[stop],
+                                    **keep)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (kept, "stop")
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, stop=stop,
+                                         stream=True, **keep)
+    assert "".join(c.choices[0].text for c in streamed) == kept
+    native = HTTP.post(str(client.base_url).replace("/v1/", "/generate"), timeout=60,
+                       json={"text": PROMPT, "sampling_params": {
+                           "max_new_tokens": 30, "temperature": 0, "stop": stop,
+                           "no_stop_trim": True}})
+    assert native.status_code == 200 and native.json()["text"] == kept, native.text
 
 
 def test_seed_reproducible(client: OpenAI) -> None:

@@ -136,6 +136,22 @@ def test_user_ids_never_collide_with_sample_ids(server: ServerProcess) -> None:
     assert [o["meta_info"]["id"] for o in rb.json()] == ["col#0", "col#1"]
 
 
+@pytest.mark.parametrize("field,value", [("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
+                                         ("truncate_prompt_tokens", 3), ("use_beam_search", True),
+                                         ("logits_processors", ["f"]), ("best_of", 2)])
+def test_unimplemented_vllm_fields_refused(server: ServerProcess, field: str, value: Any) -> None:
+    """Fields that would change the text, never silently dropped; their unset values pass."""
+    for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 1}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})):
+        r = HTTP.post(f"{server.url}{path}", timeout=30, json={**body, field: value})
+        assert assert_error(r)["param"] == field
+        unset = {"best_of": 1}.get(field, [] if isinstance(value, list) else None)
+        r = HTTP.post(f"{server.url}{path}", timeout=30, json={**body, field: unset})
+        assert r.status_code == 200, r.text
+    still_serving(server.url)
+
+
 # ---- prompts that take long to prepare ---------------------------------------------------------
 
 # 100M iterations: no CPU renders it within a test timeout (1M did, in under 2 s, on a Xeon).
@@ -149,6 +165,10 @@ def test_request_chat_template_refused_by_default(server: ServerProcess) -> None
         "chat_template_kwargs": {"chat_template": BOMB}})
     assert assert_error(r)["param"] == "chat_template_kwargs"
     assert time.monotonic() - t0 < 5
+    # vLLM's top-level field too: refused, never silently dropped
+    r = HTTP.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"})
+    assert assert_error(r)["param"] == "chat_template"
     still_serving(server.url)
 
 

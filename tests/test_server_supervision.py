@@ -77,6 +77,19 @@ def test_template_bomb_stopped_and_health_answers(server: ServerProcess) -> None
     assert ok.status_code == 200, ok.text
 
 
+def test_request_chat_template_applied_when_trusted(server: ServerProcess) -> None:
+    """vLLM's top-level chat_template renders the prompt (here: a fixed text, so the prompt's
+    tokens are that text's)."""
+    template = "{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:"
+    r = HTTP.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30, json={
+        "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1,
+        "chat_template": template})
+    assert r.status_code == 200, r.text
+    expected = HTTP.post(f"{server.url}/tokenize", headers=AUTH, timeout=30, json={
+        "prompt": "Q: hi there\nA:", "add_special_tokens": False}).json()["count"]
+    assert r.json()["usage"]["prompt_tokens"] == expected
+
+
 def _engine_pid(url: str) -> int:
     return HTTP.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["engine_pid"]
 

@@ -2,7 +2,8 @@
 
 Per request, the serving side keeps one `TextAccumulator` and, for each generated token,
 `delta = acc.push(token_id)`; it streams `delta.text` and ends the request when `delta.stopped`
-(a stop string completed; the stop string itself is never emitted). When the request ends for
+(a stop string completed; the stop string itself is not emitted unless the request asks
+for it: include_stop_str_in_output). When the request ends for
 another reason (EOS, a stop token, max_new_tokens, abort), `acc.finish()` returns the text still
 held back. `acc.text` is the whole output text so far and always equals the concatenation of
 everything emitted.
@@ -204,7 +205,7 @@ class TextAccumulator(EmittedText):
     safe (`text`: what was emitted; after `finish()` or a stop, the whole output)."""
 
     __slots__ = ("_detok", "_matcher", "_plain", "_min_tokens", "_tokens", "_parts", "_pending",
-                 "_stopped")
+                 "_stopped", "_keep_stop")
 
     def __init__(
         self,
@@ -214,6 +215,7 @@ class TextAccumulator(EmittedText):
         stop: Sequence[str] = (),
         min_new_tokens: int = 0,
         token_bytes: TokenBytes | None = None,
+        include_stop: bool = False,
     ) -> None:
         # With a byte-level tokenizer's table (TokenBytes.of), one lookup per token instead of
         # two tokenizer decodes; the same text.
@@ -234,6 +236,7 @@ class TextAccumulator(EmittedText):
         self._parts = []
         self._pending = ""
         self._stopped = False
+        self._keep_stop = include_stop  # the matched stop string ends the text (vLLM's option)
 
     @classmethod
     def from_params(
@@ -241,7 +244,7 @@ class TextAccumulator(EmittedText):
         token_bytes: TokenBytes | None = None,
     ) -> TextAccumulator:
         return cls(tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
-                   params.min_new_tokens, token_bytes)
+                   params.min_new_tokens, token_bytes, params.include_stop_str_in_output)
 
     @staticmethod
     def for_request(tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams,
@@ -289,7 +292,8 @@ class TextAccumulator(EmittedText):
         match = self._matcher.find(pending, len(new)) if armed else None
         if match is not None:
             self._stopped = True
-            return self._emit(pending[: match.start], "", stopped=True, stop=match.stop)
+            end = match.start + (len(match.stop) if self._keep_stop else 0)
+            return self._emit(pending[:end], "", stopped=True, stop=match.stop)
         safe = len(pending) if final else len(pending) - self._matcher.holdback(pending)
         return self._emit(pending[:safe], pending[safe:])
 

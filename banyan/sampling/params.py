@@ -37,6 +37,9 @@ class SamplingParams:
     # read) and may have max_new_tokens=0 (the prompt's logprobs, no token generated).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's include_stop_str_in_output (SGLang's no_stop_trim): the stop string that ended the
+    # text stays at its end; the tokens are the same either way.
+    include_stop_str_in_output: bool = False
     structured: StructuredSpec | None = None  # constrain the output to a grammar
 
     @property

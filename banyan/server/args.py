@@ -34,8 +34,9 @@ class ServerArgs:
     tokenizer_threads: int = field(default=4, metadata=_doc(
         "Threads that render chat templates and tokenize prompts."))
     trust_request_chat_template: bool = field(default=False, metadata=_doc(
-        "Accept a chat template sent in a request (chat_template_kwargs.chat_template). Off by "
-        "default: a template is a program, and the server would run any client's."))
+        "Accept a chat template sent in a request (chat_template, or chat_template_kwargs' "
+        "chat_template). Off by default: a template is a program, and the server would run "
+        "any client's."))
     max_engine_restarts: int = field(default=3, metadata=_doc(
         "Times the API server restarts an engine process that died; past that (or with 0) the "
         "server exits with a non-zero code, for a supervisor (systemd, Kubernetes) to act."))

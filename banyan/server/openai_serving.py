@@ -191,10 +191,11 @@ class OpenAIServing:
         template_kwargs = body.chat_template_kwargs
         if tools is not None:
             messages, template_kwargs = tools.render(
-                messages, getattr(st.tok.tokenizer, "chat_template", None), template_kwargs)
+                messages, body.chat_template or getattr(st.tok.tokenizer, "chat_template", None),
+                template_kwargs)
         ids = check_ids(st, await encode_chat(st, messages, body.add_generation_prompt,
-                                              body.continue_final_message,
-                                              template_kwargs), "messages")
+                                              body.continue_final_message, template_kwargs,
+                                              body.chat_template), "messages")
         requested = body.requested_max_tokens
         max_new = st.max_new_tokens(
             len(ids), requested, requested is not None, "messages",

@@ -2,8 +2,10 @@
 
 Shapes follow OpenAI's API plus the extensions vLLM and SGLang accept (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, min_tokens, cache_salt, ...). Unknown fields
-are ignored, as both engines do, so clients that send newer OpenAI fields keep working.
-Responses are plain dicts built in `openai_format`.
+are ignored, as both engines do, so clients that send newer OpenAI fields keep working; the
+known ones that would change the output and that Banyan does not implement are refused when
+set (`_SamplingFields.NOT_IMPLEMENTED`), never ignored. Responses are plain dicts built in
+`openai_format`.
 
 Every field is checked to what the engine can carry (the rule lives here, once): strict types
 (no true -> 1, no "1" -> 1), integers within int64 (msgpack carries no more, and no count of
@@ -13,9 +15,9 @@ tokens comes near), finite floats; strings are valid Unicode by the time they ge
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
 from banyan.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -73,6 +75,7 @@ class _SamplingFields(_Routing):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's extra
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -83,6 +86,33 @@ class _SamplingFields(_Routing):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's extras that change what is generated and that Banyan does not implement: a 400
+    # naming the field when set (false, empty and null are unset), where an engine that ignored
+    # them would return other text than the client asked for.
+    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                       "use_beam_search", "logits_processors")
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    logits_processors: Any = None
+    best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)  # legacy OpenAI: = n only
+
+    @field_validator(*NOT_IMPLEMENTED)
+    @classmethod
+    def _not_implemented(cls, value: Any) -> Any:
+        if value not in (None, False, [], {}):
+            raise ValueError("not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)  # (declared before best_of: validated first)
+        if value is not None and value != n:
+            raise ValueError(f"only best_of = n ({n}) is supported, which returns every "
+                             "completion generated")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -114,6 +144,7 @@ class _SamplingFields(_Routing):
             n=self.n,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
@@ -173,6 +204,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's extra: a template of the request's own
     tools: Any = None  # checked by banyan/server/structured_api.py
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -200,6 +232,7 @@ class NativeSamplingParams(_Body):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
     n: int = Field(default=1, ge=1, le=INT64_MAX)
     seed: Int64 | None = None
     logit_bias: dict[str, float] | None = None
@@ -219,6 +252,7 @@ class NativeSamplingParams(_Body):
             repetition_penalty=self.repetition_penalty, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, n=self.n, seed=self.seed,
+            include_stop_str_in_output=self.no_stop_trim,
             logit_bias=dict(self.logit_bias or {}),  # type: ignore[arg-type]
             logprobs=logprobs,
         )

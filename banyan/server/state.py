@@ -78,12 +78,18 @@ class ServerState:
                 f"in the KV cache ({capacity} tokens)", tokens_param)
         return min(requested, room)
 
-    def template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        """chat_template_kwargs as the template may see them: a template of the request's own
-        only with --trust-request-chat-template (a template is code the server runs)."""
-        if kwargs and "chat_template" in kwargs and not self.args.trust_request_chat_template:
-            raise bad_request("chat templates sent in requests are not accepted by this server "
-                              "(--trust-request-chat-template)", "chat_template_kwargs")
+    def template_kwargs(self, kwargs: dict[str, Any] | None,
+                        template: str | None = None) -> dict[str, Any] | None:
+        """chat_template_kwargs as the template may see them, with vLLM's top-level
+        `chat_template` among them: a template of the request's own only with
+        --trust-request-chat-template (a template is code the server runs)."""
+        for param, sent in (("chat_template", template is not None),
+                            ("chat_template_kwargs", bool(kwargs) and "chat_template" in kwargs)):
+            if sent and not self.args.trust_request_chat_template:
+                raise bad_request("chat templates sent in requests are not accepted by this "
+                                  "server (--trust-request-chat-template)", param)
+        if template is not None:
+            return {**(kwargs or {}), "chat_template": template}
         return kwargs
 
     def validate(self, params: SamplingParams) -> SamplingParams:
@@ -116,13 +122,14 @@ async def encode_text(state: ServerState, text: str, param: str,
 
 async def encode_chat(state: ServerState, messages: list[dict[str, Any]],
                       add_generation_prompt: bool, continue_final_message: bool = False,
-                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                      template_kwargs: dict[str, Any] | None = None,
+                      template: str | None = None) -> list[int]:
     """A conversation's ids (template rendered and tokenized off the event loop); 400 when the
-    template refuses it or it takes too long."""
+    template refuses it or it takes too long. template: the request's own chat template."""
+    kwargs = state.template_kwargs(template_kwargs, template)
     try:
         return await state.tok.chat_ids_async(messages, add_generation_prompt,
-                                              continue_final_message,
-                                              state.template_kwargs(template_kwargs))
+                                              continue_final_message, kwargs)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 
