@@ -18,6 +18,9 @@
 #              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5-12 min), and
 #              batch 1 with and without bursts of decode steps (decode_bursts.py, ~3 min); on
 #              AMX also the quantized GEMM's three paths (quant_onednn_crossover.py --tiles 2)
+#   stack      #13: the native layer stack against the per-op path, batch 1 and random 64
+#              (stack_vs_per_op.py, ~4 min): on AMX, what a dense bf16 model's batched
+#              decodes lose by running per-op beside oneDNN's GEMM
 #   kv         #16: the quantized KV cache, its attention kernel and perplexity, then end to end
 #              beside bf16's pool (kv_quant_engine.py, ~8 min)
 #   spec       #17: none / ngram / draft, grounded and chat at batch 1, and under load (~15 min)
@@ -50,7 +53,7 @@ PY
 )
 TAG=${TAG:-$CPU_TAG-$(date +%m%d-%H%M)${QUICK:+-quick}}
 DTYPE=${DTYPE:-$AUTO_DTYPE}
-STEPS=${STEPS:-"info sbs roofline contention lowprec kv spec exact det attn"}
+STEPS=${STEPS:-"info sbs roofline contention stack lowprec kv spec exact det attn"}
 RESULTS=benchmarks/results
 DENSE=$($PY -c "from banyan.model_files import resolve_model_dir as r; print(r(None))")
 GGUF=$($PY -c "from banyan.models.gguf_loader import default_model_file as f; print(f())")
@@ -123,6 +126,11 @@ raise SystemExit(native.prefill_tiles() != 2)"; then
       $PY benchmarks/quant_onednn_crossover.py --tokens $(q 64 64,256,1024,2048) --tiles 2 \
         --rounds $(q 3 15) --out "$RESULTS/quant-gemm-paths-$TAG.json"
     fi
+    ;;
+  stack)
+    step stack
+    [ "$DTYPE" = bfloat16 ] && $PY benchmarks/stack_vs_per_op.py --rounds $(q 1 3) \
+      --out "$RESULTS/stack-vs-per-op-$TAG.json"
     ;;
   kv)
     step kv
