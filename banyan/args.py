@@ -185,12 +185,14 @@ class EngineArgs:
         choices=["none", "int8"]))
     linear_kernel: str = field(default="auto", metadata=_doc(
         "Kernel of the unquantized linear layers: torch (F.linear; bfloat16 weights prepacked "
-        "by oneDNN where it can), native (the C++ skinny kernel for steps of up to 16 tokens "
-        "in float32, 8 in bfloat16, on CPU, which also lets the native layer stack run those "
-        "steps; in bfloat16 the weights are then held twice, plain and packed), auto (float32: "
-        "native where it measured faster on this CPU, measured once per machine and remembered "
-        "in the kernel cache's choices.json, so every process decides alike; bfloat16: native "
-        "where the CPU has AVX512-BF16 and the second copy takes at most 1/8 of the memory).",
+        "by oneDNN where it can), native (on CPU the C++ kernels for the steps the native "
+        "layer stack runs: in float32 the skinny kernel up to 16 tokens; in bfloat16 the "
+        "GEMM on the weights' bf16 pairs up to 256 tokens, on AMX tiles where the CPU has "
+        "them, oneDNN beyond), auto (float32: native where it measured faster on this CPU, "
+        "measured once per machine and remembered in the kernel cache's choices.json, so every "
+        "process decides alike; bfloat16: native where the CPU has AVX512-BF16 and the second "
+        "copy takes at most 1/8 of the memory, except that on a CPU with AMX steps of more "
+        "than 16 tokens keep oneDNN's GEMM).",
         choices=list(LINEAR_KERNELS)))
     enable_deterministic_inference: bool = field(default=False, metadata=_doc(
         "Batch-invariant kernels (SGLang's flag): a request's greedy tokens and logprobs are "

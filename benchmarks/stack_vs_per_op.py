@@ -8,8 +8,10 @@ The stack takes steps of up to 256 tokens (batch-1 and batched decodes, short ch
 every projection has a native kernel it can call. On a CPU with AMX a dense bf16 model's
 steps of more than 16 tokens go to oneDNN's GEMM instead (`SkinnyBf16Method.takes_gemm`), so
 its batched decodes run the per-op path either way: this script says what that path costs a
-batched step on the CPU it runs on (and the AMX machine, with the stack's GEMM on tiles, what
-oneDNN's faster products win back).
+batched step on the CPU it runs on. On a CPU with AMX the dense model also runs a third engine,
+`--linear-kernel native` (GemmBf16Method: the pairs GEMM, on AMX tiles where they check out,
+for every step of up to 256 tokens, so in the stack): the A/B that says which should be the
+default there.
 
     python benchmarks/stack_vs_per_op.py [--rounds 3] [--out FILE]
 """
@@ -25,6 +27,7 @@ from typing import Any
 from banyan import Engine
 from banyan.bench.offline import batch1, command_line, machine_info, run_workload
 from banyan.bench.workloads import random_workload
+from banyan.kernels import native
 
 MODELS = {"dense bf16": "none", "default (GGUF Q4_1 blocks)": "auto"}  # -> --quantization
 DECODE_STEPS = 127  # random 64 x 128/128: the steps after the prefill's first token
@@ -32,18 +35,27 @@ DECODE_STEPS = 127  # random 64 x 128/128: the steps after the prefill's first t
 
 def engines(quantization: str) -> dict[str, Engine]:
     out = {}
+    if quantization == "none" and native.amx_here():  # (elsewhere the same as auto)
+        out["stack, --linear-kernel native"] = _engine(quantization, "native")
     for stack in (True, False):
-        engine = Engine(None, dtype="bfloat16", quantization=quantization,
-                        kv_cache_memory="512MiB", max_running_requests=64, disable_tqdm=True)
-        engine.core.populate_kv()  # (no engine faulting pages in beside another's run)
+        engine = _engine(quantization, "auto")
         runner = engine.core.scheduler.runner.model_runner
         if runner.stack is None:  # (nothing to compare)
-            engine.close()
+            for e in (engine, *out.values()):
+                e.close()
             return {}
         if not stack:
             runner.stack = None
         out["stack" if stack else "per-op"] = engine
     return out
+
+
+def _engine(quantization: str, linear_kernel: str) -> Engine:
+    engine = Engine(None, dtype="bfloat16", quantization=quantization,
+                    linear_kernel=linear_kernel, kv_cache_memory="512MiB",
+                    max_running_requests=64, disable_tqdm=True)
+    engine.core.populate_kv()  # (no engine faulting pages in beside another's run)
+    return engine
 
 
 def main() -> None:
@@ -81,9 +93,9 @@ def main() -> None:
         med = {k: {w: statistics.median(v) for w, v in d.items()} for k, d in runs.items()}
         result["models"][model] = {
             "runs": runs, "median": med,
-            "stack_speedup": {
-                "batch1": med["stack"]["batch1_tok_s"] / med["per-op"]["batch1_tok_s"],
-                "random64": med["per-op"]["random_s"] / med["stack"]["random_s"]},
+            "vs_per_op": {k: {
+                "batch1": med[k]["batch1_tok_s"] / med["per-op"]["batch1_tok_s"],
+                "random64": med["per-op"]["random_s"] / med[k]["random_s"]} for k in med},
             # the random run's whole time difference put on its decode steps (its two long
             # prefill steps take the per-op path in both engines)
             "per_op_ms_a_batched_step": 1e3 * (med["per-op"]["random_s"]

@@ -21,7 +21,7 @@ from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.batch import RowPrefix
 from banyan.kernels import native
 from banyan.kernels.native import bf16_gemm_here
-from banyan.layers.linear import SkinnyBf16Method
+from banyan.layers.linear import GemmBf16Method, Linear, SkinnyBf16Method
 from banyan.layers.quant import dequantize_in_place
 from banyan.mem.allocator import SlotAllocator
 from banyan.model_files import resolve_model_dir
@@ -81,8 +81,9 @@ def _check_steps(runner: ModelRunner) -> None:
     largest = _every_extend_native(runner).max_tokens
     bf16 = runner.dtype == torch.bfloat16
     any_step = runner.activation_quant == "int8"  # its kernels take steps of any size
+    asked = isinstance(runner.model.layers[0].self_attn.qkv_proj.method, GemmBf16Method)
     gemm = bf16 and (any_step or bf16_gemm_here() and (runner.quantization != "none" or
-                                                       not native.amx_here()))
+                                                       asked or not native.amx_here()))
     assert largest == (GEMM_MAX_TOKENS if gemm else SkinnyBf16Method.SKINNY_ROWS if bf16
                        else MAX_TOKENS)
     alloc = SlotAllocator(runner.num_slots)
@@ -203,6 +204,22 @@ def test_stack_equals_the_model_on_gguf_blocks(tmp_path: Path, tokenizer_dir: Pa
     path = write_gguf(tmp_path / "m.gguf", tokenizer_dir, arch, wtype, tied=True)
     runner = make_runner(resolve_model_dir(str(path), show_progress=False), dtype=dtype,
                          quantization="gguf", gguf_file=path)
+    _check_steps(runner)
+
+
+@pytest.mark.skipif(not bf16_gemm_here(), reason="no bf16 GEMM kernel on this CPU")
+@pytest.mark.parametrize("kernel", ["auto", "native"])
+def test_amx_dense_bf16_batched_steps(llama_dir: Path, kernel: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AMX (its flag faked here; the GEMM's tiles stay off: none are granted) a
+    dense bf16 model's steps of more than 16 tokens keep oneDNN's GEMM under `auto`, so the
+    stack takes only short steps; `--linear-kernel native` gives every projection and the head
+    the GEMM's pairs, and the stack takes batched steps too, equal to the model's."""
+    monkeypatch.setattr(native, "amx_here", lambda: True)
+    runner = make_runner(llama_dir, dtype="bfloat16", linear_kernel=kernel)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert all(hasattr(m, "pairs") for m in linears) == (kernel == "native")
+    assert not any(hasattr(m, "pairs") for m in linears) == (kernel == "auto")
     _check_steps(runner)
 
 

@@ -229,7 +229,7 @@ class SkinnyBf16Method(PackedBf16Method):
         on its pairs (the one rule for `adopt`, and so for `apply` and the native layer stack):
         where it runs on vdpbf16ps (an even width) and the CPU has no AMX (oneDNN's GEMM on AMX
         tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13: ~3x what vdpbf16ps gives;
-        unmeasured against this kernel there, so oneDNN keeps it)."""
+        unmeasured against this kernel there, so oneDNN keeps it unless GemmBf16Method)."""
         return native.bf16_gemm_applies(layer.in_features) and not native.amx_here()
 
     @staticmethod
@@ -249,6 +249,20 @@ class SkinnyBf16Method(PackedBf16Method):
         of microseconds either way (a 3-run timing flipped between runs on Zen 5), while what
         the kernel buys is the layer stack, 55-59 -> 79-89 tok/s at batch 1 there."""
         return "avx512_bf16" in native.cpu_flags().split()
+
+
+class GemmBf16Method(SkinnyBf16Method):
+    """SkinnyBf16Method with the bf16 GEMM on its pairs for every step of up to GEMM_ROWS
+    tokens on a CPU with AMX too (`--linear-kernel native`; elsewhere the two are the same):
+    the layer stack then runs a dense bf16 model's batched decodes, which on the per-op path
+    beside oneDNN's GEMM pay ~5 ms a 64-row step of Python on Zen 5
+    (benchmarks/stack_vs_per_op.py), with the GEMM's products on AMX tiles where they check out
+    (layers/gemm_tiles.py). Longer steps keep oneDNN's GEMM. Asked for by name until an AMX
+    machine has measured it against `auto` (benchmarks/README.md's AMX list)."""
+
+    @classmethod
+    def takes_gemm(cls, layer: Linear) -> bool:
+        return native.bf16_gemm_applies(layer.in_features)
 
 
 class PairsBf16Method(LinearMethod):

@@ -89,8 +89,9 @@ class _SamplingFields(_Routing):
     # vLLM's extras that change what is generated and that Banyan does not implement: a 400
     # naming the field when set (false, empty and null are unset), where an engine that ignored
     # them would return other text than the client asked for.
-    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                       "use_beam_search", "logits_processors")
+    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "use_beam_search",
+        "logits_processors")
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
