@@ -235,6 +235,31 @@ def test_logit_bias_forces_a_token() -> None:
     assert Sampler(300, seed=0).sample(logits, rows).next_tokens == [123] * 64
 
 
+def test_allowed_token_ids_ban_every_other_token() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(4, 50) * 3
+    allowed = [7, 31, 12]
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    assert int(logits[0].argmax()) not in allowed  # (so that the list has work to do)
+    rows = [row(temperature=0.0, allowed_token_ids=allowed),
+            row(temperature=0.0),  # a row without the list: untouched beside it
+            row(temperature=1.0, allowed_token_ids=[3], logit_bias={9: 100.0}),
+            row(temperature=0.0, allowed_token_ids=allowed, logit_bias={31: -100.0},
+                logprobs=2)]
+    result = Sampler(50, seed=0).sample(logits, rows)
+    assert result.next_tokens[:3] == [best, int(logits[1].argmax()), 3]
+    assert result.next_tokens[3] == max((7, 12), key=lambda t: float(logits[3, t]))
+    sampled = [Sampler(50, seed=s).sample(logits[:1], [row(temperature=2.0, top_k=40,
+                                                             allowed_token_ids=allowed)])
+               for s in range(40)]
+    assert {r.next_tokens[0] for r in sampled} <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[]).validate(50)
+    with pytest.raises(ValueError, match="token id 50"):
+        SamplingParams(allowed_token_ids=[1, 50]).validate(50)
+    assert not SamplingParams(temperature=0.0, allowed_token_ids=[1]).plain_greedy
+
+
 def test_min_new_tokens_blocks_stop_tokens() -> None:
     eos, stop = 7, 5
     logits = torch.zeros(6, 10)

@@ -185,6 +185,34 @@ def test_stop_strings(client: OpenAI) -> None:
     assert native.status_code == 200 and native.json()["text"] == kept, native.text
 
 
+def test_allowed_token_ids_and_truncated_prompts(client: OpenAI) -> None:
+    """vLLM's allowed_token_ids (here one token: it must be every token generated) and
+    truncate_prompt_tokens (the prompt's last k tokens: what usage counts and echo shows)."""
+    base = str(client.base_url)
+    ids = HTTP.post(base.replace("/v1/", "/tokenize"),
+                    json={"prompt": PROMPT}).json()["tokens"]
+    forced = ids[len(ids) // 2]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0.0,
+                                    extra_body={"ignore_eos": True,
+                                                "allowed_token_ids": [forced]})
+    want = HTTP.post(base.replace("/v1/", "/detokenize"), json={"tokens": [forced] * 3})
+    assert out.choices[0].text == want.json()["prompt"]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=3,
+        temperature=0.0, extra_body={"ignore_eos": True, "allowed_token_ids": [forced]})
+    assert chat.choices[0].message.content == want.json()["prompt"]
+    cut = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 3}}
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=4, echo=True, **cut)
+    alone = client.completions.create(model="tiny", prompt=ids[-3:], max_tokens=4, echo=True,
+                                      **GREEDY)
+    assert out.usage.prompt_tokens == 3 and out.choices[0].text == alone.choices[0].text
+    cut["extra_body"]["truncate_prompt_tokens"] = -1
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1, **cut)
+    assert out.usage.prompt_tokens == len(ids)  # (shorter than the context: as it was)
+    r = HTTP.post(base + "completions", json={"prompt": "a", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_seed_reproducible(client: OpenAI) -> None:
     def sample(seed: int) -> list[str]:
         out = client.completions.create(model="tiny", prompt="for i in", max_tokens=12, n=2,

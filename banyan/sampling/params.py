@@ -26,6 +26,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI style, over output tokens
     presence_penalty: float = 0.0  # OpenAI style, over output tokens
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: every other token is banned (None: no such list)
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -59,7 +61,8 @@ class SamplingParams:
         """Greedy, and nothing changes the logits before the argmax (penalties, bias, the
         min_new_tokens ban) or reads them after (logprobs)."""
         return (self.greedy and not self.uses_penalties and not self.logit_bias
-                and self.min_new_tokens == 0 and self.logprobs is None)
+                and self.allowed_token_ids is None and self.min_new_tokens == 0
+                and self.logprobs is None)
 
     @property
     def reads_history(self) -> bool:
@@ -135,7 +138,10 @@ class SamplingParams:
                 ) from None
             if not math.isfinite(bias[int(key)]):
                 raise ValueError(f"invalid sampling parameter logit_bias[{key!r}]={value!r}")
-        for token_id in list(self.stop_token_ids) + list(bias):
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "must hold at least one token id")
+        for token_id in (list(self.stop_token_ids) + list(bias)
+                         + list(self.allowed_token_ids or [])):
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"invalid sampling parameter: token id {token_id!r} is not an int")
             if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):

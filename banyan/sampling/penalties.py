@@ -7,6 +7,7 @@ work is only gathering the row's token ids into one flat list (O(tokens), never 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -117,6 +118,18 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         torch.tensor(bias, dtype=logits.dtype, device=device),
         accumulate=True,
     )
+
+
+def keep_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows with allowed_token_ids: every other token's logit -inf, in place."""
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed is None:
+            continue
+        ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+        keep = logits[i].index_select(0, ids)
+        logits[i].fill_(-math.inf)
+        logits[i].index_copy_(0, ids, keep)
 
 
 def min_tokens_bans(rows: Sequence[SamplingRow], eos_token_ids: set[int]) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from banyan.sampling.logprobs import compute_logprobs
 from banyan.sampling.penalties import (
     apply_bans,
     apply_logit_bias,
+    keep_allowed_tokens,
     apply_penalties_to_rows,
     min_tokens_bans,
 )
@@ -141,16 +142,20 @@ class Sampler:
         self, raw: torch.Tensor, rows: Sequence[SamplingRow], eos: set[int],
         token_masks: TokenMasks | None = None,
     ) -> torch.Tensor:
-        """Grammar masks, penalties, logit bias and min-tokens bans on a copy of the raw logits;
-        the raw logits themselves when no row needs any (the common case costs nothing)."""
+        """Grammar masks, allowed tokens, penalties, logit bias and min-tokens bans on a copy of
+        the raw logits; the raw logits themselves when no row needs any (the common case costs
+        nothing)."""
         penalty_rows = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         has_bias = any(r.params.logit_bias for r in rows)
+        has_allowed = any(r.params.allowed_token_ids is not None for r in rows)
         bans = min_tokens_bans(rows, eos)
-        if not penalty_rows and not has_bias and not bans and token_masks is None:
+        if not (penalty_rows or has_bias or has_allowed or bans or token_masks is not None):
             return raw
         out = _host_copy(raw) if token_masks is not None else raw.clone()
         if token_masks is not None:
             token_masks.apply(out)
+        if has_allowed:
+            keep_allowed_tokens(out, rows)
         if penalty_rows:
             apply_penalties_to_rows(out, rows, penalty_rows)
         if has_bias:

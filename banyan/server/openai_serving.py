@@ -90,13 +90,13 @@ class OpenAIServing:
         prompts: list[list[int]] = []
         echo_texts: list[str] = []
         for p in raw:
-            if isinstance(p, str):
-                prompts.append(check_ids(st, await encode_text(st, p, "prompt"), "prompt"))
-                echo_texts.append(p)
-            else:
-                prompts.append(check_ids(st, p, "prompt"))
-                echo_texts.append(await st.tok.decode_async(p, skip_special_tokens=False)
-                                  if body.echo else "")
+            ids = await encode_text(st, p, "prompt") if isinstance(p, str) else p
+            kept = check_ids(st, body.truncated(ids, st.engine.max_model_len), "prompt")
+            prompts.append(kept)
+            if not body.echo or (isinstance(p, str) and len(kept) == len(ids)):
+                echo_texts.append(p if isinstance(p, str) else "")
+            else:  # token ids, or a text cut by truncate_prompt_tokens: what the model saw
+                echo_texts.append(await st.tok.decode_async(kept, skip_special_tokens=False))
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         requests = []
         job_id = new_id("cmpl")
@@ -193,9 +193,9 @@ class OpenAIServing:
             messages, template_kwargs = tools.render(
                 messages, body.chat_template or getattr(st.tok.tokenizer, "chat_template", None),
                 template_kwargs)
-        ids = check_ids(st, await encode_chat(st, messages, body.add_generation_prompt,
-                                              body.continue_final_message, template_kwargs,
-                                              body.chat_template), "messages")
+        ids = await encode_chat(st, messages, body.add_generation_prompt,
+                                body.continue_final_message, template_kwargs, body.chat_template)
+        ids = check_ids(st, body.truncated(ids, st.engine.max_model_len), "messages")
         requested = body.requested_max_tokens
         max_new = st.max_new_tokens(
             len(ids), requested, requested is not None, "messages",

@@ -72,6 +72,9 @@ class _SamplingFields(_Routing):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's extra
+    # vLLM's extra: the prompt's last k tokens only (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
@@ -89,12 +92,9 @@ class _SamplingFields(_Routing):
     # vLLM's extras that change what is generated and that Banyan does not implement: a 400
     # naming the field when set (false, empty and null are unset), where an engine that ignored
     # them would return other text than the client asked for.
-    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "use_beam_search",
-        "logits_processors")
-    allowed_token_ids: Any = None
+    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("bad_words", "use_beam_search",
+                                                  "logits_processors")
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     logits_processors: Any = None
     best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)  # legacy OpenAI: = n only
@@ -106,6 +106,13 @@ class _SamplingFields(_Routing):
             raise ValueError("not supported by this server")
         return value
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (the context's length) or at least 1")
+        return value
+
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -114,6 +121,11 @@ class _SamplingFields(_Routing):
             raise ValueError(f"only best_of = n ({n}) is supported, which returns every "
                              "completion generated")
         return value
+
+    def truncated(self, ids: list[int], context: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it: its last k ids (-1: `context`)."""
+        k = context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return ids if k is None or len(ids) <= k else ids[len(ids) - k:]
 
     @property
     def include_usage(self) -> bool:
@@ -138,6 +150,8 @@ class _SamplingFields(_Routing):
             presence_penalty=self.presence_penalty or 0.0,
             # str keys as JSON sends them; SamplingParams.validate() turns them into ints
             logit_bias=dict(self.logit_bias or {}),  # type: ignore[arg-type]
+            allowed_token_ids=(None if self.allowed_token_ids is None
+                               else list(self.allowed_token_ids)),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
