@@ -260,6 +260,34 @@ def test_allowed_token_ids_ban_every_other_token() -> None:
     assert not SamplingParams(temperature=0.0, allowed_token_ids=[1]).plain_greedy
 
 
+def test_bad_words_ban_their_last_token_after_the_rest() -> None:
+    logits = torch.zeros(4, 10)
+    logits[:, 6] = 5.0  # the favourite everywhere
+    logits[:, 2] = 4.0
+    words = [[6], [1, 2]]
+    rows = [row(temperature=0.0, bad_words_ids=[[6]]),  # one token: banned always
+            row(temperature=0.0, bad_words_ids=words, output_ids=[3, 1]),  # 1 then 2: banned
+            row(temperature=0.0, bad_words_ids=[[1, 2]], output_ids=[1, 3]),  # not after 1
+            row(temperature=0.0, bad_words_ids=[[4, 1, 6]], output_ids=[4, 1])]
+    assert Sampler(10).sample(logits, rows).next_tokens == [2, int(logits[1, :2].argmax()),
+                                                            6, 2]
+
+
+def test_bans_that_leave_nothing_fall_back_to_the_grammar_and_model() -> None:
+    """A row whose own bans ban every token (allowed tokens all banned by bad words or
+    min_tokens) gets the model's own choice that step, never a token picked among -inf."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 12)
+    assert int(logits[0].argmax()) not in (0, 4)  # (what a row of -inf would give, the ban)
+    rows = [row(temperature=0.0, allowed_token_ids=[4], bad_words_ids=[[4]]),
+            row(temperature=1.0, allowed_token_ids=[7], min_new_tokens=2, stop_token_ids=[7]),
+            row(temperature=0.0, allowed_token_ids=[5, 9])]
+    tokens = Sampler(12, seed=1).sample(logits, rows).next_tokens
+    assert tokens[0] == int(logits[0].argmax())
+    assert 0 <= tokens[1] < 12 and bool(torch.isfinite(logits[1, tokens[1]]))
+    assert tokens[2] == max((5, 9), key=lambda t: float(logits[2, t]))
+
+
 def test_min_new_tokens_blocks_stop_tokens() -> None:
     eos, stop = 7, 5
     logits = torch.zeros(6, 10)

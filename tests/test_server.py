@@ -211,6 +211,50 @@ def test_allowed_token_ids_and_truncated_prompts(client: OpenAI) -> None:
     assert out.usage.prompt_tokens == len(ids)  # (shorter than the context: as it was)
     r = HTTP.post(base + "completions", json={"prompt": "a", "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    # -1 on a prompt past the context: as many tokens as leave max_tokens room
+    info = HTTP.get(base.replace("/v1/", "/server_info")).json()
+    room = min(info["max_model_len"], info["kv_capacity"]) - 4
+    out = client.completions.create(model="tiny", prompt=(ids * 999)[:room + 50], max_tokens=4,
+                                    **cut)
+    assert out.usage.prompt_tokens == room and out.usage.completion_tokens == 4
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+        temperature=0.0, extra_body={"truncate_prompt_tokens": 2})
+    assert chat.usage.prompt_tokens == 2
+    # an allowed token that ends the request, while min_tokens forbids ending: refused
+    r = HTTP.post(base + "completions", json={"prompt": "a", "min_tokens": 2,
+                                              "stop_token_ids": [5], "allowed_token_ids": [5]})
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"]
+    r = HTTP.post(base + "completions", json={"prompt": "a", "n": 2, "best_of": 2,
+                                              "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_bad_words(client: OpenAI) -> None:
+    """vLLM's bad_words: a word the greedy text has (one token, after a space) never comes
+    out again, through completions and chat alike."""
+    def tokens(**extra: object) -> list[str]:
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, logprobs=0,
+                                        temperature=0.0,
+                                        extra_body={"ignore_eos": True, **extra})
+        return out.choices[0].logprobs.tokens
+    def ids(text: str) -> list[int]:
+        return HTTP.post(str(client.base_url).replace("/v1/", "/tokenize"), json={
+            "prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    def one_token_word(text: str) -> bool:  # a token the word's own sequences ban
+        alone, spaced = ids(text.lstrip()), ids(" " + text.lstrip())
+        if len(alone) != 1 or not text.strip():
+            return False
+        return text == text.lstrip() or (len(spaced) == 1 and spaced != alone)
+    base = tokens()
+    word = next(t for t in base if one_token_word(t))
+    banned = tokens(bad_words=[word])
+    cut = base.index(word)
+    assert word not in banned and banned[:cut] == base[:cut]
+    r = HTTP.post(str(client.base_url) + "completions",
+                  json={"prompt": "a", "bad_words": ["  "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
 def test_seed_reproducible(client: OpenAI) -> None:

@@ -121,6 +121,18 @@ def test_responses_text_and_messages(client: OpenAI) -> None:
         input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me a story"}]}])
     assert same.output_text == chat.choices[0].message.content  # the same prompt, greedy
     assert same.usage.input_tokens == chat.usage.prompt_tokens
+    # vLLM's extras, as chat takes them: a truncated prompt, one allowed token
+    cut = client.responses.create(model="tiny", input="Tell me a story", max_output_tokens=2,
+                                  temperature=0, extra_body={"truncate_prompt_tokens": 3,
+                                                             "ignore_eos": True})
+    assert cut.usage.input_tokens == 3
+    forced = client.responses.create(
+        model="tiny", input="Tell me a story", max_output_tokens=2, temperature=0,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [300]})
+    assert forced.output_text == HTTP.post(str(client.base_url).replace("/v1/", "/detokenize"),
+                                           json={"tokens": [300, 300]}).json()["prompt"]
+    r = HTTP.post(str(client.base_url) + "responses", json={"input": "a", "bad_words": [" "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"  # tokenized
 
 
 def test_responses_streamed(client: OpenAI) -> None:

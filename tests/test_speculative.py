@@ -271,6 +271,39 @@ def _chi_square_ok(counts: Counter[int], probs: torch.Tensor, draws: int) -> boo
     return stat < critical
 
 
+def test_bad_words_and_allowed_tokens_inside_accepted_runs(llama_dir: Path) -> None:
+    """Bans that read the output (a two-token bad word: its last token only after its first)
+    hold at every guessed position: the target as its own draft proposes the banned tokens,
+    and the checks must refuse them as plain decoding does."""
+    prompt = [[20, 21, 22, 20, 21, 22, 20, 21]]
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    with Engine(str(llama_dir), dtype="float32", device="cpu", disable_tqdm=True,
+                overlap="off") as plain:
+        [full] = plain.generate(input_ids=prompt, sampling_params=greedy)
+        ids = full.output_ids
+        # two different tokens in a row, at each place past the fifth: one case each, so
+        # that some pair's first token is itself a guess when its second is checked
+        ats = [i for i in range(5, len(ids) - 1) if ids[i] != ids[i + 1]][:8]
+        allowed = sorted(set(ids) - {ids[0]})
+        cases = [greedy.copy(bad_words_ids=[[ids[5]]]), greedy.copy(allowed_token_ids=allowed)]
+        cases += [greedy.copy(bad_words_ids=[ids[at:at + 2]]) for at in ats]
+        want = [o.output_ids for o in plain.generate(input_ids=prompt * len(cases),
+                                                     sampling_params=cases)]
+    first = ids.index(ids[5])  # a one-token word: banned everywhere
+    assert ids[5] not in want[0] and want[0][:first] == ids[:first]
+    assert set(want[1]) <= set(allowed) and want[1][0] != ids[0]
+    for at, out in zip(ats, want[2:], strict=True):
+        pair = ids[at:at + 2]
+        assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+        where = next(i for i in range(len(ids)) if ids[i:i + 2] == pair)  # its first place
+        assert out[:where + 1] == ids[:where + 1]  # the ban bit right there
+    with spec_engine(llama_dir, "draft", llama_dir) as engine:
+        got = [o.output_ids for o in engine.generate(input_ids=prompt * len(cases),
+                                                     sampling_params=cases)]
+        assert got == want
+        check_pool_empty(engine)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_verified_sampling_follows_the_target_distribution(llama_dir: Path, temperature: float,
                                                            top_p: float) -> None:

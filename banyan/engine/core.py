@@ -92,6 +92,12 @@ class EngineCore:
         problem; nothing is queued then. kv_source: the prefill worker holding the prompt's K/V
         (a decode worker fetches it first, banyan/disagg/sink.py)."""
         params.validate(self.vocab_size)
+        if params.allowed_token_ids is not None and params.min_new_tokens > 0:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+            if stops.issuperset(params.allowed_token_ids):
+                raise ValueError(f"invalid sampling parameter allowed_token_ids="
+                                 f"{params.allowed_token_ids!r}: every one ends the request, "
+                                 f"which min_tokens={params.min_new_tokens} forbids")
         if kv_source is not None and self.kv_sink is None:
             raise ValueError("kv_transfer_params: this server is not a decode worker "
                              "(--disaggregation-mode decode)")

@@ -149,14 +149,14 @@ class ModelStepRunner:
         proposed = batch.proposed or [[] for _ in batch.sampling]
         for row, guess in zip(batch.sampling, proposed, strict=True):
             history = row.output_ids
-            if row.pending and row.params.uses_penalties:
+            if row.pending and row.params.reads_output_ids:
                 history = history + [self._row_last[row.row]]
             if not guess:
                 rows.append(row if history is row.output_ids
                             else dataclasses.replace(row, output_ids=history, pending=0))
                 continue
             for j in range(len(guess) + 1):
-                seen = history + guess[:j] if row.params.uses_penalties else history
+                seen = history + guess[:j] if row.params.reads_output_ids else history
                 rows.append(dataclasses.replace(row, output_ids=seen,
                                                 num_output=row.generated + j, pending=0))
         return rows

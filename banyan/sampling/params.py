@@ -28,6 +28,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # vLLM's allowed_token_ids: every other token is banned (None: no such list)
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, as the server tokenized them: the last token of each sequence is banned
+    # wherever the output ends with the tokens before it (a one-token sequence: always)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -57,18 +60,25 @@ class SamplingParams:
         )
 
     @property
+    def reads_output_ids(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties, bad words): the
+        rows then carry them, speculated ones included."""
+        return self.uses_penalties or bool(self.bad_words_ids)
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy, and nothing changes the logits before the argmax (penalties, bias, the
         min_new_tokens ban) or reads them after (logprobs)."""
         return (self.greedy and not self.uses_penalties and not self.logit_bias
-                and self.allowed_token_ids is None and self.min_new_tokens == 0
-                and self.logprobs is None)
+                and self.allowed_token_ids is None and not self.bad_words_ids
+                and self.min_new_tokens == 0 and self.logprobs is None)
 
     @property
     def reads_history(self) -> bool:
         """Whether sampling reads what the request has generated so far: the tokens
-        (penalties) or their count (a seed's per-position draw, the min_new_tokens ban)."""
-        return self.uses_penalties or self.seed is not None or self.min_new_tokens > 0
+        (penalties, bad words) or their count (a seed's per-position draw, the min_new_tokens
+        ban)."""
+        return self.reads_output_ids or self.seed is not None or self.min_new_tokens > 0
 
     def copy(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -140,8 +150,11 @@ class SamplingParams:
                 raise ValueError(f"invalid sampling parameter logit_bias[{key!r}]={value!r}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise bad("allowed_token_ids", "must hold at least one token id")
+        if not all(self.bad_words_ids):
+            raise bad("bad_words_ids", "every sequence needs at least one token")
         for token_id in (list(self.stop_token_ids) + list(bias)
-                         + list(self.allowed_token_ids or [])):
+                         + list(self.allowed_token_ids or [])
+                         + [t for word in self.bad_words_ids for t in word]):
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"invalid sampling parameter: token id {token_id!r} is not an int")
             if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):

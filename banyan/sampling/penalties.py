@@ -132,6 +132,19 @@ def keep_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> No
         logits[i].index_copy_(0, ids, keep)
 
 
+def bad_word_bans(rows: Sequence[SamplingRow]) -> list[tuple[int, int]]:
+    """(row, token id) pairs to ban for bad words: each sequence's last token where the row's
+    output ends with the tokens before it."""
+    bans: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        out = row.output_ids
+        for word in row.params.bad_words_ids:
+            n = len(word) - 1
+            if n == 0 or (len(out) >= n and out[len(out) - n:] == word[:n]):
+                bans.append((i, word[-1]))
+    return bans
+
+
 def min_tokens_bans(rows: Sequence[SamplingRow], eos_token_ids: set[int]) -> list[tuple[int, int]]:
     """(row, token id) pairs to ban: the stop tokens of rows that have not yet produced
     min_new_tokens. Stop tokens are the row's stop_token_ids plus EOS unless ignore_eos (which

@@ -26,6 +26,7 @@ from banyan.sampling.logprobs import compute_logprobs
 from banyan.sampling.penalties import (
     apply_bans,
     apply_logit_bias,
+    bad_word_bans,
     keep_allowed_tokens,
     apply_penalties_to_rows,
     min_tokens_bans,
@@ -142,25 +143,35 @@ class Sampler:
         self, raw: torch.Tensor, rows: Sequence[SamplingRow], eos: set[int],
         token_masks: TokenMasks | None = None,
     ) -> torch.Tensor:
-        """Grammar masks, allowed tokens, penalties, logit bias and min-tokens bans on a copy of
-        the raw logits; the raw logits themselves when no row needs any (the common case costs
-        nothing)."""
+        """Grammar masks, allowed tokens, penalties, logit bias, bad words and min-tokens bans on a
+        copy of the raw logits; the raw logits themselves when no row needs any (the common case
+        costs nothing). A row whose own bans (allowed tokens, bad words, min_tokens) leave no
+        token the grammar allows takes that step's logits with its grammar mask alone, never a
+        token picked among -inf."""
         penalty_rows = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         has_bias = any(r.params.logit_bias for r in rows)
-        has_allowed = any(r.params.allowed_token_ids is not None for r in rows)
+        allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
         bans = min_tokens_bans(rows, eos)
-        if not (penalty_rows or has_bias or has_allowed or bans or token_masks is not None):
+        if any(r.params.bad_words_ids for r in rows):
+            bans += bad_word_bans(rows)
+        if not (penalty_rows or has_bias or allowed_rows or bans or token_masks is not None):
             return raw
         out = _host_copy(raw) if token_masks is not None else raw.clone()
         if token_masks is not None:
             token_masks.apply(out)
-        if has_allowed:
+        guarded = sorted({r for r, _ in bans}.union(allowed_rows))
+        before = out[guarded] if guarded else None  # (a copy: advanced indexing)
+        if allowed_rows:
             keep_allowed_tokens(out, rows)
         if penalty_rows:
             apply_penalties_to_rows(out, rows, penalty_rows)
         if has_bias:
             apply_logit_bias(out, rows)
         apply_bans(out, bans)
+        if before is not None:
+            dead = torch.isneginf(out[guarded]).all(dim=1)
+            for j in dead.nonzero().flatten().tolist():
+                out[guarded[j]] = before[j]
         return out
 
     def _sample_rows(

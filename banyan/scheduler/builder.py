@@ -216,7 +216,7 @@ class BatchBuilder:
         if samples:
             batch.sample_indices.append(len(step.reqs))
             params = req.params
-            history = list(output) if params.uses_penalties else []
+            history = list(output) if params.reads_output_ids else []
             batch.sampling.append(SamplingRow(params, prompt, history, params.seed,
                                               len(output) + req.pending, row, req.pending,
                                               req.grammar))
@@ -263,7 +263,7 @@ class BatchBuilder:
             if srow is None or srow.row != row:
                 params = req.params
                 srow = SamplingRow(params, req.prompt_ids,
-                                   list(output) if params.uses_penalties else [],
+                                   list(output) if params.reads_output_ids else [],
                                    params.seed, len(output) + pending, row, pending,
                                    req.grammar)
                 if not params.reads_history:  # the same every step (batch.py): kept

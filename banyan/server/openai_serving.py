@@ -36,7 +36,8 @@ from banyan.server.structured_api import ChatTools, ToolDeltas, structured_spec
 from banyan.server.state import (
     ServerState,
     SSEResponse,
-    check_ids,
+    bad_words_ids,
+    prompt_ids,
     collect,
     encode_chat,
     encode_text,
@@ -89,21 +90,23 @@ class OpenAIServing:
                               f"{st.args.max_prompts}", "prompt")
         prompts: list[list[int]] = []
         echo_texts: list[str] = []
+        explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         for p in raw:
             ids = await encode_text(st, p, "prompt") if isinstance(p, str) else p
-            kept = check_ids(st, body.truncated(ids, st.engine.max_model_len), "prompt")
+            kept = prompt_ids(st, body, ids, "prompt", body.max_tokens if explicit else None)
             prompts.append(kept)
             if not body.echo or (isinstance(p, str) and len(kept) == len(ids)):
                 echo_texts.append(p if isinstance(p, str) else "")
             else:  # token ids, or a text cut by truncate_prompt_tokens: what the model saw
                 echo_texts.append(await st.tok.decode_async(kept, skip_special_tokens=False))
-        explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         requests = []
         job_id = new_id("cmpl")
         structured = structured_spec(body)
+        bad_words = await bad_words_ids(st, body.bad_words)
         for i, ids in enumerate(prompts):
             max_new = st.max_new_tokens(len(ids), body.max_tokens, explicit)
             params = body.sampling_params(max_new, body.logprobs, st.sampling_defaults)
+            params.bad_words_ids = bad_words
             params.prompt_logprobs = wanted_prompt_logprobs(body)
             params.structured = structured
             params = st.validate(params)
@@ -187,21 +190,22 @@ class OpenAIServing:
             messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+        template_kwargs = st.template_kwargs(body.chat_template_kwargs, body.chat_template)
         tools = ChatTools.from_body(body.tools, body.tool_choice, st.args.tool_call_parser)
-        template_kwargs = body.chat_template_kwargs
         if tools is not None:
-            messages, template_kwargs = tools.render(
-                messages, body.chat_template or getattr(st.tok.tokenizer, "chat_template", None),
-                template_kwargs)
+            template = ((template_kwargs or {}).get("chat_template")
+                        or getattr(st.tok.tokenizer, "chat_template", None))
+            messages, template_kwargs = tools.render(messages, template, template_kwargs)
         ids = await encode_chat(st, messages, body.add_generation_prompt,
-                                body.continue_final_message, template_kwargs, body.chat_template)
-        ids = check_ids(st, body.truncated(ids, st.engine.max_model_len), "messages")
+                                body.continue_final_message, template_kwargs)
         requested = body.requested_max_tokens
+        ids = prompt_ids(st, body, ids, "messages", requested)
         max_new = st.max_new_tokens(
             len(ids), requested, requested is not None, "messages",
             "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_new, k, st.sampling_defaults)
+        params.bad_words_ids = await bad_words_ids(st, body.bad_words)
         params.structured = structured_spec(body)
         if tools is not None and tools.forced is not None:
             if params.structured is not None:

@@ -73,6 +73,7 @@ class _SamplingFields(_Routing):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[TokenId] | None = None  # vLLM's extra
+    bad_words: list[str] | None = None  # vLLM's extra: tokenized by the server (tokens.py)
     # vLLM's extra: the prompt's last k tokens only (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     ignore_eos: bool = False
@@ -92,9 +93,7 @@ class _SamplingFields(_Routing):
     # vLLM's extras that change what is generated and that Banyan does not implement: a 400
     # naming the field when set (false, empty and null are unset), where an engine that ignored
     # them would return other text than the client asked for.
-    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("bad_words", "use_beam_search",
-                                                  "logits_processors")
-    bad_words: Any = None
+    NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("use_beam_search", "logits_processors")
     use_beam_search: Any = None
     logits_processors: Any = None
     best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)  # legacy OpenAI: = n only
@@ -122,9 +121,10 @@ class _SamplingFields(_Routing):
                              "completion generated")
         return value
 
-    def truncated(self, ids: list[int], context: int) -> list[int]:
-        """The prompt as truncate_prompt_tokens leaves it: its last k ids (-1: `context`)."""
-        k = context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+    def truncated(self, ids: list[int], room: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it: its last k ids (-1: `room`, the
+        most that leave the completion room: ServerState.prompt_room)."""
+        k = room if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
         return ids if k is None or len(ids) <= k else ids[len(ids) - k:]
 
     @property

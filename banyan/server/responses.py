@@ -29,7 +29,8 @@ from banyan.server.engine_client import EngineDeadError, EngineRequest, RequestR
 from banyan.server.errors import ApiError, bad_request, engine_dead, from_value_error, read_body
 from banyan.server.openai_format import ChoiceState, new_id, now_s
 from banyan.server.protocol import INT64_MAX, _SamplingFields
-from banyan.server.state import ServerState, SSEResponse, check_ids, collect, encode_chat
+from banyan.server.state import (ServerState, SSEResponse, bad_words_ids, collect, encode_chat,
+                                 prompt_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,13 @@ class ResponsesServing:
             messages = body.messages()
         except ValueError as exc:
             raise bad_request(str(exc), "input") from None
-        ids = check_ids(st, await encode_chat(st, messages, True), "input")
         requested = body.max_output_tokens
+        ids = prompt_ids(st, body, await encode_chat(st, messages, True), "input", requested)
         max_new = st.max_new_tokens(len(ids), requested, requested is not None, "input",
                                     "max_output_tokens")
-        params = st.validate(body.sampling_params(max_new, None, st.sampling_defaults))
+        params = body.sampling_params(max_new, None, st.sampling_defaults)
+        params.bad_words_ids = await bad_words_ids(st, body.bad_words)
+        params = st.validate(params)
         rid = new_id("resp")
         try:
             stream = st.client.submit([EngineRequest(rid, ids, params, body.cache_salt)])

@@ -20,6 +20,7 @@ from banyan.server.engine_client import EngineClient, Stream
 from banyan.server.errors import ApiError, bad_request, from_value_error
 from banyan.server.ipc import EngineReady
 from banyan.server.metrics import ServerMetrics
+from banyan.server.protocol import _SamplingFields
 from banyan.server.tokens import TokenizerSide
 
 
@@ -78,6 +79,11 @@ class ServerState:
                 f"in the KV cache ({capacity} tokens)", tokens_param)
         return min(requested, room)
 
+    def prompt_room(self, requested: int | None) -> int:
+        """The longest prompt that leaves `requested` new tokens (at least one) room in the
+        context and the KV cache."""
+        return min(self.engine.max_model_len, self.engine.kv_capacity) - max(1, requested or 0)
+
     def template_kwargs(self, kwargs: dict[str, Any] | None,
                         template: str | None = None) -> dict[str, Any] | None:
         """chat_template_kwargs as the template may see them, with vLLM's top-level
@@ -120,16 +126,32 @@ async def encode_text(state: ServerState, text: str, param: str,
         raise bad_request(str(exc), param) from None
 
 
+def prompt_ids(state: ServerState, body: _SamplingFields, ids: list[int], param: str,
+               requested: int | None) -> list[int]:
+    """A prompt's ids as the request leaves them (truncate_prompt_tokens), checked."""
+    return check_ids(state, body.truncated(ids, state.prompt_room(requested)), param)
+
+
+async def bad_words_ids(state: ServerState, words: list[str] | None) -> list[list[int]]:
+    """A request's bad_words tokenized (off the event loop); 400 naming the field when one has
+    no tokens."""
+    if not words:
+        return []
+    try:
+        return await state.tok.bad_words_ids_async(words)
+    except ValueError as exc:
+        raise bad_request(str(exc), "bad_words") from None
+
+
 async def encode_chat(state: ServerState, messages: list[dict[str, Any]],
                       add_generation_prompt: bool, continue_final_message: bool = False,
-                      template_kwargs: dict[str, Any] | None = None,
-                      template: str | None = None) -> list[int]:
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """A conversation's ids (template rendered and tokenized off the event loop); 400 when the
-    template refuses it or it takes too long. template: the request's own chat template."""
-    kwargs = state.template_kwargs(template_kwargs, template)
+    template refuses it or it takes too long. template_kwargs: as ServerState.template_kwargs
+    returned them."""
     try:
         return await state.tok.chat_ids_async(messages, add_generation_prompt,
-                                              continue_final_message, kwargs)
+                                              continue_final_message, template_kwargs)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 

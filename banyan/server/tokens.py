@@ -99,6 +99,9 @@ class TokenizerSide:
                                                      continue_final_message, template_kwargs))
         return await self.off_loop(render)
 
+    async def bad_words_ids_async(self, words: Sequence[str]) -> list[list[int]]:
+        return await self.off_loop(self.bad_words_ids, words)
+
     async def decode_async(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self.off_loop(self.decode, ids, skip_special_tokens)
 
@@ -115,7 +118,8 @@ class TokenizerSide:
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation rendered by the model's chat template; ValueError when there is
         no template or it rejects the conversation."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if getattr(self.tokenizer, "chat_template", None) is None and \
+                not (template_kwargs or {}).get("chat_template"):
             raise ValueError("this model has no chat template; use /v1/completions")
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # continuing the last message adds no new turn
@@ -130,6 +134,21 @@ class TokenizerSide:
         if not isinstance(text, str):
             raise ValueError("the chat template did not produce text")
         return text
+
+    def bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences (SamplingParams.bad_words_ids): each word as it
+        is (leading spaces dropped), and after a space too where that starts with another
+        token and has as many (the word inside a text); ValueError for a word of no tokens."""
+        out: list[list[int]] = []
+        for word in words:
+            alone = self.encode(word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise ValueError(f"bad word {word!r} has no tokens")
+            out.append(alone)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return out
 
     def encode_chat(self, text: str) -> list[int]:
         # The template already wrote the special tokens (BOS, role markers): add none.
