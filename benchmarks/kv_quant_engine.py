@@ -14,13 +14,12 @@ The CPU is named in the JSON (`machine`); a ratio holds for the CPU it was measu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 from banyan import Engine
-from banyan.bench.offline import batch1, command_line, machine_info, run_workload
+from banyan.bench.offline import (batch1, command_line, machine_info, run_workload,
+                                   write_result)
 from banyan.bench.workloads import random_workload
 
 KVS = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
@@ -82,10 +81,7 @@ def main() -> None:
             "runs": runs, "median": med,
             "vs_bf16_pool": {k: {w: med[k][w] / base[w] for w in ("batch1", "random")}
                              for k in med}}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if ns.out:
-        Path(ns.out).write_text(text + "\n")
+    write_result(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ default there.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 from banyan import Engine
-from banyan.bench.offline import batch1, command_line, machine_info, run_workload
+from banyan.bench.offline import (batch1, command_line, machine_info, run_workload,
+                                   write_result)
 from banyan.bench.workloads import random_workload
 from banyan.kernels import native
 
@@ -100,10 +99,7 @@ def main() -> None:
             # prefill steps take the per-op path in both engines)
             "per_op_ms_a_batched_step": 1e3 * (med["per-op"]["random_s"]
                                                 - med["stack"]["random_s"]) / DECODE_STEPS}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if ns.out:
-        Path(ns.out).write_text(text + "\n")
+    write_result(result, ns.out)
 
 
 if __name__ == "__main__":

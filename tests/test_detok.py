@@ -263,8 +263,9 @@ def test_stop_string_matcher() -> None:
     assert not StopStringMatcher([]) and StopStringMatcher([]).holdback("abc") == 0
 
 
-def accumulate(tokenizer: Any, output: list[int], stop: list[str]) -> tuple[list[str], bool, Any]:
-    acc = TextAccumulator(tokenizer, [], stop=stop)
+def accumulate(tokenizer: Any, output: list[int], stop: list[str],
+               include_stop: bool = False) -> tuple[list[str], bool, Any]:
+    acc = TextAccumulator(tokenizer, [], stop=stop, include_stop=include_stop)
     emitted: list[str] = []
     for token in output:
         delta = acc.push(token)
@@ -291,15 +292,8 @@ def test_stop_string_spanning_two_tokens_is_trimmed(tokenizer: Any) -> None:
 
 def test_included_stop_string_ends_the_text(tokenizer: Any) -> None:
     ids = tokenizer.encode("Once upon a time, 你好 the end", add_special_tokens=False)
-    acc = TextAccumulator(tokenizer, [], stop=["on a ti", "你"], include_stop=True)
-    emitted = []
-    for token in ids:
-        delta = acc.push(token)
-        emitted.append(delta.text)
-        if delta.stopped:
-            break
-    assert delta.stopped and delta.stop == "on a ti"
-    assert "".join(emitted) == acc.text == "Once upon a ti"
+    emitted, stopped, acc = accumulate(tokenizer, ids, ["on a ti", "你"], include_stop=True)
+    assert stopped and "".join(emitted) == acc.text == "Once upon a ti"
     assert acc.finish() == ""
 
 
