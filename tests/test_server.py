@@ -217,6 +217,15 @@ def test_allowed_token_ids_and_truncated_prompts(client: OpenAI) -> None:
     out = client.completions.create(model="tiny", prompt=(ids * 999)[:room + 50], max_tokens=4,
                                     **cut)
     assert out.usage.prompt_tokens == room and out.usage.completion_tokens == 4
+    r = HTTP.post(base + "completions", json={  # (completions' default max_tokens: 16)
+        "prompt": (ids * 999)[:room + 50], "temperature": 0.0, "truncate_prompt_tokens": -1,
+        "ignore_eos": True})
+    assert r.json()["usage"]["prompt_tokens"] == room + 4 - 16, r.text
+    r = HTTP.post(base + "completions", json={"prompt": "a", "max_tokens": 10**6,
+                                              "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = HTTP.post(base + "completions", json={"prompt": "a", "allowed_token_ids": [10**7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
         temperature=0.0, extra_body={"truncate_prompt_tokens": 2})

@@ -164,10 +164,11 @@ def test_request_chat_template_refused_by_default(server: ServerProcess) -> None
         "chat_template_kwargs": {"chat_template": BOMB}})
     assert assert_error(r)["param"] == "chat_template_kwargs"
     assert time.monotonic() - t0 < 5
-    # vLLM's top-level field too: refused, never silently dropped
-    r = HTTP.post(f"{server.url}/v1/chat/completions", timeout=30, json={
-        "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"})
-    assert assert_error(r)["param"] == "chat_template"
+    # vLLM's top-level field too, and /tokenize's: refused, never silently dropped
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = HTTP.post(f"{server.url}{path}", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"})
+        assert assert_error(r)["param"] == "chat_template"
     still_serving(server.url)
 
 

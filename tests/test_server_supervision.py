@@ -88,6 +88,9 @@ def test_request_chat_template_applied_when_trusted(server: ServerProcess) -> No
     expected = HTTP.post(f"{server.url}/tokenize", headers=AUTH, timeout=30, json={
         "prompt": "Q: hi there\nA:", "add_special_tokens": False}).json()["count"]
     assert r.json()["usage"]["prompt_tokens"] == expected
+    counted = HTTP.post(f"{server.url}/tokenize", headers=AUTH, timeout=30, json={
+        "messages": [{"role": "user", "content": "hi there"}], "chat_template": template})
+    assert counted.json()["count"] == expected  # /tokenize renders what chat would
 
 
 def _engine_pid(url: str) -> int:

@@ -152,14 +152,17 @@ class SamplingParams:
             raise bad("allowed_token_ids", "must hold at least one token id")
         if not all(self.bad_words_ids):
             raise bad("bad_words_ids", "every sequence needs at least one token")
-        for token_id in (list(self.stop_token_ids) + list(bias)
-                         + list(self.allowed_token_ids or [])
-                         + [t for word in self.bad_words_ids for t in word]):
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
-                raise ValueError(f"invalid sampling parameter: token id {token_id!r} is not an int")
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                where = "negative" if vocab_size is None else f"outside [0, {vocab_size})"
-                raise ValueError(f"invalid sampling parameter: token id {token_id} is {where}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", bias),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words_ids", [t for word in self.bad_words_ids for t in word])):
+            for token_id in ids:
+                if isinstance(token_id, bool) or not isinstance(token_id, int):
+                    raise ValueError(f"invalid sampling parameter {name}: token id "
+                                     f"{token_id!r} is not an int")
+                if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                    where = "negative" if vocab_size is None else f"outside [0, {vocab_size})"
+                    raise ValueError(f"invalid sampling parameter {name}: token id {token_id} "
+                                     f"is {where}")
         self.logit_bias = bias
         if self.structured is not None and self.structured.kind not in KINDS:
             raise ValueError(f"invalid structured output kind {self.structured.kind!r}")

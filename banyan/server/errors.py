@@ -25,7 +25,8 @@ ERROR_TYPES = {
 }
 
 # SamplingParams names -> the API's names, for `param` in errors.
-_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+              "bad_words_ids": "bad_words"}
 
 
 class ApiError(Exception):

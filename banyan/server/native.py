@@ -126,7 +126,9 @@ class NativeServing:
                 messages = [m.template_dict() for m in body.messages or []]
             except ValueError as exc:
                 raise bad_request(str(exc), "messages") from None
-            ids = await encode_chat(st, messages, body.add_generation_prompt)
+            ids = await encode_chat(st, messages, body.add_generation_prompt, False,
+                                    st.template_kwargs(body.chat_template_kwargs,
+                                                       body.chat_template))
         out: dict[str, Any] = {"count": len(ids), "max_model_len": st.engine.max_model_len,
                                "tokens": ids}
         if body.return_token_strs:

@@ -93,7 +93,7 @@ class OpenAIServing:
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         for p in raw:
             ids = await encode_text(st, p, "prompt") if isinstance(p, str) else p
-            kept = prompt_ids(st, body, ids, "prompt", body.max_tokens if explicit else None)
+            kept = prompt_ids(st, body, ids, "prompt", body.max_tokens)  # (16 when unsaid)
             prompts.append(kept)
             if not body.echo or (isinstance(p, str) and len(kept) == len(ids)):
                 echo_texts.append(p if isinstance(p, str) else "")

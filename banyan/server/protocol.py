@@ -125,7 +125,8 @@ class _SamplingFields(_Routing):
         """The prompt as truncate_prompt_tokens leaves it: its last k ids (-1: `room`, the
         most that leave the completion room: ServerState.prompt_room)."""
         k = room if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
-        return ids if k is None or len(ids) <= k else ids[len(ids) - k:]
+        # (a room of none: max_tokens alone overflows, which max_new_tokens then says)
+        return ids if k is None or k < 1 or len(ids) <= k else ids[len(ids) - k:]
 
     @property
     def include_usage(self) -> bool:
@@ -290,6 +291,8 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # (messages: as chat renders them)
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(_Body):
