@@ -261,9 +261,10 @@ def test_bad_words(client: OpenAI) -> None:
     banned = tokens(bad_words=[word])
     cut = base.index(word)
     assert word not in banned and banned[:cut] == base[:cut]
-    r = HTTP.post(str(client.base_url) + "completions",
-                  json={"prompt": "a", "bad_words": ["  "]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    for words in (["  "], ["w"] * 1001):  # a word of no tokens; past the limit
+        r = HTTP.post(str(client.base_url) + "completions",
+                      json={"prompt": "a", "bad_words": words})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
 def test_seed_reproducible(client: OpenAI) -> None:

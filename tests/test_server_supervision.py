@@ -107,13 +107,12 @@ def test_engine_killed_is_restarted(server: ServerProcess) -> None:
     old = _engine_pid(server.url)
     # long enough that it cannot end before the kill lands, whatever the load (1 to 3 s)
     long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    errors_before = metric_values(server.url)[  # (read first: the stream must not end first)
+        ("banyan:request_success_total", (("finished_reason", "error"),))]
     with HTTP.stream("POST", f"{server.url}/v1/completions", json=long, headers=AUTH,
                       timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ") and next(lines) == ""
-        assert _running(server.url) >= 1
-        errors_before = metric_values(server.url)[
-            ("banyan:request_success_total", (("finished_reason", "error"),))]
         os.kill(old, signal.SIGKILL)
         t0 = time.monotonic()
         rest = sse_events(lines)
