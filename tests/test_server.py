@@ -239,6 +239,41 @@ def test_allowed_token_ids_and_truncated_prompts(client: OpenAI) -> None:
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
+def test_return_token_ids(server: ServerProcess) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's beside the text, whole and
+    streamed (the prompt's once, with a choice's first chunk; then each chunk's new ids)."""
+    url = f"{server.url}/v1"
+    ids = HTTP.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            "return_token_ids": True, "logprobs": 0}
+    whole = HTTP.post(f"{url}/completions", json=body).json()
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == 6
+        detok = HTTP.post(f"{server.url}/detokenize", json={"tokens": c["token_ids"]}).json()
+        assert detok["prompt"] == c["text"]
+    with HTTP.stream("POST", f"{url}/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    for i in range(2):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == ids
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == whole["choices"][i]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = HTTP.post(f"{url}/chat/completions", json=chat).json()
+    assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
+    assert len(whole["choices"][0]["token_ids"]) == 5
+    with HTTP.stream("POST", f"{url}/chat/completions", json={**chat, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == \
+        whole["choices"][0]["token_ids"]
+    plain = HTTP.post(f"{url}/chat/completions", json={**chat, "return_token_ids": False})
+    assert "prompt_token_ids" not in plain.json()
+    assert "token_ids" not in plain.json()["choices"][0]
+
+
 def test_bad_words(client: OpenAI) -> None:
     """vLLM's bad_words: a word the greedy text has (one token, after a space) never comes
     out again, through completions and chat alike."""

@@ -60,6 +60,7 @@ class _Job:
     include_usage: bool
     logprobs: int | None  # completions: k; chat: top_logprobs when logprobs=true
     tools: bool = False  # chat with tools: output parsed for tool calls
+    token_ids: bool = False  # return_token_ids
 
     @property
     def num_choices(self) -> int:
@@ -113,7 +114,8 @@ class OpenAIServing:
             requests.append(EngineRequest(f"{job_id}-{i}", ids, params, body.cache_salt,
                                           body.kv_source))
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
-                   body.n, self._submit(requests), body.include_usage, body.logprobs)
+                   body.n, self._submit(requests), body.include_usage, body.logprobs,
+                   token_ids=body.return_token_ids)
         if body.stream:
             return SSEResponse(self._stream_completion(job), job.stream.close)
         states = await self._collect(request, job)
@@ -133,6 +135,8 @@ class OpenAIServing:
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(st.tok, prompts[p],
                                                                  s.prompt_logprobs)
+            if job.token_ids:
+                choice.update(prompt_token_ids=prompts[p], token_ids=s.token_ids)
             choices.append(choice)
         return JSONResponse(completion_response(job.id, job.created, job.model, choices,
                                                 usage([len(p) for p in prompts], states, job.n)))
@@ -142,10 +146,17 @@ class OpenAIServing:
         logs = ([CompletionLogprobs(self.state.tok) for _ in range(job.num_choices)]
                 if job.logprobs is not None else None)
 
-        def event(index: int, text: str, logprobs: Any, finish: str | None) -> str:
-            return sse(chunk(job.id, obj, job.created, job.model, [
-                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                job.include_usage))
+        first = [True] * job.num_choices  # (return_token_ids: the prompt's ids go with it)
+
+        def event(index: int, text: str, logprobs: Any, finish: str | None,
+                  ids: list[int] | None = None) -> str:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if job.token_ids:
+                if first[index]:
+                    first[index] = False
+                    choice["prompt_token_ids"] = job.prompts[index // job.n]
+                choice["token_ids"] = ids or []
+            return sse(chunk(job.id, obj, job.created, job.model, [choice], job.include_usage))
 
         def echo(i: int, prompt_logprobs: list[TokenLogprobs]) -> str:
             p = i // job.n
@@ -166,10 +177,11 @@ class OpenAIServing:
                 if not echoed[index]:
                     echoed[index] = True
                     yield echo(index, update.prompt_logprobs)
-                if update.text or update.logprobs or update.finish_reason is not None:
+                if update.text or update.logprobs or update.finish_reason is not None \
+                        or (job.token_ids and update.token_ids):
                     yield event(index, update.text,
                                 logs[index].output(update.logprobs) if logs else None,
-                                update.finish_reason)
+                                update.finish_reason, update.token_ids)
 
         async for text in self._sse(job, obj, body):
             yield text
@@ -217,7 +229,7 @@ class OpenAIServing:
         job = _Job(job_id, now_s(), st.model_name, [ids], [], body.n,
                    self._submit([EngineRequest(job_id, ids, params, body.cache_salt,
                                                body.kv_source)]),
-                   body.include_usage, k, tools is not None)
+                   body.include_usage, k, tools is not None, body.return_token_ids)
         if body.stream:
             return SSEResponse(self._stream_chat(job), job.stream.close)
         states = await self._collect(request, job)
@@ -230,18 +242,27 @@ class OpenAIServing:
             choices.append({"index": i, "message": message,
                             "logprobs": ({"content": chat_logprobs(st.tok, s.logprobs)}
                                          if k is not None else None),
-                            "finish_reason": finish})
-        return JSONResponse(chat_response(job.id, job.created, job.model, choices,
-                                          usage([len(ids)], states, job.n)))
+                            "finish_reason": finish,
+                            **({"token_ids": s.token_ids} if job.token_ids else {})})
+        out = chat_response(job.id, job.created, job.model, choices,
+                            usage([len(ids)], states, job.n))
+        if job.token_ids:
+            out["prompt_token_ids"] = ids
+        return JSONResponse(out)
 
     async def _stream_chat(self, job: _Job) -> AsyncIterator[str]:
         obj = "chat.completion.chunk"
         tok = self.state.tok
 
-        def event(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
-            return sse(chunk(job.id, obj, job.created, job.model, [
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                job.include_usage))
+        def event(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
+                  ids: list[int] | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            out = chunk(job.id, obj, job.created, job.model, [choice], job.include_usage)
+            if job.token_ids:  # (the prompt's ids with a choice's first chunk, its role's)
+                choice["token_ids"] = ids or []
+                if "role" in delta:
+                    out["prompt_token_ids"] = job.prompts[0]
+            return sse(out)
 
         tool_deltas = ToolDeltas(job.num_choices) if job.tools else None
 
@@ -256,7 +277,8 @@ class OpenAIServing:
                 if not role_sent[index]:
                     role_sent[index] = True
                     yield event(index, {"role": "assistant", "content": ""}, None, None)
-                if update.text or update.logprobs or update.finish_reason is not None:
+                if update.text or update.logprobs or update.finish_reason is not None \
+                        or (job.token_ids and update.token_ids):
                     logprobs = ({"content": chat_logprobs(tok, update.logprobs)}
                                 if job.logprobs is not None else None)
                     delta = {"content": update.text} if update.text else {}
@@ -266,7 +288,7 @@ class OpenAIServing:
                         for d in deltas[:-1]:
                             yield event(index, d, None, None)
                         delta = deltas[-1] if deltas else {}
-                    yield event(index, delta, logprobs, finish)
+                    yield event(index, delta, logprobs, finish, update.token_ids)
 
         async for text in self._sse(job, obj, body):
             yield text

@@ -83,6 +83,9 @@ class _SamplingFields(_Routing):
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's extra
+    # vLLM's extra: the prompt's and each choice's token ids beside the text (streams: the
+    # prompt's with a choice's first chunk, each chunk's own new tokens)
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -227,6 +227,9 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
         raise bad_request("n is not supported on /v1/responses", "n")
     if body.tools:
         raise bad_request("tools are not supported on /v1/responses", "tools")
+    if body.return_token_ids:  # (chat and completions have it)
+        raise bad_request("return_token_ids is not supported on /v1/responses",
+                          "return_token_ids")
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported: responses are not stored",
                           "previous_response_id")
