@@ -246,7 +246,7 @@ def test_return_token_ids(server: ServerProcess) -> None:
     ids = HTTP.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
             "return_token_ids": True, "logprobs": 0}
-    whole = HTTP.post(f"{url}/completions", json=body).json()
+    whole = whole_completion = HTTP.post(f"{url}/completions", json=body).json()
     for c in whole["choices"]:
         assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == 6
         detok = HTTP.post(f"{server.url}/detokenize", json={"tokens": c["token_ids"]}).json()
@@ -269,6 +269,25 @@ def test_return_token_ids(server: ServerProcess) -> None:
     assert all("prompt_token_ids" not in e for e in events[1:])
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == \
         whole["choices"][0]["token_ids"]
+    # return_tokens_as_token_ids: logprobs name every token "token_id:N"
+    echoed = {**body, "logprobs": 2, "echo": True}
+    texts = HTTP.post(f"{url}/completions", json=echoed).json()
+    named = HTTP.post(f"{url}/completions",
+                      json={**echoed, "return_tokens_as_token_ids": True}).json()
+    for c, before, text in zip(named["choices"], whole_completion["choices"], texts["choices"],
+                               strict=True):
+        logprobs = c["logprobs"]
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in ids + before["token_ids"]]
+        assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"][1:]
+                   for k in top)
+        assert logprobs["text_offset"] == text["logprobs"]["text_offset"]  # the text's
+    named = HTTP.post(f"{url}/chat/completions", json={
+        **chat, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True})
+    content = named.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == \
+        [f"token_id:{t}" for t in whole["choices"][0]["token_ids"]]
+    assert all(a["token"].startswith("token_id:") and a["bytes"] == list(a["token"].encode())
+               for e in content for a in e["top_logprobs"])
     plain = HTTP.post(f"{url}/chat/completions", json={**chat, "return_token_ids": False})
     assert "prompt_token_ids" not in plain.json()
     assert "token_ids" not in plain.json()["choices"][0]

@@ -91,9 +91,13 @@ class CompletionLogprobs:
     """Legacy completions logprobs: parallel lists, built incrementally (stream deltas carry
     their own slice, with text offsets continuing from the previous ones)."""
 
-    def __init__(self, tok: TokenizerSide, offset: int = 0) -> None:
+    def __init__(self, tok: TokenizerSide, offset: int = 0, as_ids: bool = False) -> None:
         self.tok = tok
         self.offset = offset
+        self.as_ids = as_ids  # return_tokens_as_token_ids (text offsets stay the text's)
+
+    def _name(self, token_id: int) -> str:
+        return token_id_name(token_id) if self.as_ids else self.tok.token_text(token_id)
 
     def prompt(self, ids: Sequence[int], entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         """Echoed prompt tokens with their logprobs (entries[i] scores token i + 1, computed by
@@ -101,30 +105,29 @@ class CompletionLogprobs:
         OpenAI's answers)."""
         out = self._empty()
         if ids:
-            text = self.tok.token_text(ids[0])
-            out["tokens"].append(text)
+            out["tokens"].append(self._name(ids[0]))
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.tok.token_text(ids[0]))
         return self.merge(out, self.output(entries))
 
     def output(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         out = self._empty()
         for e in entries:
-            text = self.tok.token_text(e.token_id)
+            name = self._name(e.token_id)
             # Keyed by text, so distinct tokens can collide (e.g. byte tokens that all decode
-            # to U+FFFD): the first, most likely one keeps the key. OpenAI also lists the
-            # sampled token when it is not among the top k.
+            # to U+FFFD): the first, most likely one keeps the key (as_ids: none collide).
+            # OpenAI also lists the sampled token when it is not among the top k.
             top: dict[str, float] = {}
             for t, v in zip(e.top_ids, e.top_logprobs):
-                top.setdefault(self.tok.token_text(t), lp(v))
-            top.setdefault(text, lp(e.logprob))
-            out["tokens"].append(text)
+                top.setdefault(self._name(t), lp(v))
+            top.setdefault(name, lp(e.logprob))
+            out["tokens"].append(name)
             out["token_logprobs"].append(lp(e.logprob))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.tok.token_text(e.token_id))
         return out
 
     @staticmethod
@@ -136,13 +139,24 @@ class CompletionLogprobs:
         return {k: a[k] + b[k] for k in a}
 
 
-def chat_logprobs(tok: TokenizerSide, entries: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+def token_id_name(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a token named by its id, which any JSON can carry."""
+    return f"token_id:{token_id}"
+
+
+def chat_logprobs(tok: TokenizerSide, entries: Sequence[TokenLogprobs],
+                  as_ids: bool = False) -> list[dict[str, Any]]:
+    def token(t: int) -> tuple[str, list[int]]:
+        if as_ids:  # (its bytes: the name's, as vLLM gives them)
+            return token_id_name(t), list(token_id_name(t).encode())
+        return tok.token(t)
+
     content = []
     for e in entries:
-        text, raw = tok.token(e.token_id)
+        text, raw = token(e.token_id)
         top = []
         for t, v in zip(e.top_ids, e.top_logprobs):
-            t_text, t_raw = tok.token(t)
+            t_text, t_raw = token(t)
             top.append({"token": t_text, "logprob": lp(v), "bytes": t_raw})
         content.append({"token": text, "logprob": lp(e.logprob), "bytes": raw,
                         "top_logprobs": top})

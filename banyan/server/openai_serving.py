@@ -61,6 +61,7 @@ class _Job:
     logprobs: int | None  # completions: k; chat: top_logprobs when logprobs=true
     tools: bool = False  # chat with tools: output parsed for tool calls
     token_ids: bool = False  # return_token_ids
+    ids_as_names: bool = False  # return_tokens_as_token_ids: logprobs name tokens by id
 
     @property
     def num_choices(self) -> int:
@@ -115,7 +116,8 @@ class OpenAIServing:
                                           body.kv_source))
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
                    body.n, self._submit(requests), body.include_usage, body.logprobs,
-                   token_ids=body.return_token_ids)
+                   token_ids=body.return_token_ids,
+                   ids_as_names=body.return_tokens_as_token_ids)
         if body.stream:
             return SSEResponse(self._stream_completion(job), job.stream.close)
         states = await self._collect(request, job)
@@ -124,7 +126,7 @@ class OpenAIServing:
             p = i // job.n
             logprobs = None
             if job.logprobs is not None:
-                log = CompletionLogprobs(st.tok)
+                log = CompletionLogprobs(st.tok, as_ids=job.ids_as_names)
                 head = log.prompt(prompts[p], s.prompt_logprobs) if body.echo else None
                 logprobs = log.output(s.logprobs)
                 if head is not None:
@@ -143,7 +145,8 @@ class OpenAIServing:
 
     async def _stream_completion(self, job: _Job) -> AsyncIterator[str]:
         obj = "text_completion"
-        logs = ([CompletionLogprobs(self.state.tok) for _ in range(job.num_choices)]
+        logs = ([CompletionLogprobs(self.state.tok, as_ids=job.ids_as_names)
+                 for _ in range(job.num_choices)]
                 if job.logprobs is not None else None)
 
         first = [True] * job.num_choices  # (return_token_ids: the prompt's ids go with it)
@@ -229,7 +232,8 @@ class OpenAIServing:
         job = _Job(job_id, now_s(), st.model_name, [ids], [], body.n,
                    self._submit([EngineRequest(job_id, ids, params, body.cache_salt,
                                                body.kv_source)]),
-                   body.include_usage, k, tools is not None, body.return_token_ids)
+                   body.include_usage, k, tools is not None, body.return_token_ids,
+                   body.return_tokens_as_token_ids)
         if body.stream:
             return SSEResponse(self._stream_chat(job), job.stream.close)
         states = await self._collect(request, job)
@@ -240,7 +244,8 @@ class OpenAIServing:
             if tools is not None:
                 message, finish = ChatTools.message(s.full_text, finish)
             choices.append({"index": i, "message": message,
-                            "logprobs": ({"content": chat_logprobs(st.tok, s.logprobs)}
+                            "logprobs": ({"content": chat_logprobs(st.tok, s.logprobs,
+                                                                   job.ids_as_names)}
                                          if k is not None else None),
                             "finish_reason": finish,
                             **({"token_ids": s.token_ids} if job.token_ids else {})})
@@ -279,7 +284,8 @@ class OpenAIServing:
                     yield event(index, {"role": "assistant", "content": ""}, None, None)
                 if update.text or update.logprobs or update.finish_reason is not None \
                         or (job.token_ids and update.token_ids):
-                    logprobs = ({"content": chat_logprobs(tok, update.logprobs)}
+                    logprobs = ({"content": chat_logprobs(tok, update.logprobs,
+                                                          job.ids_as_names)}
                                 if job.logprobs is not None else None)
                     delta = {"content": update.text} if update.text else {}
                     finish = update.finish_reason

@@ -86,6 +86,7 @@ class _SamplingFields(_Routing):
     # vLLM's extra: the prompt's and each choice's token ids beside the text (streams: the
     # prompt's with a choice's first chunk, each chunk's own new tokens)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's extra: logprobs' tokens as "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

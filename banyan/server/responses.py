@@ -227,9 +227,9 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
         raise bad_request("n is not supported on /v1/responses", "n")
     if body.tools:
         raise bad_request("tools are not supported on /v1/responses", "tools")
-    if body.return_token_ids:  # (chat and completions have it)
-        raise bad_request("return_token_ids is not supported on /v1/responses",
-                          "return_token_ids")
+    for name in ("return_token_ids", "return_tokens_as_token_ids"):  # (chat and completions)
+        if getattr(body, name):
+            raise bad_request(f"{name} is not supported on /v1/responses", name)
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported: responses are not stored",
                           "previous_response_id")
