@@ -30,6 +30,9 @@
 #   attn       decode attention alone (the shared-prefix decode step among its cases), and
 #              what each phase of its bf16 loop costs (decode_attention_phases.py, ~6 min)
 #
+# At the end, benchmarks/targets_report.py writes targets-TAG.md: every target's figure from
+# this run, the bar, met or short.
+#
 # Run it on an otherwise idle machine (two-thread runs collapse when anything else runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -178,4 +181,6 @@ print('--tiles' if native.prefill_tiles() == 2 else '')")
   esac
 done
 scrub "$RESULTS"/*"$TAG"* 2> /dev/null || true  # (its .md too: the harness scrubs its JSON only)
+# every target's figure from this run's JSON, met or short (steps not run say so)
+$PY benchmarks/targets_report.py "$TAG" | tee "$RESULTS/targets-$TAG.md"
 echo "done: $RESULTS/*$TAG*"
