@@ -288,7 +288,7 @@ def test_return_token_ids(server: ServerProcess) -> None:
         [f"token_id:{t}" for t in whole["choices"][0]["token_ids"]]
     assert all(a["token"].startswith("token_id:") and a["bytes"] == list(a["token"].encode())
                for e in content for a in e["top_logprobs"])
-    plain = HTTP.post(f"{url}/chat/completions", json={**chat, "return_token_ids": False})
+    plain = HTTP.post(f"{url}/chat/completions", json={**chat, "return_token_ids": None})
     assert "prompt_token_ids" not in plain.json()
     assert "token_ids" not in plain.json()["choices"][0]
 
@@ -355,6 +355,22 @@ def test_sse_format_and_usage(server: ServerProcess) -> None:
             assert all(c["usage"] is None for c in chunks[:-1])
         else:
             assert not usage_chunks and all("usage" not in c for c in chunks)
+    # vLLM's continuous_usage_stats: every chunk's usage so far, its own choice's
+    for path, extra in (("completions", {"prompt": "while True:", "n": 2}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        req = {**body, **extra, "stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}
+        with HTTP.stream("POST", f"{server.url}/v1/{path}", json=req) as r:
+            chunks = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+        *streamed, last = chunks
+        prompt = last["usage"]["prompt_tokens"]
+        for index in range(extra.get("n", 1)):
+            mine = [c["usage"] for c in streamed if c["choices"][0]["index"] == index]
+            done = [u["completion_tokens"] for u in mine]
+            assert done == sorted(done) and done[-1] == 7 and done[0] <= 1, done
+            assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + d
+                       for u, d in zip(mine, done, strict=True))
+        assert last["usage"]["completion_tokens"] == 7 * extra.get("n", 1)
 
 
 def test_cached_tokens_counted(client: OpenAI) -> None:

@@ -179,12 +179,17 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict[str, An
 
 
 def chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
-          with_usage_field: bool) -> dict[str, Any]:
+          with_usage_field: bool, usage_so_far: tuple[int, int] | None = None) -> dict[str, Any]:
     """One stream chunk. With include_usage OpenAI sends `"usage": null` on every chunk but the
-    last; without it the key is absent."""
+    last; without it the key is absent. usage_so_far: (prompt, completion) tokens of the
+    chunk's choice (vLLM's continuous_usage_stats) in place of the null."""
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
                            "choices": choices}
-    if with_usage_field:
+    if usage_so_far is not None:
+        prompt, done = usage_so_far
+        out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
+                        "total_tokens": prompt + done}
+    elif with_usage_field:
         out["usage"] = None
     return out
 

@@ -62,6 +62,13 @@ class _Job:
     tools: bool = False  # chat with tools: output parsed for tool calls
     token_ids: bool = False  # return_token_ids
     ids_as_names: bool = False  # return_tokens_as_token_ids: logprobs name tokens by id
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+
+    def usage_so_far(self, index: int, states: list[ChoiceState]) -> tuple[int, int] | None:
+        """A chunk's (prompt, completion) tokens where continuous usage was asked."""
+        if not self.continuous_usage:
+            return None
+        return len(self.prompts[index // self.n]), len(states[index].token_ids)
 
     @property
     def num_choices(self) -> int:
@@ -117,7 +124,8 @@ class OpenAIServing:
         job = _Job(job_id, now_s(), st.model_name, prompts, echo_texts if body.echo else [],
                    body.n, self._submit(requests), body.include_usage, body.logprobs,
                    token_ids=body.return_token_ids,
-                   ids_as_names=body.return_tokens_as_token_ids)
+                   ids_as_names=body.return_tokens_as_token_ids,
+                   continuous_usage=body.continuous_usage)
         if body.stream:
             return SSEResponse(self._stream_completion(job), job.stream.close)
         states = await self._collect(request, job)
@@ -152,19 +160,21 @@ class OpenAIServing:
         first = [True] * job.num_choices  # (return_token_ids: the prompt's ids go with it)
 
         def event(index: int, text: str, logprobs: Any, finish: str | None,
-                  ids: list[int] | None = None) -> str:
+                  states: list[ChoiceState], ids: list[int] | None = None) -> str:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             if job.token_ids:
                 if first[index]:
                     first[index] = False
                     choice["prompt_token_ids"] = job.prompts[index // job.n]
                 choice["token_ids"] = ids or []
-            return sse(chunk(job.id, obj, job.created, job.model, [choice], job.include_usage))
+            return sse(chunk(job.id, obj, job.created, job.model, [choice], job.include_usage,
+                             job.usage_so_far(index, states)))
 
-        def echo(i: int, prompt_logprobs: list[TokenLogprobs]) -> str:
+        def echo(i: int, prompt_logprobs: list[TokenLogprobs], states: list[ChoiceState]) -> str:
             p = i // job.n
             return event(i, job.echo_texts[p],
-                         logs[i].prompt(job.prompts[p], prompt_logprobs) if logs else None, None)
+                         logs[i].prompt(job.prompts[p], prompt_logprobs) if logs else None, None,
+                         states)
 
         async def body(states: list[ChoiceState]) -> AsyncIterator[str]:
             # With logprobs the echo waits for the prompt's logprobs (they come with the first
@@ -172,19 +182,19 @@ class OpenAIServing:
             echo_waits = bool(job.echo_texts) and logs is not None
             if job.echo_texts and not echo_waits:
                 for i in range(job.num_choices):
-                    yield echo(i, [])
+                    yield echo(i, [], states)
             echoed = [not echo_waits] * job.num_choices
             async for index, update in job.stream.events():
                 states[index].add(update)
                 _raise_update_error(update)
                 if not echoed[index]:
                     echoed[index] = True
-                    yield echo(index, update.prompt_logprobs)
+                    yield echo(index, update.prompt_logprobs, states)
                 if update.text or update.logprobs or update.finish_reason is not None \
                         or (job.token_ids and update.token_ids):
                     yield event(index, update.text,
                                 logs[index].output(update.logprobs) if logs else None,
-                                update.finish_reason, update.token_ids)
+                                update.finish_reason, states, update.token_ids)
 
         async for text in self._sse(job, obj, body):
             yield text
@@ -233,7 +243,7 @@ class OpenAIServing:
                    self._submit([EngineRequest(job_id, ids, params, body.cache_salt,
                                                body.kv_source)]),
                    body.include_usage, k, tools is not None, body.return_token_ids,
-                   body.return_tokens_as_token_ids)
+                   body.return_tokens_as_token_ids, body.continuous_usage)
         if body.stream:
             return SSEResponse(self._stream_chat(job), job.stream.close)
         states = await self._collect(request, job)
@@ -260,9 +270,10 @@ class OpenAIServing:
         tok = self.state.tok
 
         def event(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
-                  ids: list[int] | None = None) -> str:
+                  states: list[ChoiceState], ids: list[int] | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            out = chunk(job.id, obj, job.created, job.model, [choice], job.include_usage)
+            out = chunk(job.id, obj, job.created, job.model, [choice], job.include_usage,
+                        job.usage_so_far(index, states))
             if job.token_ids:  # (the prompt's ids with a choice's first chunk, its role's)
                 choice["token_ids"] = ids or []
                 if "role" in delta:
@@ -281,7 +292,7 @@ class OpenAIServing:
                 _raise_update_error(update)
                 if not role_sent[index]:
                     role_sent[index] = True
-                    yield event(index, {"role": "assistant", "content": ""}, None, None)
+                    yield event(index, {"role": "assistant", "content": ""}, None, None, states)
                 if update.text or update.logprobs or update.finish_reason is not None \
                         or (job.token_ids and update.token_ids):
                     logprobs = ({"content": chat_logprobs(tok, update.logprobs,
@@ -292,9 +303,9 @@ class OpenAIServing:
                     if tool_deltas is not None:  # content and tool calls, then the finish
                         deltas, finish = tool_deltas.deltas(index, update.text, finish)
                         for d in deltas[:-1]:
-                            yield event(index, d, None, None)
+                            yield event(index, d, None, None, states)
                         delta = deltas[-1] if deltas else {}
-                    yield event(index, delta, logprobs, finish, update.token_ids)
+                    yield event(index, delta, logprobs, finish, states, update.token_ids)
 
         async for text in self._sse(job, obj, body):
             yield text

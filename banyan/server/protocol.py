@@ -37,6 +37,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extra: with include_usage, every chunk's usage so far (its choice's tokens)
+    continuous_usage_stats: bool = False
 
 
 class KVTransferParams(_Body):
@@ -77,7 +79,8 @@ class _SamplingFields(_Routing):
     # vLLM's extra, tokenized by the server (tokens.py). At most MAX_BAD_WORDS: every step
     # matches each against the output (Zen 5: 10,000 words ~2.4 ms a step, 1,000 ~0.2).
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
-    # vLLM's extra: the prompt's last k tokens only (-1: as many as the context holds)
+    # vLLM's extra: the prompt's last k tokens only (-1: as many as leave the request's
+    # max_tokens, at least one, room: ServerState.prompt_room)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
@@ -112,6 +115,12 @@ class _SamplingFields(_Routing):
             raise ValueError("not supported by this server")
         return value
 
+    @field_validator("include_stop_str_in_output", "return_token_ids",
+                     "return_tokens_as_token_ids", mode="before")
+    @classmethod
+    def _null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value  # (vLLM declares these bool | None)
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _keeps_a_token(cls, value: int | None) -> int | None:
@@ -138,6 +147,11 @@ class _SamplingFields(_Routing):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and
+                                           self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None,
                         defaults: dict[str, float] | None = None) -> SamplingParams:
