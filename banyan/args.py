@@ -191,10 +191,10 @@ class EngineArgs:
         "oneDNN's packed copy for longer steps; on a CPU with AMX its steps of 17 tokens or "
         "more on AMX tiles where a start-up check and timing grant them), auto (float32: "
         "native where it measured faster on this CPU, measured once per machine and "
-        "remembered in the kernel cache's choices.json, so every "
-        "process decides alike; bfloat16: native where the CPU has AVX512-BF16 and the second "
-        "copy takes at most 1/8 of the memory, except that on a CPU with AMX steps of more "
-        "than 16 tokens keep oneDNN's GEMM).",
+        "remembered in the kernel cache's choices.json, so every process decides alike; "
+        "bfloat16: native where the CPU has AVX512-BF16 and the second copy takes at most "
+        "1/8 of the memory, except that on a CPU with AMX steps of more than 16 tokens keep "
+        "oneDNN's GEMM).",
         choices=list(LINEAR_KERNELS)))
     enable_deterministic_inference: bool = field(default=False, metadata=_doc(
         "Batch-invariant kernels (SGLang's flag): a request's greedy tokens and logprobs are "

@@ -120,13 +120,13 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     )
 
 
-def keep_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Rows with allowed_token_ids: every other token's logit -inf, in place."""
-    for i, row in enumerate(rows):
-        allowed = row.params.allowed_token_ids
-        if allowed is None:
-            continue
-        ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+def keep_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                        indices: Sequence[int]) -> None:
+    """Rows `indices` (those with allowed_token_ids): every other token's logit -inf, in
+    place."""
+    for i in indices:
+        ids = torch.tensor(rows[i].params.allowed_token_ids, dtype=torch.long,
+                           device=logits.device)
         keep = logits[i].index_select(0, ids)
         logits[i].fill_(-math.inf)
         logits[i].index_copy_(0, ids, keep)

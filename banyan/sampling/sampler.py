@@ -162,7 +162,7 @@ class Sampler:
         guarded = sorted({r for r, _ in bans}.union(allowed_rows))
         before = out[guarded] if guarded else None  # (a copy: advanced indexing)
         if allowed_rows:
-            keep_allowed_tokens(out, rows)
+            keep_allowed_tokens(out, rows, allowed_rows)
         if penalty_rows:
             apply_penalties_to_rows(out, rows, penalty_rows)
         if has_bias:
