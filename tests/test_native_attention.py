@@ -27,7 +27,9 @@ HEADS = [(4, 4), (6, 2), (6, 1)]  # MHA, GQA, MQA
 def native_backend(scene: Scene) -> CpuNativeBackend:
     assert CpuNativeBackend.supports(scene.pool)
     # every extend the kernel can take, on any CPU: its portable loops are checked too
-    return CpuNativeBackend(scene.pool, scene.table, max_extend=MAX_NATIVE_EXTEND)
+    # (prefill_kernel: no start-up probe, which on AMX may send fresh chunks to SDPA)
+    return CpuNativeBackend(scene.pool, scene.table, max_extend=MAX_NATIVE_EXTEND,
+                            prefill_kernel=True)
 
 
 def groups_of(meta: NativeMetadata) -> list[tuple[int, int]]:

@@ -116,7 +116,9 @@ def _check_steps(runner: ModelRunner) -> None:
     fresh = 100 if largest >= 104 else 4  # a longer prompt where the stack takes one
     work = [(seqs[1], 1), (Seq(4, random_ids(fresh, 21)), fresh), (fourth, 3)]
     for tiles in [0, *(tile_modes_here() if bf16 else [])]:
-        runner.backend = CpuNativeBackend(runner.pool, runner.table, max_extend=2, tiles=tiles)
+        # (prefill_kernel: no start-up probe, which on AMX may send fresh chunks to SDPA)
+        runner.backend = CpuNativeBackend(runner.pool, runner.table, max_extend=2,
+                                          prefill_kernel=True, tiles=tiles)
         runner.stack = NativeLayerStack.build(runner.model, runner.pool, runner.backend)
         assert runner.stack is not None
         # the same step each time: the requests as they were, new slots for its tokens

@@ -214,6 +214,8 @@ def long_chunk_path(monkeypatch: pytest.MonkeyPatch, amx: bool, times: PrefillTi
         return times
 
     monkeypatch.setattr(prefill_choice, "time_prefill_paths", measure)
+    # the route taken anew (the process's is cached, and must not keep these fake times)
+    monkeypatch.setattr(cpu_native, "prefill_route", prefill_choice.prefill_route.__wrapped__)
     c = [1]
     scene = Scene([Req(fresh(c, 100), extend=100), Req(fresh(c, 30)),
                    Req(fresh(c, 200 + 40), extend=40)], 6, 2, dim=64,

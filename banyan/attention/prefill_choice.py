@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -105,10 +106,14 @@ def tiles_agree(kv_heads: int, head_dim: int, tiles: int = 2, tokens: int = 300)
     return bool(torch.isfinite(got).all()) and torch.allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
+@cache
 def prefill_route(kv_heads: int, head_dim: int, dtype: torch.dtype,
                   code_dtype: torch.dtype | None) -> PrefillRoute:
     """Where long chunks go here (module docstring): AMX tiles where they check out; fresh
-    chunks to SDPA where it measured faster."""
+    chunks to SDPA where it measured faster. Once a process for each pool shape, as the other
+    routes are: a second engine (a draft's, a test's) timed anew could land on the other path
+    for the same prompts, with the other bits (a 27-token prompt's greedy text parted between
+    two engines of one process on an AMX Xeon)."""
     if not (native.amx_here() and dtype == torch.bfloat16):
         return PrefillRoute(0, False)
     tiles = 0
