@@ -12,8 +12,10 @@ import torch
 
 from banyan import Engine, SamplingParams
 from banyan.args import EngineArgs
+from banyan.attention.decode_tiles import tile_modes_here, tiles_mode
 from banyan.demo import build_random_model
 from banyan.kernels import native
+from banyan.layers.gemm_tiles import set_gemm_tiles
 from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, SkinnyBf16Method
 from tests.test_engine import SETTINGS, check_pool_empty, prompts_1_to_300
@@ -135,6 +137,11 @@ def test_an_amx_cpu_computes_what_others_do(wide_dir: Path,
                   if isinstance(m, Linear)]
         assert all(hasattr(m, "pairs") for m in layers)
     assert _runs(wide_dir, prompts, "bfloat16", **SETTINGS["chunked"]) == want
+    # the GEMM's tiles on for long steps (as a quantized model's route leaves them on AMX):
+    # the mode turns them off, its tokens unchanged
+    if 1 in tile_modes_here():
+        with tiles_mode(1, set_gemm_tiles):
+            assert _runs(wide_dir, prompts, "bfloat16", **SETTINGS["chunked"]) == want
 
 
 @needs_kernels

@@ -11,7 +11,9 @@ import torch
 
 from banyan import Engine, SamplingParams
 from banyan.args import EngineArgs
+from banyan.attention.decode_tiles import tiles_mode
 from banyan.kernels import native
+from banyan.layers.gemm_tiles import set_gemm_tiles
 from banyan.layers.linear import Linear, SkinnyBf16Method
 from banyan.layers.quant import Int4Method, Int8Method, check_quantization, dequantize_in_place
 from banyan.runner.model_runner import ModelRunner
@@ -264,13 +266,19 @@ def test_bf16_gemm_on_a_plain_bf16_weight(out_f: int, in_f: int, tokens: int) ->
     stored in its pairs (what a dense bf16 layer without a bias runs for steps of 1..GEMM_ROWS
     tokens): float32 sums and one rounding of each output, the same bits, and each token's the
     same as alone (9, 12 and 21 tokens: token blocks of unequal sizes)."""
-    from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm
-    from banyan.layers.panels import pack_bf16_pairs
-
     torch.manual_seed(out_f + in_f + tokens)
     weight = torch.randn(out_f, in_f).bfloat16()
     x = torch.randn(tokens, in_f).bfloat16()
     want = x.double() @ weight.double().T
+    with tiles_mode(0, set_gemm_tiles):  # the vector loop (AMX's tiles sum long steps apart)
+        _check_bf16_gemm(weight, x, want)
+
+
+def _check_bf16_gemm(weight: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> None:
+    from banyan.kernels.native import bf16_gemm, bf16_pairs_gemm
+    from banyan.layers.panels import pack_bf16_pairs
+
+    (tokens, in_f), out_f = x.shape, weight.shape[0]
     got = bf16_gemm(x, weight)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_f)
     tol = 2**-8 * want.abs() + 1e-4 * want.abs().max()

@@ -14,7 +14,8 @@ parted from the plain run in 1-3 of 12 texts, as did ngram speculation with the 
 Here every step size runs the short kernels: every extend goes to the row kernel
 (CpuNativeBackend.take_every_extend), and every linear method keeps its step-size-invariant
 kernel (LinearMethod.batch_invariant: the bf16 pairs GEMM or skinny kernel, the skinny float32
-kernel, the quantized methods' short kernels). The rest of a step is per token already (norms,
+kernel, the quantized methods' short kernels), on the vector loops where AMX's tiles would take
+long steps of the GEMM. The rest of a step is per token already (norms,
 RoPE, SiLU, the sampler's per-row arithmetic; seeded sampling hashes seed and position). The
 price is in long prompt chunks (docs/performance.md): decodes run the same kernels as before.
 SGLang's `--enable-deterministic-inference` and vLLM's VLLM_BATCH_INVARIANT do this on GPUs only.
@@ -26,6 +27,7 @@ from torch import nn
 
 from banyan.attention.base import AttentionBackend
 from banyan.attention.cpu_native import CpuNativeBackend
+from banyan.layers.gemm_tiles import set_gemm_tiles
 from banyan.layers.linear import Linear
 
 FLAG = "enable_deterministic_inference"
@@ -46,4 +48,8 @@ def make_batch_invariant(model: nn.Module, backend: AttentionBackend) -> None:
                          "kernel; it needs the native kernels (float32 or bf16 on CPU)")
     for layer in linears:  # (before the layer stack is built: it reads them once)
         layer.method.make_batch_invariant(layer)
+    # The bf16 GEMM's AMX tiles take long steps only (layers/gemm_tiles.py), with other bits
+    # than a token gets alone: the vector loop at every size, for the whole process (one mode
+    # a process; a quantized model's route may have set the tiles)
+    set_gemm_tiles(0)
     backend.take_every_extend()
