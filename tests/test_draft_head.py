@@ -14,7 +14,7 @@ import torch
 from banyan import Engine, SamplingParams
 from banyan.batch import ForwardBatch
 from banyan.kernels import native
-from banyan.layers.linear import PairsBf16Method
+from banyan.layers.linear import PackedBf16Method, PairsBf16Method
 from banyan.runner.model_runner import ModelRunner
 from banyan.sampling.greedy import top_token_and_probability
 from banyan.spec import draft_head
@@ -89,8 +89,9 @@ def test_the_head_picks_what_the_plain_head_would(llama_dir: Path) -> None:
     assert sum(clear) > len(prompt) // 2
     assert got_p == pytest.approx(want_p, abs=0.05)
     plain = runner.model.lm_head
-    assert plain is not None  # the head's values out of its bf16 pairs: its own products
-    values = (plain.method.dequantized_weight(plain) if isinstance(plain.method, PairsBf16Method)
+    assert plain is not None  # the head's values out of its bf16 pairs or oneDNN's packed copy
+    values = (plain.method.dequantized_weight(plain)  # (AMX) as its own products give them
+              if isinstance(plain.method, PackedBf16Method | PairsBf16Method)
               else plain.weight.float())  # (a plain head where no pairs kernel runs: AVX2)
     with torch.inference_mode():
         assert torch.allclose(plain(hidden[:4]).float(), hidden[:4].float() @ values.T,

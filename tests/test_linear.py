@@ -40,6 +40,8 @@ def test_packed_method_same_result_and_bytes() -> None:
         layer.convert(PackedBf16Method())
         assert torch.equal(layer(x), want)
     assert not hasattr(layer, "weight") and layer.weight_bytes() == dense_bytes == 24 * 16 * 2
+    # the weight read back through the packed GEMM (the draft's head is made from it), bias aside
+    assert torch.equal(layer.method.dequantized_weight(layer), w.float())
 
 
 def test_model_weight_bytes_counts_each_weight_once() -> None:

@@ -135,6 +135,17 @@ class PackedBf16Method(LinearMethod):
     def weight_bytes(self, layer: Linear) -> int:
         return layer.out_features * layer.in_features * 2  # (bf16, packed or plain)
 
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        """The weight [N, K] (float32), as the quantized methods give theirs: read back through
+        the packed GEMM, where times the identity each output is one product, w * 1, so exact
+        (an untied head on AMX keeps only the packed copy: the draft's 4-bit head is made
+        from it)."""
+        if getattr(layer, "packed", None) is None:
+            return layer.weight.detach().float()
+        eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+        rows = torch.ops.mkldnn._linear_pointwise(eye, layer.packed, None, "none", [], "")
+        return rows.t().contiguous().float()
+
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this torch build packs weights of this dtype on this device."""

@@ -85,8 +85,9 @@ class DraftHead:
 
 
 def _head_values(model: LlamaForCausalLM, head: Linear | None) -> torch.Tensor | None:
-    """The head's values as float32 [V, K], or None where its method keeps none readable (an
-    untied oneDNN-packed head); a tied head without them is the embedding as loaded."""
+    """The head's values as float32 [V, K] (an oneDNN-packed head's read back through its
+    GEMM), or None where none are at hand; a tied head without them is the embedding as
+    loaded."""
     if head is not None:
         dequantized = getattr(head.method, "dequantized_weight", None)
         if dequantized is not None:
