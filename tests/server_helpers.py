@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,22 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from banyan.router.launch import free_port as launch_free_port
 from tests.http_client import HTTP
 
 START_TIMEOUT = 120.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this test run (banyan.router.launch's
+    free_port: a P/D test's decode worker, given the colocated server's port, failed to bind
+    while its health checks reached the other)."""
+    port = launch_free_port(taken=_HANDED_OUT)
+    _HANDED_OUT.add(port)
+    return port
 
 
 @dataclass

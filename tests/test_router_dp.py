@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from tests.router_helpers import start_processes, worker_states
@@ -48,3 +49,28 @@ def test_serve_dp(llama_dir: Path, tmp_path: Path) -> None:
             raise AssertionError(f"replica {url} still answers")
         except httpx.ConnectError:
             pass
+
+
+def test_replicas_get_distinct_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bind(0) can hand a just-closed port out again: free_port skips the ones already taken
+    (two replicas given one port: the later fails to bind, the earlier answers for both)."""
+    from banyan.router import launch
+
+    handed = iter([41000, 41000, 41000, 41001])
+
+    class OnePortAgain:
+        def __enter__(self) -> OnePortAgain:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(handed)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launch.socket, "socket", lambda *args: OnePortAgain())
+    first = launch.free_port()
+    assert (first, launch.free_port(taken=[first])) == (41000, 41001)

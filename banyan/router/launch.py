@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import httpx
@@ -96,10 +96,16 @@ def dataclass_argv(obj: Any) -> list[str]:
     return argv
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", taken: Collection[int] = ()) -> int:
+    """A port nothing is bound to now, not among `taken`: bind(0) hands a just-closed port out
+    again (two picks apart about once in 3,000 here), and of two servers given one port the
+    later fails to bind while the earlier answers its health checks."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def _parent_death_signal() -> Callable[[], None] | None:
@@ -155,9 +161,11 @@ def start_replicas(engine_args: EngineArgs, server_args: ServerArgs,
     import torch  # only to count GPUs: the router itself never touches a device
 
     devices = replica_devices(engine_args.device, dp, torch.cuda.device_count())
-    replicas = []
+    replicas: list[Replica] = []
+    ports: list[int] = []
     for i in range(dp):
-        port = free_port()
+        port = free_port(taken=ports)
+        ports.append(port)
         e = dataclasses.replace(engine_args, num_threads=per_replica, device=devices[i],
                                 disaggregation_mode=roles[i])
         s = dataclasses.replace(server_args, host="127.0.0.1", port=port, api_key=None)
