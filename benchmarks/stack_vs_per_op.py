@@ -5,13 +5,12 @@ in turn, round after round), on the dense bf16 folder of the default model and o
 blocks.
 
 The stack takes steps of up to 256 tokens (batch-1 and batched decodes, short chunks) where
-every projection has a native kernel it can call. On a CPU with AMX a dense bf16 model's
-steps of more than 16 tokens go to oneDNN's GEMM instead (`SkinnyBf16Method.takes_gemm`), so
-its batched decodes run the per-op path either way: this script says what that path costs a
-batched step on the CPU it runs on. On a CPU with AMX the dense model also runs a third engine,
-`--linear-kernel native` (GemmBf16Method: the pairs GEMM, on AMX tiles where they check out,
-for every step of up to 256 tokens, so in the stack): the A/B that says which should be the
-default there.
+every projection has a native kernel it can call. On the first AMX Xeon measured (2026-12-06,
+results/stack-vs-per-op-f6m207-amx-1206.json) a dense bf16 model's steps of more than 16 tokens
+still went to oneDNN's GEMM on AMX tiles, its head too, and a third engine ran
+`--linear-kernel native` (the pairs GEMM for every step of up to 256 tokens, on AMX tiles where
+they check out): batch-1 1.51x, random 64 even, so that is now `auto` there too and the two
+engines left are the same everywhere.
 
     python benchmarks/stack_vs_per_op.py [--rounds 3] [--out FILE]
 """
@@ -26,7 +25,6 @@ from banyan import Engine
 from banyan.bench.offline import (batch1, command_line, machine_info, run_workload,
                                    write_result)
 from banyan.bench.workloads import random_workload
-from banyan.kernels import native
 
 MODELS = {"dense bf16": "none", "default (GGUF Q4_1 blocks)": "auto"}  # -> --quantization
 DECODE_STEPS = 127  # random 64 x 128/128: the steps after the prefill's first token
@@ -34,10 +32,8 @@ DECODE_STEPS = 127  # random 64 x 128/128: the steps after the prefill's first t
 
 def engines(quantization: str) -> dict[str, Engine]:
     out = {}
-    if quantization == "none" and native.amx_here():  # (elsewhere the same as auto)
-        out["stack, --linear-kernel native"] = _engine(quantization, "native")
     for stack in (True, False):
-        engine = _engine(quantization, "auto")
+        engine = _engine(quantization)
         runner = engine.core.scheduler.runner.model_runner
         if runner.stack is None:  # (nothing to compare)
             for e in (engine, *out.values()):
@@ -49,9 +45,8 @@ def engines(quantization: str) -> dict[str, Engine]:
     return out
 
 
-def _engine(quantization: str, linear_kernel: str) -> Engine:
-    engine = Engine(None, dtype="bfloat16", quantization=quantization,
-                    linear_kernel=linear_kernel, kv_cache_memory="512MiB",
+def _engine(quantization: str) -> Engine:
+    engine = Engine(None, dtype="bfloat16", quantization=quantization, kv_cache_memory="512MiB",
                     max_running_requests=64, disable_tqdm=True)
     engine.core.populate_kv()  # (no engine faulting pages in beside another's run)
     return engine

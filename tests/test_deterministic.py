@@ -123,9 +123,9 @@ def test_tokens_and_logprobs_do_not_depend_on_the_schedule(wide_dir: Path, dtype
 @needs_kernels
 def test_an_amx_cpu_computes_what_others_do(wide_dir: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """On AMX CPUs dense bf16 layers keep plain weights for oneDNN (`takes_gemm`); the mode
-    stores the bf16 GEMM's pairs beside them, so every step runs that kernel there too, and the
-    tokens and logprobs are those of any other CPU with the kernels."""
+    """On an AMX CPU (its flag faked) every dense bf16 layer of the mode is in the bf16 GEMM's
+    pairs, every step through that kernel, and the tokens and logprobs are those of any other
+    CPU with the kernels; with the GEMM's tiles left on, the mode turns them off."""
     if not SkinnyBf16Method.suits_here():
         pytest.skip("no AVX512-BF16 here")
     prompts = prompts_1_to_300(4, seed=9)

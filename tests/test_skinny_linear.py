@@ -9,7 +9,7 @@ import torch
 
 from banyan.kernels import choices, native
 from banyan.layers.f32_linear import SkinnyF32Method
-from banyan.layers.linear import (GemmBf16Method, Linear, PackedBf16Method, PairsBf16Method,
+from banyan.layers.linear import (Linear, PackedBf16Method, PairsBf16Method,
                                   SkinnyBf16Method)
 from banyan.layers.linear_choice import CHOICE_RULE
 from banyan.layers.panels import pack_bf16_pairs
@@ -95,7 +95,7 @@ def test_the_bf16_method_keeps_the_plain_weight_for_few_tokens_at_an_odd_width()
 @pytest.mark.skipif(not _PACKS, reason="no oneDNN bf16 packing in this torch")
 def test_a_plain_bf16_weight_gives_each_token_of_a_check_its_bits_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the plain weight serves (AMX, odd widths), steps of up to 16 tokens (a speculative
+    """Where the plain weight serves (odd widths), steps of up to 16 tokens (a speculative
     check's) take the skinny kernel, whose tokens come out as each would alone: the check
     computes every token as its decode did."""
     if not SkinnyBf16Method.suits_here():
@@ -122,7 +122,7 @@ def test_a_bf16_layer_keeps_its_pairs_for_up_to_gemm_rows_tokens(with_bias: bool
     layer, packed = Linear.from_weight(weight, bias), Linear.from_weight(weight, bias)
     layer.convert(SkinnyBf16Method())
     packed.convert(PackedBf16Method())
-    if not SkinnyBf16Method.takes_gemm(layer):  # no vdpbf16ps here, or AMX: the plain weight
+    if not SkinnyBf16Method.takes_gemm(layer):  # no vdpbf16ps here: the plain weight
         assert torch.equal(layer.weight, weight) and not hasattr(layer, "pairs")
         return
     assert not hasattr(layer, "weight")  # the pairs replace the plain copy
@@ -222,9 +222,8 @@ def test_linear_kernel_choice_is_the_users_or_the_machines(llama_dir: object) ->
         runner = make_runner(llama_dir, dtype="bfloat16", linear_kernel="native")
         head = runner.model.tied_head or runner.model.lm_head  # outside the layer stack
         # one copy of the head: in the bf16 GEMM's pairs where its layers' steps take them
-        # (asked for by name, on AMX CPUs too: GemmBf16Method)
-        want = "PairsBf16Method" if GemmBf16Method.takes_gemm(head) else "PackedBf16Method"
-        assert _methods(runner) == {"GemmBf16Method", want}
+        want = "PairsBf16Method" if SkinnyBf16Method.takes_gemm(head) else "PackedBf16Method"
+        assert _methods(runner) == {"SkinnyBf16Method", want}
         assert type(head.method).__name__ == want
 
 

@@ -175,7 +175,7 @@ class SkinnyBf16Method(PackedBf16Method):
     native kernel on a second copy of the weight beside oneDNN's packed one, which is also what
     lets the layer stack run a bf16 model's decode steps in one native call. Where the bf16 GEMM
     kernel applies (`takes_gemm`), that copy is in the GEMM's pairs (pack_bf16_pairs) and every
-    step of up to GEMM_ROWS tokens runs it; elsewhere (an odd width, AMX) it is the plain weight,
+    step of up to GEMM_ROWS tokens runs it; elsewhere (an odd width) it is the plain weight,
     and steps of up to SKINNY_ROWS tokens run the skinny bf16 kernel. Both sum in float32 and
     round each output once, like oneDNN; wider steps take oneDNN's GEMM on the packed copy
     (F.linear on the plain one where oneDNN packs no bf16: Zen 1-3, asked for by name). `auto`
@@ -185,7 +185,7 @@ class SkinnyBf16Method(PackedBf16Method):
     # Up to 16 tokens on a plain weight (passes of 8 over the weights), each token's outputs the
     # bits it gets alone: a speculative check of up to 16 tokens then computes every token as
     # its decode did (oneDNN's GEMM rounds otherwise: its text parted from the plain text's at
-    # near-ties). The price where the plain weight serves (AMX CPUs, odd widths), measured on
+    # near-ties). The price where the plain weight serves (odd widths), measured on
     # Zen 5 before: 16 requests decoded ~5% slower than with oneDNN's packed GEMM alone (median
     # of 5 alternating runs, 466 vs 491 tok/s); at 8 the two were even; at 1 the stack is 2x.
     SKINNY_ROWS = native.EXACT_STEP_TOKENS
@@ -226,22 +226,17 @@ class SkinnyBf16Method(PackedBf16Method):
             return nn.functional.linear(x, layer.weight, layer.bias)
         return super().apply(layer, x)
 
-    def make_batch_invariant(self, layer: Linear) -> None:
-        """Also store the GEMM's pairs beside a plain weight where that kernel applies, so
-        every step takes it (on AMX CPUs `takes_gemm` leaves long steps to oneDNN: the other
-        invariant kernel would be the skinny one at every size)."""
-        if not hasattr(layer, "pairs") and native.bf16_gemm_applies(layer.in_features):
-            _store_pairs(layer, layer.weight.detach(), layer.bias)
-        super().make_batch_invariant(layer)
-
     @classmethod
     def takes_gemm(cls, layer: Linear) -> bool:
         """Whether the layer's steps of up to GEMM_ROWS tokens go through the bf16 GEMM kernel
         on its pairs (the one rule for `adopt`, and so for `apply` and the native layer stack):
-        where it runs on vdpbf16ps (an even width) and the CPU has no AMX (oneDNN's GEMM on AMX
-        tiles reached ~2,400 GFLOP/s on 2 cores of an AMX Xeon, #13: ~3x what vdpbf16ps gives;
-        unmeasured against this kernel there, so oneDNN keeps it unless GemmBf16Method)."""
-        return native.bf16_gemm_applies(layer.in_features) and not native.amx_here()
+        where it runs on vdpbf16ps (an even width), on CPUs with AMX too, its long steps' products
+        on AMX tiles where they check out (layers/gemm_tiles.py). Measured there against
+        oneDNN's GEMM on AMX tiles (Xeon family 6 model 207, 2026-12-06,
+        benchmarks/stack_vs_per_op.py, one process): batch-1 decode 1.51x (the head in pairs
+        too, so the stack picks greedy tokens and runs bursts of steps), random 64 x 128/128
+        even (13.3 vs 13.1 s, runs spread 10.7-15.2 s)."""
+        return native.bf16_gemm_applies(layer.in_features)
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -260,20 +255,6 @@ class SkinnyBf16Method(PackedBf16Method):
         of microseconds either way (a 3-run timing flipped between runs on Zen 5), while what
         the kernel buys is the layer stack, 55-59 -> 79-89 tok/s at batch 1 there."""
         return "avx512_bf16" in native.cpu_flags().split()
-
-
-class GemmBf16Method(SkinnyBf16Method):
-    """SkinnyBf16Method with the bf16 GEMM on its pairs for every step of up to GEMM_ROWS
-    tokens on a CPU with AMX too (`--linear-kernel native`; elsewhere the two are the same):
-    the layer stack then runs a dense bf16 model's batched decodes, which on the per-op path
-    beside oneDNN's GEMM pay ~5 ms a 64-row step of Python on Zen 5
-    (benchmarks/stack_vs_per_op.py), with the GEMM's products on AMX tiles where they check out
-    (layers/gemm_tiles.py). Longer steps keep oneDNN's GEMM. Asked for by name until an AMX
-    machine has measured it against `auto` (benchmarks/README.md's AMX list)."""
-
-    @classmethod
-    def takes_gemm(cls, layer: Linear) -> bool:
-        return native.bf16_gemm_applies(layer.in_features)
 
 
 class PairsBf16Method(LinearMethod):

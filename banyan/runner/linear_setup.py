@@ -13,7 +13,7 @@ from banyan.args import check_linear_kernel
 from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.gemm_tiles import gemm_tiles_route
 from banyan.layers.gguf_linear import repack_gguf_linears
-from banyan.layers.linear import (DenseMethod, GemmBf16Method, Linear, LinearMethod,
+from banyan.layers.linear import (DenseMethod, Linear, LinearMethod,
                                   PackedBf16Method, PairsBf16Method, SkinnyBf16Method,
                                   convert_linears)
 from banyan.layers.quant import check_quantization, quantized_method
@@ -66,8 +66,8 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     if issubclass(method, SkinnyBf16Method):  # the layer stack stops before the LM head:
         head = model.lm_head if model.lm_head is not None else model.tied_head  # one copy
         packs = PackedBf16Method.available(device, dtype)
-        if method is GemmBf16Method and not batch_invariant:  # (AMX: the GEMM's products
-            gemm_tiles_route(dtype)                                # on tiles where they pay)
+        if not batch_invariant:  # (AMX: the GEMM's long steps' products on tiles where they pay)
+            gemm_tiles_route(dtype)
         head.convert(PairsBf16Method() if method.takes_gemm(head)
                      else SkinnyBf16Method() if batch_invariant or not packs
                      else PackedBf16Method())
@@ -88,7 +88,7 @@ def _dense_method(model: LlamaForCausalLM, device: torch.device, dtype: torch.dt
     if linear_kernel == "native":
         if not runs:
             raise ValueError(_NATIVE_NEEDS)
-        return GemmBf16Method if skinny is SkinnyBf16Method else skinny
+        return skinny
     if linear_kernel != "auto" or not runs:
         chosen = False
     elif skinny is SkinnyBf16Method:
