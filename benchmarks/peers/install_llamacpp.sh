@@ -23,8 +23,8 @@ if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
   args="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2)"
   args+=" -DGGML_FMA=$(onoff fma) -DGGML_F16C=$(onoff f16c) -DGGML_AVX512=$(onoff avx512f)"
   args+=" -DGGML_AVX512_VNNI=$(onoff avx512_vnni) -DGGML_AVX512_BF16=$(onoff avx512_bf16)"
-  args+=" -DGGML_AMX_TILE=$(onoff amx_tile) -DGGML_AMX_INT8=$(onoff amx_int8)"
-  args+=" -DGGML_AMX_BF16=$(onoff amx_bf16)"
+  # (no GGML_AMX_*: built with them, llama.cpp died with SIGILL at its first forward on an AMX
+  # Xeon, family 6 model 207, 2026-12-06; PEERS.md's recipe for that Xeon leaves them off)
   echo "CMAKE_ARGS=$args"
   "$VENV/bin/python" -m pip install numpy
   CMAKE_ARGS="$args" "$VENV/bin/python" -m pip install --no-cache-dir "$SPEC"

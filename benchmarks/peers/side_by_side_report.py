@@ -112,8 +112,8 @@ def write_report(data: dict[str, Any]) -> str:
         lines += [f"| `{o['op']}` | {o['self_s']:.2f} | {o['share']:.0%} | {o['calls']} |"
                   for o in prof["top_ops"]]
         ops = prof.get("stack_ops") or {}
-        if ops:  # the one call above, split by its own timers
-            inside = sum(ops.values())
+        inside = sum(ops.values())
+        if inside > 0:  # the one call above, split by its own timers (none: the stack never ran)
             lines += ["", f"Inside `banyan::layer_stack` ({inside:.2f} s, its own timers): " +
                       ", ".join(f"{name} {sec:.2f} s ({sec / inside:.0%})" for name, sec in
                                 sorted(ops.items(), key=lambda kv: -kv[1])) + "."]
