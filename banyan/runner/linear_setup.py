@@ -35,8 +35,10 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     check_quantization(quantization, device, dtype,
                        [m.in_features for m in model.modules() if isinstance(m, Linear)])
     check_linear_kernel(linear_kernel)
-    if quantization != "none" and device.type == "cpu":  # their long steps' products on AMX
-        gemm_tiles_route(dtype)                             # tiles where they pay
+    # The bf16 GEMM's long steps (quantized weights, dense ones in its pairs) on AMX tiles where
+    # they pay; never in the deterministic mode (batch_invariant.py keeps them off)
+    if device.type == "cpu" and not batch_invariant:
+        gemm_tiles_route(dtype)
     if batch_invariant and quantization == "none" and linear_kernel == "auto":
         linear_kernel = "native"  # (torch's GEMMs: make_batch_invariant refuses them)
     if quantization == "gguf":
@@ -66,8 +68,6 @@ def convert_model_linears(model: LlamaForCausalLM, device: torch.device, dtype: 
     if issubclass(method, SkinnyBf16Method):  # the layer stack stops before the LM head:
         head = model.lm_head if model.lm_head is not None else model.tied_head  # one copy
         packs = PackedBf16Method.available(device, dtype)
-        if not batch_invariant:  # (AMX: the GEMM's long steps' products on tiles where they pay)
-            gemm_tiles_route(dtype)
         head.convert(PairsBf16Method() if method.takes_gemm(head)
                      else SkinnyBf16Method() if batch_invariant or not packs
                      else PackedBf16Method())
