@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from banyan.router.launch import free_port as launch_free_port
@@ -48,6 +49,10 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def openai(self) -> OpenAI:
+        """An OpenAI client of this server (no retries: a test sees each failure as it is)."""
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then SIGKILL of its process group if it does not exit in time; returns the

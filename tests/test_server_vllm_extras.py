@@ -25,7 +25,7 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return server.openai()
 
 
 PROMPT = "def main(): print('café 東京')"  # (tests/test_server.py's)
