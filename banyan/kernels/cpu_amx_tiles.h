@@ -44,6 +44,7 @@ struct SoftTiles {
 
     void begin() {}
     void end() {}
+    void shape(int) {}  // (every row of a tile is computed; the rows a caller reads are the same)
     template <int T>
     void zero() {
         std::memset(t[T], 0, sizeof t[T]);
@@ -109,6 +110,15 @@ struct AmxTiles {
         __asm__ volatile("sttilecfg %0" : "=m"(saved) : : "memory");  // (all zero if none)
         Config c;
         for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kTileRows;
+        __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
+    }
+    // Tiles 0, 1 (C) and 4 (A) of `m` rows from now (between begin() and end(); their
+    // contents are lost): a block of fewer than 16 rows multiplies and moves only its own, each
+    // output element by the same instructions (so the same bits).
+    void shape(int m) {
+        Config c;
+        for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kTileRows;
+        c.rows[0] = c.rows[1] = c.rows[4] = static_cast<uint8_t>(m);
         __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
     }
     void end() {

@@ -92,7 +92,8 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
     if (ts.kt.size() < static_cast<size_t>(block_words * (CHUNK / VBLK)))
         ts.kt.assign(block_words * (CHUNK / VBLK), 0u);  // (zeros: an odd last block's partner)
     ts.stage.resize(static_cast<size_t>(kTileBlock) * d);
-    const int padded = static_cast<int>(tile_rows(rows));
+    // (a block of up to 16 rows, a lone decode's few a KV head, runs on one A tile: 16 rows)
+    const int padded = rows <= kTileRows ? kTileRows : static_cast<int>(tile_rows(rows));
     const char* q = reinterpret_cast<const char*>(qraw);
     const char* kt = reinterpret_cast<const char*>(ts.kt.data());
     char* s = reinterpret_cast<char*>(sc.s.data());
@@ -100,6 +101,7 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
     char* stage = reinterpret_cast<char*>(ts.stage.data());
     const int64_t lds = CHUNK * 4, ldp = CHUNK / 2 * 4, ldq = 2 * d, ldv = 4 * d;
     prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, 2 * VBLK), kvh, h, d);
+    if (rows < kTileRows) tl.shape(rows);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int cn = static_cast<int>(std::min<int64_t>(CHUNK, n - c0));
         const int32_t* cs = slots + c0;
@@ -139,21 +141,19 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         // 3. each row's softmax over the keys it sees, as attend512's; its probabilities past
         // them zero up to the chunk's last tile of 16 pairs (the tiles multiply whole tiles)
         const int pair_tiles = ((cn + 1) / 2 + 15) / 16;
-        for (int r = 0; r < padded; ++r) {
+        for (int r = 0; r < rows; ++r) {  // (rows past the call's: their sums never read)
             uint32_t* pr = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
             int written = 0;
-            if (r < rows) {
-                const int rr = r0 + r;
-                int seen = cn;
-                if (causal) seen = static_cast<int>(std::min<int64_t>(cn, std::max<int64_t>(
-                                                                         0, sc.lim[rr] - c0)));
-                sc.vis[r] = seen;
-                if (seen > 0) {
-                    const int seen_blocks = (seen + VBLK - 1) / VBLK;
-                    chunk_softmax(sc, rr, sc.s.data() + static_cast<size_t>(r) * CHUNK, seen,
-                                  seen_blocks, scale, d, pr);
-                    written = seen_blocks * VBLK / 2;
-                }
+            const int rr = r0 + r;
+            int seen = cn;
+            if (causal) seen = static_cast<int>(std::min<int64_t>(cn, std::max<int64_t>(
+                                                                     0, sc.lim[rr] - c0)));
+            sc.vis[r] = seen;
+            if (seen > 0) {
+                const int seen_blocks = (seen + VBLK - 1) / VBLK;
+                chunk_softmax(sc, rr, sc.s.data() + static_cast<size_t>(r) * CHUNK, seen,
+                              seen_blocks, scale, d, pr);
+                written = seen_blocks * VBLK / 2;
             }
             std::fill(pr + written, pr + pair_tiles * 16, 0u);
         }
@@ -165,7 +165,6 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
             const int real = std::min(kTileBlock, rows - r);
             float* acc = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
             std::copy_n(acc, static_cast<size_t>(real) * d, ts.stage.data());
-            std::fill(ts.stage.begin() + static_cast<size_t>(real) * d, ts.stage.end(), 0.0f);
             for (int x0 = 0; x0 < d; x0 += 32) {
                 const char* a = pp + static_cast<int64_t>(r) * ldp;
                 if (real <= kTileRows)
@@ -178,6 +177,7 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
             std::copy_n(ts.stage.data(), static_cast<size_t>(real) * d, acc);
         }
     }
+    if (rows < kTileRows) tl.shape(kTileRows);
 }
 
 }  // namespace
