@@ -9,7 +9,10 @@ a fresh 2,048-token prefill, 256 tokens over 2,048 cached). Medians of --rounds 
 Build the other checkout's kernels (any Banyan call that loads them writes the library into
 ~/.cache/banyan/kernels, named by a hash of the sources), then:
 
-    python benchmarks/attention_ab.py A.so B.so [--rounds 41] [--out F]
+    python benchmarks/attention_ab.py A.so B.so [--rounds 41] [--out F] [--tiles]
+
+--tiles: the row kernel's products on AMX tiles in both builds (cpu_attend_tiles.h; a CPU with
+AMX); the int8 / fp8 pools' cases keep the vector loops (the tiles read bf16 pools only).
 """
 
 from __future__ import annotations
@@ -67,11 +70,16 @@ def cases() -> dict[str, Callable[[], None]]:
 
 
 def main() -> int:
-    ns = parse_args(__doc__, "1", 41)
+    ns = parse_args(__doc__, "1", 41, lambda ap: ap.add_argument(
+        "--tiles", action="store_true", help="both builds' row kernel on AMX tiles (bf16 pools)"))
     libs = native_libraries(ns.a, ns.b)
     load = native.load
     results = []
     try:
+        for lib in libs.values() if ns.tiles else ():  # (each library has its own mode)
+            native.load = lambda lib=lib: lib  # type: ignore[assignment]
+            if native.prefill_tiles() != 2 or native.set_decode_tiles(2) != 2:
+                raise SystemExit("--tiles: AMX tiles refused here")
         with torch.inference_mode():
             for name, run in cases().items():
                 seconds: dict[str, list[float]] = {"a": [], "b": []}
@@ -91,6 +99,7 @@ def main() -> int:
     if ns.out:
         ns.out.write_text(json.dumps({"command": ns.command,
                                       "machine": machine_info(), "rounds": ns.rounds,
+                                      "tiles": ns.tiles,
                                       "a": ns.a.name, "b": ns.b.name, "cases": results},
                                      indent=2) + "\n")
     return 0

@@ -10,11 +10,15 @@ Build the other checkout's kernels (any Banyan call that loads them writes the l
 kernel cache, ~/.cache/banyan/kernels, named by a hash of their sources), then:
 
     python benchmarks/bf16_gemm_ab.py A.so B.so [--tokens 64] [--rounds 150] [--out FILE] \
-        [--new-bits int8]
+        [--new-bits int8] [--tiles]
+
+--tiles: both builds' steps on AMX tiles (cpu_quant_gemm_tiles.h; a CPU with AMX, and --tokens
+over 16).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import statistics
@@ -26,7 +30,7 @@ import torch
 
 from banyan.bench.offline import machine_info
 from banyan.layers.linear import Linear, SkinnyBf16Method
-from banyan.layers.quant import BF16_GEMM_KINDS, Int4Method, Int8Method
+from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
 from two_builds import gemm_libraries, outputs_apart, parse_args  # (this script's folder)
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
@@ -56,12 +60,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def main() -> int:
-    ns = parse_args(__doc__, "64", 150, lambda ap: ap.add_argument(
-        "--new-bits", default="", help="a method whose outputs may differ between the builds"))
+    def more(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--new-bits", default="",
+                        help="a method whose outputs may differ between the builds")
+        ap.add_argument("--tiles", action="store_true",
+                        help="both builds' GEMM on AMX tiles (a CPU with AMX; steps > 16 tokens)")
+
+    ns = parse_args(__doc__, "64", 150, more)
     if len(ns.tokens) != 1:
         raise SystemExit("--tokens: one count here")
     ns.tokens = ns.tokens[0]
     libs = gemm_libraries(ns.a, ns.b)
+    for lib in libs.values() if ns.tiles else ():  # (each library has its own mode)
+        lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
+        lib.banyan_set_gemm_tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.banyan_set_gemm_tiles.restype = ctypes.c_int64
+        if lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS) != 2:
+            raise SystemExit("--tiles: AMX tiles refused here")
     torch.manual_seed(0)
     keep: list[Any] = []
     cases = {(shape, method): call_args(method, n, k, ns.tokens, keep)
@@ -99,7 +114,8 @@ def main() -> int:
     if ns.out:
         result = {"command": ns.command, "machine": machine_info(),
                   "tokens": ns.tokens, "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
-                  "new_bits": ns.new_bits, "largest_differences": differences, "cases": rows}
+                  "new_bits": ns.new_bits, "tiles": ns.tiles,
+                  "largest_differences": differences, "cases": rows}
         ns.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

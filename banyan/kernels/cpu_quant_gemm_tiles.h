@@ -84,17 +84,23 @@ void tile_pair(Tiles& tl, const char* a, int64_t lda, int64_t rows, const Panels
 template <typename Tiles>
 void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
+    // Groups of two panels, a thread's range whole groups: an odd group's panel would take as
+    // many tile products as two (tile_pair), and the products are what a step waits for.
+    constexpr int kGroup = 2;
+    static_assert(kGroup <= NP, "a group's panels fit a Panels");
     const int64_t K = w.K, panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
-    banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int64_t i, int64_t n) {
-        const int64_t a = panels * i / n, b = panels * (i + 1) / n;
+    const int64_t groups = (panels + kGroup - 1) / kGroup;
+    banyan_team::parallel_team(threads_for(groups, n_threads), [&](int64_t i, int64_t n) {
+        const int64_t a = groups * i / n * kGroup;
+        const int64_t b = std::min(panels, groups * (i + 1) / n * kGroup);
         auto* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * NP * 64));
         // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
         auto* pad = static_cast<uint16_t*>(std::aligned_alloc(64, 32 * K * sizeof(uint16_t)));
         alignas(64) float c[32 * 32];
         Tiles tl;
         tl.begin();
-        for (int64_t p0 = a; p0 < b; p0 += NP) {
-            const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
+        for (int64_t p0 = a; p0 < b; p0 += kGroup) {
+            const int np = static_cast<int>(std::min<int64_t>(kGroup, b - p0));
             if (w.kind != kBf16Pairs) fill_tile(w, p0, np, tile);
             const Panels group = panels_in(w, p0, np, tile);
             for (int64_t t0 = 0; t0 < T; t0 += 32) {
