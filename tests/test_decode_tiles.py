@@ -180,3 +180,13 @@ def test_the_first_tile_blocks_check_tells_a_fault_and_a_wrong_output() -> None:
     lib = native.load()
     assert lib is not None
     assert [lib.banyan_amx_check_plumbing(how) for how in (0, 1, 2)] == [4, 2, 3]
+
+
+def test_the_start_up_probes_time_their_paths_in_turns() -> None:
+    # (the VM's speed drifts 2-3x within minutes: one path's rounds all before the other's
+    # could crown the slower path)
+    calls: list[str] = []
+    fns = [lambda: calls.append("a"), lambda: calls.append("b")]
+    medians = prefill_choice.alternating_medians(fns, 4)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a"] * 2  # warm-ups, then turns
+    assert len(medians) == 2 and all(m >= 0 for m in medians)

@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from banyan.attention.native_plan import NativePlan, plan_native
-from banyan.attention.prefill_choice import median_seconds
+from banyan.attention.prefill_choice import alternating_medians
 from banyan.kernels import attention_kernels, native
 
 logger = logging.getLogger(__name__)
@@ -123,14 +123,17 @@ def decode_tiles_agree(kv_heads: int, head_dim: int, mode: int = 2) -> bool:
 def time_decode_paths(kv_heads: int, head_dim: int, mode: int = 2,
                       rounds: int = 5) -> tuple[float, float]:
     """Median seconds of a shared-prefix decode step (8 members over 1,024 keys + 100 own) plus
-    a step of 16 lone decodes over 200 keys, on the vector loops and in `mode`."""
+    a step of 16 lone decodes over 200 keys, on the vector loops and in `mode` (in turns)."""
     probes = (DecodeProbe.make(kv_heads, head_dim, 8, 1024, 100),
               DecodeProbe.make(kv_heads, head_dim, 16, 0, 200))
-    times = []
-    for m in (0, mode):
+
+    def step(m: int) -> None:
         with tiles_mode(m):
-            times.append(sum(median_seconds(p.run, rounds) for p in probes))
-    return times[0], times[1]
+            for p in probes:
+                p.run()
+
+    vector_s, tiles_s = alternating_medians([lambda: step(0), lambda: step(mode)], rounds)
+    return vector_s, tiles_s
 
 
 @cache

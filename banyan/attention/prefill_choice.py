@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -94,8 +94,7 @@ def time_prefill_paths(kv_heads: int, head_dim: int, dtype: torch.dtype,
     """Median seconds of one layer's causal attention over a fresh `tokens`-token prefill, on
     the native prefill kernel (its products on `tiles`) and on SDPA (nothing else running)."""
     probe = _Probe.make(kv_heads, head_dim, dtype, tokens, group)
-    return PrefillTimes(median_seconds(lambda: probe.kernel(tiles), rounds),
-                        median_seconds(probe.sdpa, rounds))
+    return PrefillTimes(*alternating_medians([lambda: probe.kernel(tiles), probe.sdpa], rounds))
 
 
 def tiles_agree(kv_heads: int, head_dim: int, tiles: int = 2, tokens: int = 300) -> bool:
@@ -148,11 +147,19 @@ def amx_refusal() -> str:
     return AMX_REFUSALS[lib.banyan_amx_state()]
 
 
-def median_seconds(fn: Callable[[], object], rounds: int) -> float:
-    fn()  # warm-up: first-call set-up (oneDNN's kernels are generated on first use)
-    seconds = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+def alternating_medians(fns: Sequence[Callable[[], object]], rounds: int) -> list[float]:
+    """Median seconds of each of `fns`, timed in turns (a round calls each once, every other
+    round in reverse order) after one warm-up call each (first-call set-up: oneDNN generates
+    its kernels on first use). In turns, since these VMs' speed moves 2-3x within minutes (an
+    AMX core's tile unit measured 11 and 32 ns a tdpbf16ps a few minutes apart): a probe timing
+    one path's rounds and then the other's could crown the slower path."""
+    for fn in fns:
         fn()
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
+    seconds: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            t0 = time.perf_counter()
+            fns[i]()
+            seconds[i].append(time.perf_counter() - t0)
+    return [statistics.median(s) for s in seconds]

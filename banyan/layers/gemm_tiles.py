@@ -21,7 +21,7 @@ from functools import cache
 import torch
 
 from banyan.attention.decode_tiles import ASK, tiles_mode
-from banyan.attention.prefill_choice import median_seconds
+from banyan.attention.prefill_choice import alternating_medians
 from banyan.kernels import native
 from banyan.layers.linear import Linear
 from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
@@ -72,15 +72,17 @@ def gemm_tiles_agree(mode: int = 2) -> bool:
 
 def time_gemm_paths(mode: int = 2, rounds: int = 5) -> tuple[float, float]:
     """Median seconds of a PROBE_TOKENS-token step through the probe layers, on the vector
-    loop and in `mode`."""
+    loop and in `mode` (in turns)."""
     layers = _probe_layers()
     x = torch.randn(PROBE_TOKENS, PROBE_SHAPE[1]).bfloat16()
-    times = []
-    for m in (0, mode):
+
+    def step(m: int) -> None:
         with tiles_mode(m, set_gemm_tiles), torch.inference_mode():
-            times.append(sum(median_seconds(lambda layer=layer: layer(x), rounds)
-                             for layer in layers))
-    return times[0], times[1]
+            for layer in layers:
+                layer(x)
+
+    vector_s, tiles_s = alternating_medians([lambda: step(0), lambda: step(mode)], rounds)
+    return vector_s, tiles_s
 
 
 @cache

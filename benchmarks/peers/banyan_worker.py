@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ def main() -> None:
     ns = parser.parse_args()
 
     def load() -> tuple[dict[str, Any], Any]:
+        # the engine's start-up verdicts (the AMX tile routes' probes, the linear methods) into
+        # the worker's log: one probe decides a path for the whole run
+        logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("banyan").setLevel(logging.INFO)
         from banyan.bench.offline import machine_info, memory_bandwidth_gbs, run_workload
         from banyan.bench.workloads import from_prompts
         from banyan.engine import Engine
