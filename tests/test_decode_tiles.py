@@ -16,6 +16,7 @@ from banyan.attention.decode_tiles import (
     ASK,
     DecodeProbe,
     decode_tiles_agree,
+    keeps_tiles,
     outputs_in_mode,
     tile_modes_here,
     tiles_mode,
@@ -190,3 +191,10 @@ def test_the_start_up_probes_time_their_paths_in_turns() -> None:
     medians = prefill_choice.alternating_medians(fns, 4)
     assert calls == ["a", "b"] + ["a", "b", "b", "a"] * 2  # warm-ups, then turns
     assert len(medians) == 2 and all(m >= 0 for m in medians)
+
+
+def test_a_probe_keeps_the_tiles_unless_the_vector_loops_are_clearly_faster() -> None:
+    assert keeps_tiles(0.02399, 0.02399)  # a tie: both paths time-sliced by other processes
+    assert keeps_tiles(2.07e-3, 0.62e-3)  # the GEMM probe on an idle AMX Xeon
+    assert keeps_tiles(1.0, 1.05)  # within the margin
+    assert not keeps_tiles(0.5, 1.0)  # a CPU whose tiles are slow

@@ -10,7 +10,8 @@ ones keep the bits a token gets alone); one mode a process.
 Taken only once measured, as the attention kernels' tiles are (attention/decode_tiles.py): the
 real tiles' output must match the vector loop's on random weights and inputs (bf16 rounding
 apart), then a 64-token step of an int4 and an int8 layer of SmolLM2's gate/up shape is timed
-both ways, and tiles stay only where they take under TILES_MARGIN of the vector loop's time.
+both ways, in turns, and tiles stay unless the vector loop measured clearly faster
+(decode_tiles.keeps_tiles).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import cache
 
 import torch
 
-from banyan.attention.decode_tiles import ASK, tiles_mode
+from banyan.attention.decode_tiles import ASK, keeps_tiles, tiles_mode
 from banyan.attention.prefill_choice import alternating_medians
 from banyan.kernels import native
 from banyan.layers.linear import Linear
@@ -28,7 +29,6 @@ from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
 
 logger = logging.getLogger(__name__)
 
-TILES_MARGIN = 0.95  # tiles kept where the probe steps take under 95% of the vector loop's time
 PROBE_SHAPE = (1536, 576)  # (out, in): one half of SmolLM2's gate/up
 PROBE_TOKENS = 64  # a batched decode step (random 64 x 128/128's)
 
@@ -99,7 +99,7 @@ def gemm_tiles_route(dtype: torch.dtype) -> int:
                        "not used")
         return set_gemm_tiles(0)
     vector_s, tiles_s = time_gemm_paths()
-    mode = 2 if tiles_s < TILES_MARGIN * vector_s else 0
+    mode = 2 if keeps_tiles(vector_s, tiles_s) else 0
     logger.info("quantized GEMM on AMX tiles: checked; %d-token steps of an int4 and an int8 "
                 "layer took %.2f ms on tiles, %.2f ms on the vector loop: %s", PROBE_TOKENS,
                 tiles_s * 1e3, vector_s * 1e3, "tiles in use" if mode else "vector loop kept")

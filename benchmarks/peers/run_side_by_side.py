@@ -149,10 +149,12 @@ def main() -> int:
                          out_dir / "logs" / f"{stem}-{e}.log") for e in needed}
     runs: list[dict[str, Any]] = []
     try:
-        for w in workers.values():  # all at once: start-up is not measured
+        # One after another, each on an idle machine as a user's start-up would be: an engine
+        # times its paths at start-up (Banyan's AMX tile probes), and a probe run while a peer
+        # loaded beside it kept a path ~5x slower for the whole run (2026-12-06, AMX Xeon).
+        for w in workers.values():
             w.start({**thread_env(ns.kv_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "TOKENIZERS_PARALLELISM": "false"})
-        for w in workers.values():
             ok = w.wait_ready(ns.start_timeout)
             print(f"{w.name}: " + (f"ready in {w.ready['startup_s']:.0f} s" if ok
                                    else f"FAILED to start: {w.error}"), flush=True)
