@@ -12,7 +12,7 @@ keys, decoded alone, grouped or checked; the tile path's bits differ from the ve
 Taken only once measured: the real tiles' output must match the vector loops' on random inputs
 (bf16 rounding apart), then a shared-prefix decode step (the case tiles are for) and a step of
 lone decodes (memory-bound: must not lose) are timed on both paths in turns, and tiles stay
-unless the vector loops take the two steps in under VECTOR_MARGIN of the tiles' time.
+unless the vector loops take the two steps clearly faster (keeps_tiles).
 """
 
 from __future__ import annotations
@@ -26,22 +26,17 @@ from functools import cache
 import torch
 
 from banyan.attention.native_plan import NativePlan, plan_native
-from banyan.attention.prefill_choice import alternating_medians
+from banyan.attention.prefill_choice import alternating_medians, clearly_faster
 from banyan.kernels import attention_kernels, native
 
 logger = logging.getLogger(__name__)
 
-# The vector loops win a probe only where they take under this share of the tiles' time: a
-# tie keeps the tiles. A probe run while other processes time-slice the cores (a benchmark's
-# peers starting beside the engine) measured both paths at the same 23.99 ms, and the vector
-# loop kept that way ran the whole run's batched GEMMs at ~5x their time on tiles.
-VECTOR_MARGIN = 0.9
-
 
 def keeps_tiles(vector_s: float, tiles_s: float) -> bool:
-    """A start-up probe's verdict (this module's, layers/gemm_tiles.py's): the tiles stay
-    unless the vector loops measured clearly faster."""
-    return not vector_s < VECTOR_MARGIN * tiles_s
+    """A tile route's verdict (this module's, layers/gemm_tiles.py's): the tiles stay unless the
+    vector loops measured clearly faster (prefill_choice.clearly_faster: a tie keeps them)."""
+    return not clearly_faster(vector_s, tiles_s)
+
 
 PROBE_GROUP = 3  # query heads per KV head in the probes (SmolLM2's)
 

@@ -93,7 +93,10 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
     banyan_team::parallel_team(threads_for(groups, n_threads), [&](int64_t i, int64_t n) {
         const int64_t a = groups * i / n * kGroup;
         const int64_t b = std::min(panels, groups * (i + 1) / n * kGroup);
-        auto* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * NP * 64));
+        // (a group's dequantized panels; none for pairs read in place)
+        auto* tile = w.kind == kBf16Pairs
+                         ? nullptr
+                         : static_cast<__m512i*>(std::aligned_alloc(64, pairs * kGroup * 64));
         // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
         auto* pad = static_cast<uint16_t*>(std::aligned_alloc(64, 32 * K * sizeof(uint16_t)));
         alignas(64) float c[32 * 32];
