@@ -4,7 +4,8 @@ these VMs' speed, 20-40% between runs, hits both alike), on SmolLM2-135M's heads
 (random 64 x 192 keys, shared-prefix 8 x 8 over 1,024 + 100), benchmarks/kv_quant.py's 64 x
 256 over int8 / fp8 pools, one request's lone decode and 13-token speculative check over 100 /
 300 / 1,000 keys (batch 1), and one layer of the prefill kernel (benchmarks/prefill_attention.py:
-a fresh 2,048-token prefill, 256 tokens over 2,048 cached). Medians of --rounds calls.
+a fresh 2,048-token prefill, 256 tokens over 2,048 cached, 64 over 1,024 as in shared-prefix).
+Medians of --rounds calls.
 
 Build the other checkout's kernels (any Banyan call that loads them writes the library into
 ~/.cache/banyan/kernels, named by a hash of the sources), then:
@@ -12,7 +13,8 @@ Build the other checkout's kernels (any Banyan call that loads them writes the l
     python benchmarks/attention_ab.py A.so B.so [--rounds 41] [--out F] [--tiles]
 
 --tiles: the row kernel's products on AMX tiles in both builds (cpu_attend_tiles.h; a CPU with
-AMX); the int8 / fp8 pools' cases keep the vector loops (the tiles read bf16 pools only).
+AMX); the int8 / fp8 pools' cases keep the vector loops (the tiles read bf16 pools only); the
+prefill cases run the prefill kernel's tile path (cpu_prefill_tiles.h), its pair path without.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def lone(keys: int, tokens: int) -> Callable[[], None]:
     return run
 
 
-def cases() -> dict[str, Callable[[], None]]:
+def cases(tiles: bool) -> dict[str, Callable[[], None]]:
     random_rows, shared_rows = workload_rows()
     out = {"64 decodes x 192 keys": decode_step(random_rows, torch.bfloat16)[0],
            "shared-prefix 8 x 8, 1024 + 100": decode_step(shared_rows, torch.bfloat16)[0]}
@@ -63,9 +65,9 @@ def cases() -> dict[str, Callable[[], None]]:
     for keys in (100, 300, 1000):
         out[f"lone decode, {keys} keys"] = lone(keys, 1)
         out[f"13-token check, {keys} keys"] = lone(keys, 13)
-    for prefix, n in ((0, 2048), (2048, 256)):  # the prefill kernel, one layer
+    for prefix, n in ((0, 2048), (2048, 256), (1024, 64)):  # the prefill kernel, one layer
         out[f"prefill {n} over {prefix}, 1 layer"] = prefill_case(
-            prefix, n, torch.bfloat16)["prefill_kernel"]
+            prefix, n, torch.bfloat16)["prefill_tiles" if tiles else "prefill_kernel"]
     return out
 
 
@@ -81,7 +83,7 @@ def main() -> int:
             if native.prefill_tiles() != 2 or native.set_decode_tiles(2) != 2:
                 raise SystemExit("--tiles: AMX tiles refused here")
         with torch.inference_mode():
-            for name, run in cases().items():
+            for name, run in cases(ns.tiles).items():
                 seconds: dict[str, list[float]] = {"a": [], "b": []}
                 for r in range(ns.rounds):
                     for lib in ("a", "b") if r % 2 == 0 else ("b", "a"):

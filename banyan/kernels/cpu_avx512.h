@@ -54,6 +54,22 @@ inline __m512 exp2_nonpos512(__m512 t) {
     return _mm512_scalef_ps(y, n);
 }
 
+// 2^t where the result is rounded to bf16 next (the prefill kernel's probabilities, which its
+// P V products take as bf16 pairs): a degree-3 polynomial for 2^f (relative error under 7.5e-5,
+// 2^-13.7, well inside bf16's half unit of 2^-9; fitted to 2^f on [-0.5, 0.5]) and no clamps,
+// six operations to exp2_nonpos512's nine (the softmax, not the tile products, bounds a
+// prefill on AMX). t must be finite or its lane masked after: -inf gives NaN, not 0; a t far
+// below -126 gives 0 through vscalefps; t above 0 (the tiles' lazy maxima) is as exact.
+inline __m512 exp2_bf16_512(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(5.5171515793e-2f), f,
+                               _mm512_set1_ps(2.4261076748e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9326096773e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9992811680e-1f));
+    return _mm512_scalef_ps(y, n);
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

@@ -24,6 +24,7 @@ constexpr int VLEN = 8;  // AVX2 (and the SSE / portable builds: GCC splits the 
 #endif
 constexpr int NV = 2 * VLEN;  // the vector width of a tile: rows of S^T, columns of O
 constexpr int BK = 64;        // keys per block
+constexpr float kLog2e = 1.44269504088896341f;  // the softmax's exponentials in base 2
 
 // Both always inlined: the softmax's `omp simd` loops call them per lane, and an out-of-line
 // call leaves those loops scalar. (GCC stopped inlining exp_nonpos_fma into attend_pairs when

@@ -74,33 +74,35 @@ void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* q
     });
 }
 
-// softmax_block's update of rows [0, rp) for the pair path, each probability in one fused
-// step from its score s and its row's new maximum m, 2^(s log2(e) - m log2(e)) (exp2_nonpos512:
-// nine operations where exp_nonpos_fma takes seventeen), written straight into pp as bf16
+// softmax_block's update of rows [r0, r1) for the pair path, each probability in one fused
+// step from its score s and its row's new maximum m, 2^(s mul - m log2(e)) (mul: log2(e) for
+// scores stored scaled, the scale x log2(e) for raw ones; exp2_bf16_512: six operations where
+// exp_nonpos_fma takes seventeen, its error far below the bf16 rounding), written into pp as bf16
 // pairs of keys, pp[q][r] = (bf16(p[2q][r] vmul[2q]), bf16(p[2q + 1][r] vmul[2q + 1])) (vmul:
 // a quantized pool's value scales, as the row kernel applies them, or null for 1; a lone last
 // key pairs with a probability of 0), with no float copy of them stored and read back. (A
 // separate softmax and packing pass: ~20% of a 2,048-token prefill's attention on Zen 5.)
+// kCausal (the diagonal blocks): keys past a row's limit get 0, whatever their scores; the
+// caller merged the maxima of the keys each row sees first (mask_block, or the tiles' pass).
 template <bool kCausal>
-inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul) {
-    if constexpr (kCausal) mask_block(b, k0, nk);
+inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul, float mul,
+                          int64_t r0, int64_t r1) {
     const int64_t rp = b.rp;
     const float* st = b.st.data();
     uint32_t* pp = b.pp.data();  // (b's members reloaded after every store otherwise)
-    constexpr float kLog2e = 1.44269504088896341f;
-    const __m512 log2e = _mm512_set1_ps(kLog2e);
-    for (int64_t r = 0; r < rp; r += 16) {
+    const __m512 smul = _mm512_set1_ps(mul);
+    for (int64_t r = r0; r < r1; r += 16) {
         const __m512 off = _mm512_mul_ps(_mm512_loadu_ps(&b.corr[r]), _mm512_set1_ps(-kLog2e));
         const __m512i lim = _mm512_loadu_si512(&b.lim[r]);
-        __m512 sum = _mm512_setzero_ps();
-        auto prob = [&](int64_t j) {  // keys past a row's limit: 0 (exp2 clamps, never 0)
-            __m512 p = exp2_nonpos512(_mm512_fmadd_ps(_mm512_loadu_ps(st + j * rp + r), log2e,
-                                                      off));
+        __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // even, odd keys
+        auto prob = [&](int64_t j) {  // keys past a row's limit: 0 (their -inf: NaN there)
+            __m512 p = exp2_bf16_512(_mm512_fmadd_ps(_mm512_loadu_ps(st + j * rp + r), smul,
+                                                     off));
             if constexpr (kCausal)
                 p = _mm512_maskz_mov_ps(
                     _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + j)), lim),
                     p);
-            sum = _mm512_add_ps(sum, p);
+            sum[j % 2] = _mm512_add_ps(sum[j % 2], p);
             return vmul ? _mm512_mul_ps(p, _mm512_set1_ps(vmul[j])) : p;
         };
         for (int64_t q = 0; q < (nk + 1) / 2; ++q) {
@@ -108,8 +110,8 @@ inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul)
             const __m512 pb = 2 * q + 1 < nk ? prob(2 * q + 1) : _mm512_setzero_ps();
             _mm512_storeu_si512(pp + q * rp + r, pair_bf16(pa, pb));
         }
-        alignas(64) float sums[16];
-        _mm512_store_ps(sums, sum);
+        alignas(64) float sums[16];  // (two chains of adds: one waited on the other's latency)
+        _mm512_store_ps(sums, _mm512_add_ps(sum[0], sum[1]));
         for (int i = 0; i < 16; ++i) move_max(b, r + i, sums[i]);
     }
 }
@@ -274,10 +276,12 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
                 qk_pairs_tiles<true>(nk, b.kb16.data(), d, &b.qp[r0], rp, scale,
                                      kCodes ? kmul : nullptr, &b.st[r0], rp, &b.corr[r0]);
         }
-        if (masked)
-            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr);
-        else
-            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr);
+        if (masked) {
+            mask_block(b, k0, nk);
+            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr, kLog2e, 0, rp);
+        } else {
+            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr, kLog2e, 0, rp);
+        }
         const int64_t pairs = (nk + 1) / 2;
         if (d % 64 == 0)
             for (int64_t c0 = 0; c0 < d; c0 += 64)
