@@ -170,9 +170,11 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
     const __m512 mul = _mm512_set1_ps(scale * kLog2e), off = _mm512_set1_ps(-mx * kLog2e);
     __m512 sum = _mm512_setzero_ps();
     for (int v = 0; v < blocks; ++v) {
-        // keys past the row's last: probability 0
-        const __m512 p = _mm512_maskz_mov_ps(
-            live(v), exp2_nonpos512(_mm512_fmadd_ps(_mm512_loadu_ps(sr + v * VBLK), mul, off)));
+        // keys past the row's last: probability 0 (probabilities rounded to bf16 next take
+        // the short exp2, any lane past the last masked whatever it holds)
+        const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(sr + v * VBLK), mul, off);
+        const __m512 p = _mm512_maskz_mov_ps(live(v), pp != nullptr ? exp2_bf16_512(t)
+                                                                    : exp2_nonpos512(t));
         sum = _mm512_add_ps(sum, p);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (pp != nullptr) {  // probabilities rounded to bf16 for the PV products, as bf16 does
