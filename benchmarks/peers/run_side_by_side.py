@@ -282,12 +282,16 @@ def _timed_run(w: Worker, engine: str, suite: Suite, rep: int, timeout: float,
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """suite -> engine -> medians over the successful runs (and the spread)."""
+    """suite -> engine -> medians over the successful runs (and the spread), and Banyan's
+    output tokens/s over each other engine's run by run (repetition r of each: run minutes
+    apart, not hours, so a drift of the machine's speed, 2x within minutes on the AMX VMs, hits
+    both sides of a pair alike) with their median."""
     out: dict[str, dict[str, Any]] = {}
     for r in runs:
         out.setdefault(r["suite"], {}).setdefault(r["engine"], []).append(r)
     for by_engine in out.values():
-        for engine, rs in by_engine.items():
+        by_rep = {engine: list(rs) for engine, rs in by_engine.items()}
+        for engine, rs in by_rep.items():
             ok = [r for r in rs if r["ok"]]
             entry: dict[str, Any] = {"runs": len(rs), "ok": len(ok)}
             if ok:
@@ -303,6 +307,13 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 if decode:
                     entry["decode_tok_s"] = statistics.median(decode)
             by_engine[engine] = entry
+        base = {r["rep"]: r["output_tok_s"] for r in by_rep.get("banyan", []) if r["ok"]}
+        for engine, entry in by_engine.items():
+            ratios = [base[r["rep"]] / r["output_tok_s"] for r in by_rep[engine]
+                      if engine != "banyan" and r["ok"] and r["rep"] in base]
+            if ratios:
+                entry["paired_ratios"] = [round(x, 3) for x in ratios]
+                entry["paired_ratio_median"] = statistics.median(ratios)
     return out
 
 

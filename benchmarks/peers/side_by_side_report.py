@@ -19,6 +19,14 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _paired(entry: dict[str, Any]) -> str:
+    """Banyan over the engine repetition by repetition, e.g. `1.26 / 0.83 / 1.16 (1.16×)`."""
+    ratios = entry.get("paired_ratios")
+    if not ratios:
+        return "—"
+    return " / ".join(f"{x:.2f}" for x in ratios) + f" ({entry['paired_ratio_median']:.2f}×)"
+
+
 def _split_line(entry: dict[str, Any]) -> str:
     split = entry.get("median_run", {}).get("step_split")
     if not split:
@@ -71,18 +79,19 @@ def write_report(data: dict[str, Any]) -> str:
                   (f"{suite['requests']} request(s), {suite['prompt_tokens']} prompt tokens "
                    f"({suite['reusable_tokens']} reusable by a perfect prefix cache)."), "",
                   ("| engine | runs | median s | output tok/s (median) | range | Banyan ÷ engine "
-                   "| cached tokens | idle workers' CPU-s |"),
-                  "|---|---|---|---|---|---|---|---|"]
+                   "| run by run (median) | cached tokens | idle workers' CPU-s |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for engine, e in entries.items():
             if not e["ok"]:
                 lines.append(f"| {NAMES.get(engine, engine)} | 0 of {e['runs']} | failed | | | "
-                             "| | |")
+                             "| | | |")
                 continue
             ratio = base / e["output_tok_s"] if base and engine != "banyan" else None
             lines.append(
                 f"| {NAMES.get(engine, engine)} | {e['ok']} | {e['elapsed_s']:.2f} "
                 f"| {e['output_tok_s']:.1f} | {e['min_tok_s']:.1f}-{e['max_tok_s']:.1f} "
                 f"| {_f(ratio, '.2f') + '×' if ratio else '—'} "
+                f"| {_paired(e)} "
                 "| "
                 f"{_f(e.get('cached_tokens'), 'd') if e.get('cached_tokens') is not None else '—'} "
                 f"| {e['background_cpu_s']:.1f} |")
