@@ -35,39 +35,40 @@ inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
 
-// 2^t for t <= 0 (t clamped to [-126, 0]: below, 2^-126 instead of ~0, as exp512's clamp at -87
-// leaves ~1e-38): t's nearest integer n and its fraction f in [-0.5, 0.5], 2^f by a degree-5
-// polynomial (relative error under 2e-7, fitted to 2^f on that interval), times 2^n by one
-// vscalefps. Nine operations where exp512 takes seventeen (its reduction in natural
-// logarithms, its power of two built by integer shifts): the attention's softmax calls it for
-// every score (cpu_attend512.h).
-inline __m512 exp2_nonpos512(__m512 t) {
-    t = _mm512_max_ps(_mm512_min_ps(t, _mm512_setzero_ps()), _mm512_set1_ps(-126.0f));
+// 2^t as t's nearest integer n and its fraction f in [-0.5, 0.5]: 2^f by a polynomial in f
+// (coefficients from the highest degree down, each step one fused multiply-add), times 2^n by
+// one vscalefps. The two exp2s below differ only in their clamps and polynomial.
+template <int N>
+inline __m512 exp2_poly512(__m512 t, const float (&c)[N]) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.3276429381e-3f), f,
-                               _mm512_set1_ps(9.6755335107e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5507134646e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022120237e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314694405e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0000001192e+0f));
+    __m512 y = _mm512_set1_ps(c[0]);
+    for (int k = 1; k < N; ++k) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(c[k]));
     return _mm512_scalef_ps(y, n);
 }
 
-// 2^t where the result is rounded to bf16 next (the prefill kernel's probabilities, which its
-// P V products take as bf16 pairs): a degree-3 polynomial for 2^f (relative error under 7.5e-5,
+// 2^t for t <= 0 (t clamped to [-126, 0]: below, 2^-126 instead of ~0, as exp512's clamp at -87
+// leaves ~1e-38): 2^f by a degree-5 polynomial (relative error under 2e-7, fitted to 2^f on
+// [-0.5, 0.5]). Nine operations where exp512 takes seventeen (its reduction in natural
+// logarithms, its power of two built by integer shifts): the attention's softmax calls it for
+// every score (cpu_attend512.h).
+inline __m512 exp2_nonpos512(__m512 t) {
+    static constexpr float kDegree5[] = {1.3276429381e-3f, 9.6755335107e-3f, 5.5507134646e-2f,
+                                         2.4022120237e-1f, 6.9314694405e-1f, 1.0000001192e+0f};
+    t = _mm512_max_ps(_mm512_min_ps(t, _mm512_setzero_ps()), _mm512_set1_ps(-126.0f));
+    return exp2_poly512(t, kDegree5);
+}
+
+// 2^t where the result is rounded to bf16 next (the softmaxes' probabilities that P V
+// products take as bf16 pairs): a degree-3 polynomial for 2^f (relative error under 7.5e-5,
 // 2^-13.7, well inside bf16's half unit of 2^-9; fitted to 2^f on [-0.5, 0.5]) and no clamps,
 // six operations to exp2_nonpos512's nine (the softmax, not the tile products, bounds a
 // prefill on AMX). t must be finite or its lane masked after: -inf gives NaN, not 0; a t far
 // below -126 gives 0 through vscalefps; t above 0 (the tiles' lazy maxima) is as exact.
 inline __m512 exp2_bf16_512(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(5.5171515793e-2f), f,
-                               _mm512_set1_ps(2.4261076748e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9326096773e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9992811680e-1f));
-    return _mm512_scalef_ps(y, n);
+    static constexpr float kDegree3[] = {5.5171515793e-2f, 2.4261076748e-1f, 6.9326096773e-1f,
+                                         9.9992811680e-1f};
+    return exp2_poly512(t, kDegree3);
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
