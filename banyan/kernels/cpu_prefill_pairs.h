@@ -74,7 +74,7 @@ void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* q
     });
 }
 
-// softmax_block's update of rows [r0, r1) for the pair path, each probability in one fused
+// softmax_block's update of rows [0, rp) for the pair path, each probability in one fused
 // step from its score s and its row's new maximum m, 2^(s mul - m log2(e)) (mul: log2(e) for
 // scores stored scaled, the scale x log2(e) for raw ones; exp2_bf16_512: six operations where
 // exp_nonpos_fma takes seventeen, its error far below the bf16 rounding), written into pp as bf16
@@ -85,13 +85,12 @@ void qk_pairs_tiles(int64_t nk, const uint16_t* kb, int64_t d, const uint32_t* q
 // kCausal (the diagonal blocks): keys past a row's limit get 0, whatever their scores; the
 // caller merged the maxima of the keys each row sees first (mask_block, or the tiles' pass).
 template <bool kCausal>
-inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul, float mul,
-                          int64_t r0, int64_t r1) {
+inline void softmax_pairs(Buffers& b, int64_t k0, int64_t nk, const float* vmul, float mul) {
     const int64_t rp = b.rp;
     const float* st = b.st.data();
     uint32_t* pp = b.pp.data();  // (b's members reloaded after every store otherwise)
     const __m512 smul = _mm512_set1_ps(mul);
-    for (int64_t r = r0; r < r1; r += 16) {
+    for (int64_t r = 0; r < rp; r += 16) {
         const __m512 off = _mm512_mul_ps(_mm512_loadu_ps(&b.corr[r]), _mm512_set1_ps(-kLog2e));
         const __m512i lim = _mm512_loadu_si512(&b.lim[r]);
         __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // even, odd keys
@@ -278,9 +277,9 @@ inline void attend_pairs(Buffers& b, int64_t rows, const P* kpool, const P* vpoo
         }
         if (masked) {
             mask_block(b, k0, nk);
-            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr, kLog2e, 0, rp);
+            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr, kLog2e);
         } else {
-            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr, kLog2e, 0, rp);
+            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr, kLog2e);
         }
         const int64_t pairs = (nk + 1) / 2;
         if (d % 64 == 0)

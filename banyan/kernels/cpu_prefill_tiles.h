@@ -124,9 +124,9 @@ inline void attend_tiles(Tiles& tl, Buffers& b, const P* kpool, const P* vpool,
         block_maxima(b, k0, nk, masked, scale, kCodes ? kmul : nullptr);
         const float mul = kCodes ? kLog2e : scale * kLog2e;  // (raw scores: the scale in it)
         if (masked)
-            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr, mul, 0, rp);
+            softmax_pairs<true>(b, k0, nk, kCodes ? vmul : nullptr, mul);
         else
-            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr, mul, 0, rp);
+            softmax_pairs<false>(b, k0, nk, kCodes ? vmul : nullptr, mul);
         // O^T = O^T x corr + V^T P^T (pairs past the block's: zeros in vt; pp's rows there
         // are finite, from earlier blocks, and meet those zeros); rows whose maximum held
         // (corr 1: most rows after the first blocks) keep O^T as it is

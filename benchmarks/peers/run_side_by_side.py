@@ -290,8 +290,8 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for r in runs:
         out.setdefault(r["suite"], {}).setdefault(r["engine"], []).append(r)
     for by_engine in out.values():
-        by_rep = {engine: list(rs) for engine, rs in by_engine.items()}
-        for engine, rs in by_rep.items():
+        runs_of = dict(by_engine)  # (by_engine's lists give way to the summaries below)
+        for engine, rs in runs_of.items():
             ok = [r for r in rs if r["ok"]]
             entry: dict[str, Any] = {"runs": len(rs), "ok": len(ok)}
             if ok:
@@ -307,11 +307,11 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 if decode:
                     entry["decode_tok_s"] = statistics.median(decode)
             by_engine[engine] = entry
-        base = {r["rep"]: r["output_tok_s"] for r in by_rep.get("banyan", []) if r["ok"]}
+        base = {r["rep"]: r["output_tok_s"] for r in runs_of.get("banyan", []) if r["ok"]}
         for engine, entry in by_engine.items():
-            ratios = [base[r["rep"]] / r["output_tok_s"] for r in by_rep[engine]
-                      if engine != "banyan" and r["ok"] and r["rep"] in base]
-            if ratios:
+            ratios = [base[r["rep"]] / r["output_tok_s"] for r in runs_of[engine]
+                      if r["ok"] and r["rep"] in base]
+            if ratios and engine != "banyan":
                 entry["paired_ratios"] = [round(x, 3) for x in ratios]
                 entry["paired_ratio_median"] = statistics.median(ratios)
     return out
