@@ -18,9 +18,8 @@ _SPECULATION = SpeculationConfig()  # the defaults of its flags
 LINEAR_KERNELS = ("auto", "torch", "native")
 # weight formats (--quantization, --spec-draft-quantization): layers/quant.py's and auto
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # mem/kv_pool.py maps them to dtypes
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's and SGLang's name for e4m3
-KV_CACHE_DTYPE_CHOICES = (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)  # what the flag accepts
+# mem/kv_pool.py maps them to dtypes; fp8 is vLLM's: e4m3 with one scale for the pool
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8")
 
 
 def kv_addr_host(addr: str) -> str:
@@ -37,11 +36,10 @@ def check_linear_kernel(value: str) -> None:
 def kv_cache_dtype_name(value: str) -> str:
     """The --kv-cache-dtype name `value` stands for (an alias resolved); ValueError naming the
     field for anything else."""
-    name = KV_CACHE_DTYPE_ALIASES.get(value, value)
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                          f"got {value!r}")
-    return name
+    return value
 
 
 def _doc(text: str, **extra: object) -> dict[str, object]:
@@ -69,10 +67,12 @@ class EngineArgs:
         "KV cache size: bytes, or with a unit (512MiB, 4GiB). Default: --mem-fraction of free "
         "memory."))
     kv_cache_dtype: str = field(default="auto", metadata=_doc(
-        "Storage of the KV cache: auto (the model's dtype), int8 or fp8_e4m3 (alias fp8) / "
-        "fp8_e5m2 (one byte per value and a float32 scale per token and head: about twice the "
-        "tokens in the same --kv-cache-memory; attention reads the codes in place).",
-        choices=list(KV_CACHE_DTYPE_CHOICES)))
+        "Storage of the KV cache: auto (the model's dtype); int8, fp8_e4m3 or fp8_e5m2 (one byte "
+        "per value and a float32 scale per token and head: 1.88x bf16's tokens in the same "
+        "--kv-cache-memory at head dim 64); fp8 (vLLM's: e4m3 codes, one scale of 1 for the "
+        "whole cache, values clamped to +-448: exactly twice bf16's tokens). Attention reads "
+        "the codes in place.",
+        choices=list(KV_CACHE_DTYPES)))
     mem_fraction: float = field(default=0.25, metadata=_doc(
         "Fraction of free memory (after weights) given to the KV cache when --kv-cache-memory is "
         "unset. On CUDA, of what is free after a warm-up step of --max-prefill-tokens (its "

@@ -31,7 +31,7 @@ from banyan.attention.decode_tiles import tiles_mode
 from banyan.attention.native_plan import native_attention, plan_native
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
-from banyan.mem.kv_pool import KVPool, kv_code_dtype
+from banyan.mem.kv_pool import KVPool
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
 
@@ -45,7 +45,7 @@ def decode_step(rows: list[list[int]], dtype: torch.dtype, group: bool = True,
     0's K/V, which then stays in cache. benchmarks/kv_quant.py and decode_attention_phases.py
     time their steps with this too."""
     slots = max(max(r) for r in rows) + 1
-    pool = KVPool(LAYERS, slots, KV_HEADS, HEAD_DIM, dtype, "cpu", kv_code_dtype(kv_cache_dtype))
+    pool = KVPool.named(LAYERS, slots, KV_HEADS, HEAD_DIM, dtype, "cpu", kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
     every = torch.arange(slots)
     for layer in range(LAYERS):

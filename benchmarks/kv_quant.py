@@ -5,7 +5,8 @@
    (a pool of SmolLM2-135M's shape filled with random K/V), every variant once per round,
    interleaved, ROUNDS rounds; fastest and median round kept;
 3. perplexity of the fixed text (`banyan bench quality`'s) with each storage, float32 model
-   (fp8 also with one max-scaled scale a row, the rule before kv_pool's scale search).
+   (fp8_e4m3 / e5m2 also with one max-scaled scale a row, the rule before kv_pool's scale
+   search; `fp8` is e4m3 with one unit scale for the pool, vLLM's layout).
 
     python benchmarks/kv_quant.py [--rounds 9] [--context 256] [--out FILE]
 
@@ -26,7 +27,7 @@ import torch
 from banyan.bench.offline import machine_info
 from banyan.kernels import native
 from banyan.mem import kv_pool
-from banyan.mem.kv_pool import kv_bytes_per_slot, kv_code_dtype
+from banyan.mem.kv_pool import kv_bytes_per_slot, kv_code_dtype, kv_row_scales
 from decode_attention import HEAD_DIM, KV_HEADS, LAYERS, decode_step  # (this script's folder)
 
 BATCH = 64
@@ -40,6 +41,8 @@ VARIANTS = [
     ("fp8_e4m3 (bf16 q)", torch.bfloat16, "fp8_e4m3"),
     ("fp8_e5m2 (float32 q)", torch.float32, "fp8_e5m2"),
     ("fp8_e5m2 (bf16 q)", torch.bfloat16, "fp8_e5m2"),
+    ("fp8 (float32 q)", torch.float32, "fp8"),  # e4m3, one unit scale for the pool
+    ("fp8 (bf16 q)", torch.bfloat16, "fp8"),
 ]
 
 
@@ -84,7 +87,8 @@ def perplexities() -> list[dict[str, object]]:
     searched = kv_pool.fp8_shifts
     # fp8 also as it was before the scale search: each row's one max-scaled scale
     for kv, one_scale in (("auto", False), ("int8", False), ("fp8_e4m3", False),
-                          ("fp8_e5m2", False), ("fp8_e4m3", True), ("fp8_e5m2", True)):
+                          ("fp8_e5m2", False), ("fp8", False), ("fp8_e4m3", True),
+                          ("fp8_e5m2", True)):
         kv_pool.fp8_shifts = (lambda device: torch.ones(1)) if one_scale else searched
         runner = ModelRunner(folder, dtype="float32", num_slots=len(ids) + 1, max_rows=1,
                              max_context=len(ids), kv_cache_dtype=kv, show_progress=False)
@@ -107,8 +111,8 @@ def main() -> int:
         return 1
     capacity = [{"kv_cache_dtype": kv, "dtype": str(dt).removeprefix("torch."),
                  "bytes_per_token": kv_bytes_per_slot(LAYERS, KV_HEADS, HEAD_DIM, dt,
-                                                      kv_code_dtype(kv))}
-                for dt in (torch.float32, torch.bfloat16) for kv in ("auto", "int8")]
+                                                      kv_code_dtype(kv), kv_row_scales(kv))}
+                for dt in (torch.float32, torch.bfloat16) for kv in ("auto", "int8", "fp8")]
     report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
               "threads": torch.get_num_threads(), "batch": BATCH, "context": ns.context,
               "capacity": capacity, "decode_attention": time_kernels(ns.rounds, ns.context),

@@ -22,7 +22,7 @@ from banyan.bench.offline import (batch1, command_line, machine_info, run_worklo
                                    write_result)
 from banyan.bench.workloads import random_workload
 
-KVS = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+KVS = ["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
 MODELS = {"default (GGUF Q4_1 blocks)": "auto", "dense bf16": "none"}  # -> --quantization
 
 

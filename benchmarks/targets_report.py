@@ -110,7 +110,7 @@ def _kv_row(d: dict[str, Any], section: str, field: str, name: str) -> dict[str,
     return next((r for r in d[section] if r[field] == name), None)
 
 
-for _kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+for _kv in ("int8", "fp8_e4m3", "fp8_e5m2", "fp8"):
     target("#16", f"KV {_kv}: decode attention time vs bf16 (64 x 256)", "kv-quant", 1.0,
            at_least=False)(
         lambda d, k=_kv: (lambda r: None if r is None else float(r["vs_bf16_time"]))(
@@ -120,11 +120,16 @@ for _kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
             _kv_row(d, "perplexity", "kv_cache_dtype", k)))
 
 
-@target("#16", "KV int8 / fp8: tokens for the same memory vs bf16", "kv-quant", 2.0)
-def _capacity(d: dict[str, Any]) -> float | None:
+def _capacity(d: dict[str, Any], kv: str) -> float | None:
     rows = {r["kv_cache_dtype"]: r["bytes_per_token"] for r in d["capacity"]
             if r["dtype"] == "bfloat16"}
-    return _ratio(rows.get("auto"), rows.get("int8"))
+    return _ratio(rows.get("auto"), rows.get(kv))
+
+
+# int8 (fp8_e4m3 / e5m2 alike): a scale per row; fp8: one unit scale for the pool
+for _kv in ("int8", "fp8"):
+    target("#16", f"KV {_kv}: tokens for the same memory vs bf16", "kv-quant", 2.0)(
+        lambda d, k=_kv: _capacity(d, k))
 
 
 # ---- #17: speculation (spec_side_by_side.py) ----------------------------------------------------

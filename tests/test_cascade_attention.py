@@ -18,7 +18,7 @@ from banyan.attention.cpu_native import CpuNativeBackend
 from banyan.attention.native_plan import MAX_NATIVE_EXTEND
 from banyan.attention.torch_backend import SdpaBackend, TorchAttentionMetadata
 from banyan.batch import ForwardBatch
-from banyan.mem.kv_pool import KVPool, kv_code_dtype
+from banyan.mem.kv_pool import KVPool
 from banyan.mem.req_table import ReqToTokenTable
 from tests.hf_reference import hf_greedy
 from tests.test_attention import naive
@@ -45,8 +45,8 @@ class Scene:
         """stale: request index -> slots written right after its row's end (a reused row)."""
         g = torch.Generator().manual_seed(seed)
         live = max(s for r in reqs for s in r.slots) + 1
-        self.pool = KVPool(layers, live + 16, kv_heads, dim, dtype, device,
-                           kv_code_dtype(kv_cache_dtype))
+        self.pool = KVPool.named(layers, live + 16, kv_heads, dim, dtype, device,
+                                 kv_cache_dtype)
         every = torch.arange(self.pool.num_slots, device=device)
         for layer in range(layers):
             shape = (self.pool.num_slots, kv_heads, dim)
@@ -137,7 +137,7 @@ def test_one_group(heads: int, kv_heads: int) -> None:
     assert groups_of(meta) == [(5, 40)] and meta.dec_count == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_pool_through_the_cascade(kv_cache_dtype: str, dtype: torch.dtype) -> None:
     """The cascade's gathers dequantize a quantized pool's rows (codes x scales)."""

@@ -104,13 +104,16 @@ def test_only_the_missing_part_moves(llama_dir: Path, backend: str) -> None:
         _check(decode)
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_quantized_cache_moves_its_codes_and_scales(llama_dir: Path, backend: str) -> None:
+def test_a_quantized_cache_moves_its_codes_and_scales(llama_dir: Path, backend: str,
+                                                      kv: str) -> None:
     """With --kv-cache-dtype int8 on both sides, the K/V travels as codes and scales (half
-    the bytes of float32 and less), and outputs equal the colocated int8 engine's."""
+    the bytes of float32 and less), and outputs equal the colocated int8 engine's; with fp8
+    (no row scales) as codes alone."""
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 70, 260)]
-    quant = dict(kv_cache_dtype="int8")
+    quant = dict(kv_cache_dtype=kv)
     with _engine(llama_dir, **quant) as colocated:
         want = [o.outputs[0].output_ids for o in colocated.generate(
             input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=6, **GREEDY),

@@ -1,4 +1,4 @@
-"""The quantized KV cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`) at the engine level: the
+"""The quantized KV cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2|fp8`) at the engine level: the
 same memory holds more tokens, outputs do not depend on how the work is batched, chunked or
 cached, quality stays close to the unquantized cache, and bad names are refused. (The kernel
 against float64 attention over the codes x scales: test_native_attention.py; the cascade:
@@ -16,7 +16,7 @@ from banyan import Engine, SamplingParams
 from banyan.args import EngineArgs
 from banyan.mem.kv_pool import KVPool, dequantize_rows, quantize_rows
 
-QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2", "fp8"]  # fp8: one unit scale for the pool
 
 
 def _engine(model: Path, **kw: object) -> Engine:
@@ -82,6 +82,40 @@ def test_fp8_native_rows_equal_the_torch_rule(code_dtype: torch.dtype, head_dim:
 
 
 @pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 72])
+def test_unit_scale_rows_are_the_clamped_values_codes(code_dtype: torch.dtype, head_dim: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without row scales (--kv-cache-dtype fp8): the codes of x clamped to the format's largest
+    finite, no scale; the native rows (the layer stack's store) bit for bit the same, 16-wide
+    blocks and tails; dequantized, the codes' values exactly (float32 and bf16, native or not)."""
+    from banyan.kernels import fused_ops, native
+
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(300, 2, head_dim, generator=g) * torch.logspace(-12, 6, 300)[:, None, None]
+    x[0] = 0.0
+    top = float(torch.finfo(code_dtype).max)
+    codes, scale = quantize_rows(x, code_dtype, row_scales=False)
+    assert scale is None and codes.dtype == code_dtype
+    want = x.clamp(-top, top).to(code_dtype)  # torch's rounding: to nearest even
+    assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
+    assert torch.isfinite(codes.float()).all() and codes.float().abs().max() == top
+    fn = fused_ops._fp8_rows("quantize", code_dtype)
+    if native.load() is not None and fn is not None:
+        fast = torch.empty(x.shape, dtype=torch.uint8)
+        fn(x.contiguous().data_ptr(), x.numel() // head_dim, head_dim, None, 0,
+           fast.data_ptr(), None, 1)
+        assert torch.equal(fast, codes.view(torch.uint8))
+    for dtype in (torch.float32, torch.bfloat16):
+        fast_values = dequantize_rows(codes, None, dtype)
+        monkeypatch.setattr(fused_ops, "fp8_dequantize_rows", lambda *args: None)
+        assert torch.equal(dequantize_rows(codes, None, dtype), fast_values)
+        assert torch.equal(fast_values, codes.float().to(dtype))
+        monkeypatch.undo()
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        quantize_rows(x, torch.int8, row_scales=False)
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_native_dequantizing_equals_the_torch_rule(code_dtype: torch.dtype,
                                                       dtype: torch.dtype,
@@ -118,13 +152,16 @@ def test_the_same_memory_holds_more_tokens(llama_dir: Path) -> None:
         with _engine(llama_dir, kv_cache_dtype=name) as quant:
             pool = quant.core.scheduler.runner.model_runner.pool
             assert pool.quantized and pool.k[0].element_size() == 1
+            assert pool.kv_cache_dtype == name
             head_dim = pool.head_dim
-            # float32 values (4 bytes) become a byte each plus a 4-byte scale per head
-            assert quant.core.kv_bytes_per_token * 4 * head_dim == per_token * (head_dim + 4)
-            assert quant.core.kv_capacity + 1 == (base + 1) * 4 * head_dim // (head_dim + 4)
+            # float32 values (4 bytes) become a byte each, plus a 4-byte scale per head where
+            # rows keep scales (fp8: exactly a quarter of float32's bytes, half of bf16's)
+            scale = 0 if name == "fp8" else 4
+            assert quant.core.kv_bytes_per_token * 4 * head_dim == per_token * (head_dim + scale)
+            assert quant.core.kv_capacity + 1 == (base + 1) * 4 * head_dim // (head_dim + scale)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8"])
 def test_outputs_do_not_depend_on_batching_chunking_or_caching(llama_dir: Path,
                                                                name: str) -> None:
     """Every reader sees the dequantized values, fresh tokens included: a prompt computed in
@@ -164,7 +201,7 @@ def test_quality_stays_close_to_the_unquantized_cache(llama_dir: Path) -> None:
         return torch.tensor(found)
 
     plain = logprobs("auto")
-    for name, bound in (("int8", 0.02), ("fp8_e4m3", 0.1), ("fp8_e5m2", 0.1)):
+    for name, bound in (("int8", 0.02), ("fp8_e4m3", 0.1), ("fp8_e5m2", 0.1), ("fp8", 0.1)):
         diff = (logprobs(name) - plain).abs()
         assert 0 < diff.mean() < bound, name  # 0 would mean the codes were never read
 
@@ -176,10 +213,18 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
         KVPool(1, 4, 1, 8, torch.float32, "cpu", torch.float16)
 
 
-def test_fp8_is_fp8_e4m3() -> None:
-    """vLLM's and SGLang's --kv-cache-dtype fp8 is e4m3: the same storage under its full name
-    everywhere after parsing (server_info, the KV tier's and P/D's layout checks)."""
-    from banyan.mem.kv_pool import kv_code_dtype
+def test_fp8_is_vllms_per_tensor_e4m3() -> None:
+    """--kv-cache-dtype fp8 is vLLM's layout: e4m3 codes, one unit scale for the pool, so a
+    storage of its own name (server_info, the KV tier's and P/D's layout checks tell it from
+    fp8_e4m3's scaled rows); no other code goes without row scales."""
+    from banyan.mem.kv_pool import kv_code_dtype, kv_row_scales
 
-    assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
-    assert kv_code_dtype("fp8") == torch.float8_e4m3fn
+    assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    assert kv_code_dtype("fp8") == torch.float8_e4m3fn and not kv_row_scales("fp8")
+    assert all(kv_row_scales(n) for n in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"))
+    pool = KVPool.named(1, 4, 1, 8, torch.bfloat16, "cpu", "fp8")
+    assert pool.kv_cache_dtype == "fp8" and pool.layer(0).k_scale is None
+    assert pool.bytes_per_slot * 2 == KVPool.named(1, 4, 1, 8, torch.bfloat16, "cpu").bytes_per_slot
+    assert KVPool.named(1, 4, 1, 8, torch.bfloat16, "cpu", "fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVPool(1, 4, 1, 8, torch.float32, "cpu", torch.int8, row_scales=False)

@@ -156,7 +156,7 @@ def test_greedy_matches_transformers_with_the_native_kernel(
     assert max(len(groups_of(m)) for m in native_steps) >= 2  # several prefixes grouped at once
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "fp8"])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_pool_matches_naive_over_its_dequantized_values(

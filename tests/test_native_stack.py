@@ -175,7 +175,8 @@ def test_rope_tables_grow_and_hold_the_embeddings_own_values(
 @pytest.mark.parametrize("arch,dtype,quantization,kv", [
     ("llama", "float32", "int8", "int8"), ("qwen3", "float32", "int8", "int8"),
     ("llama", "float32", "int4", "fp8_e4m3"), ("qwen2", "bfloat16", "none", "int8"),
-    ("llama", "bfloat16", "int8", "fp8_e4m3"), ("qwen3", "bfloat16", "int4", "fp8_e5m2")])
+    ("llama", "bfloat16", "int8", "fp8_e4m3"), ("qwen3", "bfloat16", "int4", "fp8_e5m2"),
+    ("qwen2", "bfloat16", "none", "fp8"), ("llama", "float32", "none", "fp8")])
 def test_stack_equals_the_model_over_a_quantized_pool(model_dirs: dict[str, Path], arch: str,
                                                       dtype: str, quantization: str,
                                                       kv: str) -> None:

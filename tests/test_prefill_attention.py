@@ -120,7 +120,7 @@ def test_the_tile_instructions_are_the_emulated_ones() -> None:
 
 @needs_tiles
 @pytest.mark.parametrize("tiles", TILES)
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e5m2", "fp8"])
 def test_quantized_pools_on_tiles(kv_cache_dtype: str, tiles: int) -> None:
     c = [1]
     shapes = [(0, 33), (150, 65), (5, 130)]
@@ -153,7 +153,7 @@ def test_tiles_agree_with_the_pair_path(tiles: int, monkeypatch: pytest.MonkeyPa
     assert not prefill_choice.tiles_agree(2, 64, tiles=tiles, tokens=120)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_pools_match_their_dequantized_values(kv_cache_dtype: str,
                                                         dtype: torch.dtype) -> None:

@@ -15,8 +15,9 @@ interpreter covers here:
   row's end (slots holding other data, some of them other rows' live slots);
 - float32 and bfloat16 pools (a float16 one once). Under the interpreter bfloat16 products run
   in float32 (numpy has no bfloat16), so the GPU's bf16 tensor-core path is not what runs here;
-- quantized pools (int8, fp8 e4m3 and e5m2 codes with a scale per row), read in place, against
-  SDPA over the same codes dequantized; every one of the 256 fp8 codes decoded as torch does.
+- quantized pools (int8, fp8 e4m3 and e5m2 codes with a scale per row; e4m3 with one unit scale
+  for the pool), read in place, against SDPA over the same codes dequantized; every one of the
+  256 fp8 codes decoded as torch does.
 
 On a CUDA machine the same tests run the compiled kernels on the GPU instead.
 """
@@ -78,14 +79,15 @@ def compare(scene: Scene, backend: TritonBackend, layers: int | None = None) -> 
                 for _ in range(2))
         got = backend.forward(q, k, v, layer, metas[0])
         pool = scene.pool
-        for x, codes, scales in ((k, pool.k, pool.k_scale), (v, pool.v, pool.v_scale)):
+        kv = pool.layer(layer)
+        for x, codes, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
             if not pool.quantized:
-                assert torch.equal(codes[layer][slots], x)
+                assert torch.equal(codes[slots], x)
                 continue
-            want_codes, want_scales = quantize_rows(x, pool.code_dtype)
-            assert torch.equal(codes[layer][slots].view(torch.uint8),
-                               want_codes.view(torch.uint8))
-            assert torch.equal(scales[layer][slots], want_scales)
+            want_codes, want_scales = quantize_rows(x, pool.code_dtype, pool.row_scales)
+            assert torch.equal(codes[slots].view(torch.uint8), want_codes.view(torch.uint8))
+            assert (scales is None and want_scales is None) or \
+                torch.equal(scales[slots], want_scales)
         want = sdpa.forward(q, k, v, layer, metas[1])
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -168,7 +170,7 @@ def test_split_count() -> None:
     assert count(1, 1, 256, 16, 264) == 1
 
 
-QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)

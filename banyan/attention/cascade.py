@@ -225,6 +225,6 @@ def _gather(
     Workspaces, not fresh tensors: on CPU a fresh multi-MB buffer per layer is mostly page
     faults (measured: the bf16 -> float32 copy 10x slower than into a kept one)."""
     out = wf.view(-1, wf.shape[-1])
-    if wf.data_ptr() == ws.data_ptr() or layer.k_scale is not None:
+    if wf.data_ptr() == ws.data_ptr() or layer.k.dtype != ws.dtype:  # (codes: dequantized)
         return layer.select(which, index, out, head_rows=True)
     return out[: index.shape[0]].copy_(_gather_raw(layer, which, index, ws))

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from banyan.args import KV_CACHE_DTYPE_CHOICES
+from banyan.args import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:  # torch loads when a score is computed, not when the CLI is built
     import torch
@@ -125,7 +125,7 @@ def add_quality_parser(modes: Any) -> None:
     q.add_argument("--activation-quant", default="none", choices=["none", "int8"],
                    help="activations of the quantized linears (as for serve)")
     q.add_argument("--kv-cache-dtype", default="auto",
-                   choices=list(KV_CACHE_DTYPE_CHOICES),
+                   choices=list(KV_CACHE_DTYPES),
                    help="storage of the KV cache (as for serve)")
     q.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     q.add_argument("--reference", action="store_true",

@@ -20,22 +20,27 @@ from banyan.kernels.native import (
 
 def _attention_entry(kind: str, q: torch.Tensor, pool_k: torch.Tensor,
                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                     tensors: tuple[torch.Tensor, ...]) -> tuple[Callable[..., None], bool]:
+                     tensors: tuple[torch.Tensor, ...]) -> Callable[..., None]:
     """The attention entry point banyan_{kind}_{queries}_{pool} for these operands (all
-    contiguous; a quantized pool's float32 scales given), and whether the pool is quantized."""
+    contiguous; a quantized pool's float32 row scales given, or None for fp8's unit scale)."""
     # (looked up on the module at each call, so that a script pointing native.load at another
     # build, as the A/B benchmarks do, gets that build here too)
     lib = native.load()
     assert lib is not None, "native kernels unavailable: check supports() first"
     quantized = pool_k.dtype != q.dtype
     kv_sfx = _KV_CODE_SUFFIX[pool_k.dtype] if quantized else _DTYPE_SUFFIX[q.dtype]
-    if quantized:
-        assert k_scale is not None and v_scale is not None
-        assert k_scale.dtype == v_scale.dtype == torch.float32
+    if quantized and k_scale is not None:
+        assert v_scale is not None and k_scale.dtype == v_scale.dtype == torch.float32
         tensors += (k_scale, v_scale)
+    else:
+        assert v_scale is None
     for t in tensors:
         assert t.is_contiguous()
-    return getattr(lib, f"banyan_{kind}_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}"), quantized
+    return getattr(lib, f"banyan_{kind}_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def paged_attention(
@@ -61,17 +66,17 @@ def paged_attention(
     int32. Per request (int64 [R]): req_row, req_len (context with its new tokens, all stored),
     q_start (its first token in q), n_new (1 for a decode). order: [R] request indices grouped;
     group_start: [G + 1]; group_prefix: [G] slots every member of the group shares (0 alone).
-    A quantized pool (int8 / fp8 codes) comes with k_scale, v_scale: [slots, KVH] float32.
+    A quantized pool (int8 / fp8 codes) comes with k_scale, v_scale: [slots, KVH] float32 (None
+    where it keeps no row scales: fp8's unit scale).
     Returns out."""
-    fn, quantized = _attention_entry("paged_attention", q, pool_k, k_scale, v_scale, (
+    fn = _attention_entry("paged_attention", q, pool_k, k_scale, v_scale, (
         q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new, order, group_start,
         group_prefix))
     _, H, D = q.shape
     with kernel_range("banyan::paged_attention"):
         fn(
             q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
-            k_scale.data_ptr() if quantized else None,
-            v_scale.data_ptr() if quantized else None,
+            _ptr(k_scale), _ptr(v_scale),
             table.data_ptr(), table.shape[1],
             req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
@@ -105,15 +110,14 @@ def prefill_attention(
     a quantized pool. tiles (bf16 queries): 1 the products on tiles emulated in memory (tests),
     2 on AMX's (where prefill_tiles() is 2); 0 the vector paths. Returns out."""
     assert tiles < 2 or prefill_tiles() == 2, "no AMX tiles here (the instructions would fault)"
-    fn, quantized = _attention_entry(
+    fn = _attention_entry(
         "prefill_attention_tiles" if tiles else "prefill_attention", q, pool_k, k_scale,
         v_scale, (q, out, pool_k, pool_v, table, req_row, req_len, q_start, n_new))
     _, H, D = q.shape
     with kernel_range("banyan::prefill_attention"):
         fn(
             q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
-            k_scale.data_ptr() if quantized else None,
-            v_scale.data_ptr() if quantized else None,
+            _ptr(k_scale), _ptr(v_scale),
             table.data_ptr(), table.shape[1],
             req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             req_row.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,

@@ -136,7 +136,7 @@ void attend(Scratch& sc, int r0, int rows, const int32_t* slots, int64_t n,
             float* kj = kb + j * d;
             float* vj = vb + j * d;
             if constexpr (K::kScaled) {
-                const float ks = kscale[row], vs = vscale[row];
+                const float ks = row_scale(kscale, row), vs = row_scale(vscale, row);
 #pragma omp simd
                 for (int e = 0; e < d; ++e) kj[e] = K::load(kr[e]) * ks;
 #pragma omp simd

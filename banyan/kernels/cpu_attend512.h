@@ -304,8 +304,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                     for (int e = 0; e < d; e += 32)
                         _mm512_storeu_si512(kc + e, bf16(kpool + row * d + e));
                     kr[j] = kc;
-                    ks[j] = kscale[row] * code_unit<Codes>;
-                    sc.vsc[j0 + j] = vscale[row] * code_unit<Codes>;
+                    ks[j] = row_scale(kscale, row) * code_unit<Codes>;
+                    sc.vsc[j0 + j] = row_scale(vscale, row) * code_unit<Codes>;
 #endif
                 } else {
                     kr[j] = kpool + row * d;

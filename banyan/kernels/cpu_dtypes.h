@@ -65,6 +65,12 @@ struct I8 {
     static constexpr bool kScaled = true;
 };
 
+// The scale of row `row` of a quantized pool: its own, or 1 where the pool keeps one scale for
+// every row (scales null: `--kv-cache-dtype fp8`, vLLM's per-tensor layout with scale 1).
+inline float row_scale(const float* scales, int64_t row) {
+    return scales != nullptr ? scales[row] : 1.0f;
+}
+
 // fp8 as torch's float8_e4m3fn (bias 7) and float8_e5m2 (bias 15), decoded with integer and
 // float arithmetic that vectorises (a table lookup measured 1.8x slower than bf16 attention):
 // a normal code's exponent and mantissa bits move into float32's fields with the bias

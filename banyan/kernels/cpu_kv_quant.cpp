@@ -73,10 +73,31 @@ inline __m128i fp8_encode16(__m512 y, __m512* value) {
 }
 #endif
 
+// A row of a pool with one scale for every row, 1 (scale_out null: `--kv-cache-dtype fp8`):
+// x clamped to the format's largest finite, then its codes (kv_pool.quantize_rows' rule).
+template <int kMant, int kBias>
+void encode_unscaled_row(const float* xr, int64_t d, float code_max, uint8_t* cr) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    const __m512 hi = _mm512_set1_ps(code_max), lo = _mm512_set1_ps(-code_max);
+    for (; e + 16 <= d; e += 16) {
+        __m512 v;
+        const __m512 x = _mm512_max_ps(_mm512_min_ps(_mm512_loadu_ps(xr + e), hi), lo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(cr + e), fp8_encode16<kMant, kBias>(x, &v));
+    }
+#endif
+    for (; e < d; ++e) cr[e] = fp8_encode<kMant, kBias>(std::fmax(-code_max,
+                                                                  std::fmin(code_max, xr[e])));
+}
+
 // One row's codes and scale (d values).
 template <int kMant, int kBias>
 void quantize_row(const float* xr, int64_t d, const float* shifts, int64_t n_shifts,
                   float code_max, uint8_t* cr, float* scale_out) {
+    if (scale_out == nullptr) {
+        encode_unscaled_row<kMant, kBias>(xr, d, code_max, cr);
+        return;
+    }
     float top = 0.0f;
     for (int64_t e = 0; e < d; ++e) top = std::max(top, std::fabs(xr[e]));
     const float base = std::max(top, 1e-30f) / code_max;
@@ -132,7 +153,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t d, const float* shifts,
                    float code_max, uint8_t* codes, float* scales, int64_t n_threads) {
     banyan_team::parallel_for(rows, threads_for(rows * d / 4096 + 1, n_threads), [&](int64_t r) {
         quantize_row<kMant, kBias>(x + r * d, d, shifts, n_shifts, code_max, codes + r * d,
-                                   scales + r);
+                                   scales != nullptr ? scales + r : nullptr);
     });
 }
 
@@ -148,7 +169,7 @@ void dequantize_rows(const uint8_t* codes, const float* scales, int64_t rows, in
         const banyan_team::Share share(rows, t, n);
         for (int64_t r = share.begin; r < share.end; ++r) {
             float* dst = bf16 ? row.data() : static_cast<float*>(out) + r * d;
-            fp8_row_to_f32<K>(codes + r * d, scales[r], static_cast<int>(d), dst);
+            fp8_row_to_f32<K>(codes + r * d, row_scale(scales, r), static_cast<int>(d), dst);
             if (bf16)
                 for (int64_t e = 0; e < d; ++e)
                     static_cast<uint16_t*>(out)[r * d + e] = f32_to_bf16(dst[e]);
@@ -172,7 +193,7 @@ int64_t banyan_fp8_dequantize_here() {
 #endif
 }
 
-// codes: [rows, d] bytes (d % 16 == 0); scales: [rows] float32; out: [rows, d] float32, or
+// codes: [rows, d] bytes (d % 16 == 0); scales: [rows] float32 (null: 1 each); out: [rows, d] float32, or
 // bf16 (uint16) where bf16 is nonzero.
 void banyan_fp8_dequantize_rows_e4m3(const uint8_t* codes, const float* scales, int64_t rows,
                                      int64_t d, void* out, int64_t bf16, int64_t n_threads) {
@@ -185,7 +206,7 @@ void banyan_fp8_dequantize_rows_e5m2(const uint8_t* codes, const float* scales, 
 }
 
 // x: [rows, d] float32; codes: [rows, d] bytes (torch's float8_e4m3fn / float8_e5m2 bits);
-// scales: [rows] float32.
+// scales: [rows] float32, or null for the unit scale of every row (x clamped, no search).
 void banyan_fp8_quantize_rows_e4m3(const float* x, int64_t rows, int64_t d, const float* shifts,
                                    int64_t n_shifts, uint8_t* codes, float* scales,
                                    int64_t n_threads) {

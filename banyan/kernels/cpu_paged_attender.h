@@ -63,7 +63,7 @@ void dequantize(const int32_t* slots, int64_t n, const typename K::T* pool, cons
     for (int64_t j = 0; j < n; ++j) {
         const int64_t row = static_cast<int64_t>(slots[j]) * kvh + h;
         const typename K::T* src = pool + row * d;
-        const float s = scale[row];
+        const float s = row_scale(scale, row);
         typename C::T* dst = out + j * d;
 #if defined(__AVX2__) && defined(__F16C__)
         if constexpr (std::is_same<C, F32>::value &&

@@ -143,8 +143,8 @@ inline void key_block(Buffers& b, const P* kpool, const P* vpool, const float* k
         for (int64_t e = 0; e < d; e += 32)
             _mm512_storeu_si512(&b.kb16[j * d + e], row_bf16x32<Codes>(src + e, bf16));
         if constexpr (!std::is_same<Codes, void>::value) {
-            kmul[j] = kscale[row] * code_unit<Codes>;
-            vmul[j] = vscale[row] * code_unit<Codes>;
+            kmul[j] = row_scale(kscale, row) * code_unit<Codes>;
+            vmul[j] = row_scale(vscale, row) * code_unit<Codes>;
         }
         if (j < ahead) {
             const int64_t next = (static_cast<int64_t>(slots[k0 + nk + j]) * kvh + h) * d;

@@ -44,7 +44,7 @@ void store_row(const T* x, int64_t slot, int64_t kvh, int64_t d, void* pool, flo
         for (int64_t e = 0; e < kvh * d; ++e) wide[e] = bf16_to_f32(x[e]);
         xf = wide.data();
     }
-    float* row_scales = scales + slot * kvh;
+    float* row_scales = scales != nullptr ? scales + slot * kvh : nullptr;  // null: fp8's unit
     if (how.codes == kKvE4M3 || how.codes == kKvE5M2) {  // (one thread: a few rows)
         auto* codes = static_cast<uint8_t*>(pool) + at;
         (how.codes == kKvE4M3 ? banyan_fp8_quantize_rows_e4m3 : banyan_fp8_quantize_rows_e5m2)(

@@ -160,20 +160,21 @@ def _fp8_rows(verb: str, code_dtype: torch.dtype) -> ctypes._CFuncPtr | None:
     return fn
 
 
-def fp8_dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+def fp8_dequantize_rows(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
                         ) -> torch.Tensor | None:
     """mem/kv_pool.dequantize_rows for fp8 codes [..., D] (D % 16 == 0) and their scales
-    [...] into float32 or bfloat16, in one native call (cpu_kv_quant.cpp), bit for bit the
-    torch composition's; None where the kernel cannot run."""
+    [...] (None: 1 each) into float32 or bfloat16, in one native call (cpu_kv_quant.cpp), bit
+    for bit the torch composition's; None where the kernel cannot run."""
     fn = _fp8_rows("dequantize", codes.dtype)
     d = codes.shape[-1] if codes.dim() else 0
     if fn is None or codes.device.type != "cpu" or d == 0 or d % 16 or \
             dtype not in (torch.float32, torch.bfloat16):
         return None
-    c, s = codes.contiguous(), scale.float().contiguous()
+    c = codes.contiguous()
+    s = None if scale is None else scale.float().contiguous()
     out = torch.empty(codes.shape, dtype=dtype)
     with native.kernel_range("banyan::fp8_dequantize_rows"):
-        fn(c.data_ptr(), s.data_ptr(), c.numel() // d, d, out.data_ptr(),
+        fn(c.data_ptr(), None if s is None else s.data_ptr(), c.numel() // d, d, out.data_ptr(),
            int(dtype == torch.bfloat16), torch.get_num_threads())
     return out
 

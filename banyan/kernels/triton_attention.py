@@ -38,6 +38,7 @@ match transformers' float32 token for token.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -182,14 +183,26 @@ class PoolView:
             upcast, precision = dot_flags(k_pool.dtype)
             return cls(k_pool, v_pool, k_pool, v_pool, 0,
                        dict(QUANT=quant, UPCAST=upcast, PRECISION=precision))
-        if k_scale is None or v_scale is None or k_scale.shape != k_pool.shape[:2] \
+        if k_scale is None and v_scale is None and quant != INT8.value:
+            # fp8 with one unit scale for the pool (kv_pool.UNIT_SCALE_NAMES): a head's scale
+            # row read for every slot (slot stride 0)
+            k_scale = v_scale = _unit_scales(k_pool.shape[1], k_pool.device)
+            stride_ss = 0
+        elif k_scale is None or v_scale is None or k_scale.shape != k_pool.shape[:2] \
                 or v_scale.shape != k_scale.shape or k_scale.stride() != v_scale.stride() \
                 or k_scale.stride(-1) != 1:
             raise ValueError("a quantized pool needs its K and V scales, [slots, KV heads] alike")
+        else:
+            stride_ss = k_scale.stride(0)
         upcast, precision = dot_flags(q.dtype)  # the codes go to q's dtype
         read_as = torch.int8 if quant == INT8.value else torch.uint8
         return cls(k_pool.view(read_as), v_pool.view(read_as), k_scale, v_scale,
-                   k_scale.stride(0), dict(QUANT=quant, UPCAST=upcast, PRECISION=precision))
+                   stride_ss, dict(QUANT=quant, UPCAST=upcast, PRECISION=precision))
+
+
+@functools.cache
+def _unit_scales(kv_heads: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(kv_heads, dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------- decode

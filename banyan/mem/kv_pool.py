@@ -8,9 +8,12 @@ gather read it, so it must only ever hold finite values (the pool starts zeroed)
 A quantized pool (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`) keeps codes of one byte per value
 and a float32 scale per (slot, head) row: value = code x scale, the scale being the row's
 largest magnitude over the code's largest (127, or the fp8 format's largest finite; fp8 rows
-then try three larger scales within an octave, FP8_SCALE_SHIFTS, and keep the closest). Rows are
-quantized on store; the native attention kernel reads the codes in place, the SDPA paths
-dequantize what they gather. Every reader sees the same dequantized values, fresh tokens
+then try three larger scales within an octave, FP8_SCALE_SHIFTS, and keep the closest).
+`--kv-cache-dtype fp8` is vLLM's layout: e4m3 codes and one scale for the whole pool, 1 (vLLM's
+default where a checkpoint names none), so no scale is stored (`row_scales` False): exactly half
+a bf16 pool's bytes, values beyond e4m3's range (+-448) clamped. Rows are quantized on store;
+the native attention kernel reads the codes in place, the SDPA paths dequantize what they
+gather. Every reader sees the same dequantized values, fresh tokens
 included (`store` hands them back), so chunking and caching do not change what is attended.
 """
 
@@ -35,7 +38,13 @@ CODE_DTYPES: dict[str, torch.dtype | None] = {
     "int8": torch.int8,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8": torch.float8_e4m3fn,
 }
+# --kv-cache-dtype names whose pool keeps no scale per row (one for the pool, 1). Per-tensor e4m3
+# at scale 1 suits Llama-family K/V (SmolLM2-135M's largest K magnitude over its 30 layers is
+# ~20, V ~14, against e4m3's 448 and 2^-9): the fixed text's perplexity +0.12% (transformers,
+# float32); e5m2's two mantissa bits need the per-row scale search (+3.2% without it).
+UNIT_SCALE_NAMES = frozenset({"fp8"})
 SCALE_BYTES = 4  # one float32 scale per (slot, head) row of K and of V
 
 
@@ -44,25 +53,31 @@ def kv_code_dtype(name: str) -> torch.dtype | None:
     return CODE_DTYPES[kv_cache_dtype_name(name)]
 
 
+def kv_row_scales(name: str) -> bool:
+    """Whether the pool of a --kv-cache-dtype name keeps a scale per (slot, head) row."""
+    return kv_cache_dtype_name(name) not in UNIT_SCALE_NAMES
+
+
 def _code_max(code_dtype: torch.dtype) -> float:
     return 127.0 if code_dtype == torch.int8 else float(torch.finfo(code_dtype).max)
 
 
 def kv_bytes_per_slot(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      code_dtype: torch.dtype | None = None) -> int:
-    """Bytes one token's K and V take over all layers (codes and scales when quantized)."""
+                      code_dtype: torch.dtype | None = None, row_scales: bool = True) -> int:
+    """Bytes one token's K and V take over all layers (codes, and their row scales when
+    quantized with them)."""
     if code_dtype is None:
         elem = torch.empty((), dtype=dtype).element_size()
         return layers * 2 * kv_heads * head_dim * elem
-    return layers * 2 * kv_heads * (head_dim + SCALE_BYTES)
+    return layers * 2 * kv_heads * (head_dim + (SCALE_BYTES if row_scales else 0))
 
 
 def num_slots_for_bytes(
     budget: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-    code_dtype: torch.dtype | None = None,
+    code_dtype: torch.dtype | None = None, row_scales: bool = True,
 ) -> int:
     """Slots (including the padding slot) that fit in `budget` bytes."""
-    per_slot = kv_bytes_per_slot(layers, kv_heads, head_dim, dtype, code_dtype)
+    per_slot = kv_bytes_per_slot(layers, kv_heads, head_dim, dtype, code_dtype, row_scales)
     slots = budget // per_slot
     if slots < 2:
         raise ValueError(
@@ -86,8 +101,15 @@ def fp8_shifts(device: torch.device) -> torch.Tensor:
     return torch.tensor(FP8_SCALE_SHIFTS, dtype=torch.float32, device=device)
 
 
-def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] float -> (codes [..., D] code_dtype, scale [...] float32), row-wise."""
+def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype, row_scales: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., D] float -> (codes [..., D] code_dtype, scale [...] float32), row-wise; without
+    row_scales (fp8 only) the codes of x itself, clamped to the format's range, and no scale."""
+    if not row_scales:
+        if code_dtype == torch.int8:
+            raise ValueError("kv_cache_dtype: int8 codes need a scale per row")
+        top = _code_max(code_dtype)
+        return x.float().clamp(-top, top).to(code_dtype), None
     if code_dtype != torch.int8:
         native = fused_ops.fp8_quantize_rows(x, code_dtype, fp8_shifts(x.device))
         if native is not None:
@@ -106,20 +128,22 @@ def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tenso
     return picked.squeeze(-2).view(code_dtype), tried.gather(-1, best).squeeze(-1)
 
 
-def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `quantize_rows`, in float32 then rounded to `dtype` once (fp8 on CPU in
-    one native call, the same bits)."""
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """The inverse of `quantize_rows` (scale None: 1 for every row), in float32 then rounded
+    to `dtype` once (fp8 on CPU in one native call, the same bits)."""
     if codes.dtype != torch.int8:
         native = fused_ops.fp8_dequantize_rows(codes, scale, dtype)
         if native is not None:
             return native
-    return codes.float().mul_(scale.unsqueeze(-1)).to(dtype)
+    values = codes.float()
+    return (values if scale is None else values.mul_(scale.unsqueeze(-1))).to(dtype)
 
 
 @dataclass(slots=True)
 class LayerKV:
-    """One layer of the pool: K, V [slots, KVH, D] (codes when quantized) and, for a quantized
-    pool, their scales [slots, KVH] float32."""
+    """One layer of the pool: K, V [slots, KVH, D] (codes when quantized) and, for a pool
+    quantized with row scales, their scales [slots, KVH] float32 (else None)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -138,10 +162,11 @@ class LayerKV:
             codes = codes.view(-1, d)
             scale = None if scale is None else scale.view(-1)
         dest = out[:n]
-        if scale is None:
+        if codes.dtype == out.dtype:
             return torch.index_select(codes, 0, index, out=dest)
-        return dest.copy_(dequantize_rows(codes.index_select(0, index),
-                                          scale.index_select(0, index), torch.float32))
+        return dest.copy_(dequantize_rows(
+            codes.index_select(0, index), None if scale is None else scale.index_select(0, index),
+            torch.float32))
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -171,11 +196,15 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         code_dtype: torch.dtype | None = None,
+        row_scales: bool = True,
     ) -> None:
         """dtype: the model's (what attention computes in); code_dtype: int8 / fp8 codes of a
-        quantized pool, None to store `dtype` as it is."""
+        quantized pool, None to store `dtype` as it is; row_scales: a quantized pool's scale
+        per (slot, head) row, or (False, fp8 only) one unit scale for the pool."""
         if code_dtype not in CODE_DTYPES.values():
             raise ValueError(f"kv_cache_dtype: the pool cannot store {code_dtype} codes")
+        if not row_scales and code_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError("kv_cache_dtype: only fp8 codes go without row scales")
         if num_slots < 2:
             raise ValueError(
                 f"KV pool needs at least 2 slots (slot {PAD_SLOT} is padding), got {num_slots}"
@@ -187,6 +216,7 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.code_dtype = code_dtype
+        self.row_scales = code_dtype is not None and row_scales
         stored = dtype if code_dtype is None else code_dtype
         # Zeroed, not empty: gathers read slot 0 (and stale slots) under a mask, and a NaN in
         # garbage memory would survive the mask (0 * NaN = NaN in the weighted sum of V).
@@ -197,12 +227,19 @@ class KVPool:
 
         self.k: list[torch.Tensor] = zeros(shape, stored)
         self.v: list[torch.Tensor] = zeros(shape, stored)
-        scaled = code_dtype is not None
+        scaled = self.row_scales
         self.k_scale: list[torch.Tensor] = zeros(shape[:2], torch.float32) if scaled else []
         self.v_scale: list[torch.Tensor] = zeros(shape[:2], torch.float32) if scaled else []
         # made once: every layer of every step asks for its view
         self._layers = [LayerKV(self.k[i], self.v[i], self.k_scale[i] if scaled else None,
                                 self.v_scale[i] if scaled else None) for i in range(layers)]
+
+    @classmethod
+    def named(cls, layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device | str, kv_cache_dtype: str = "auto") -> KVPool:
+        """The pool of a --kv-cache-dtype name (its codes, and whether rows keep scales)."""
+        return cls(layers, num_slots, kv_heads, head_dim, dtype, device,
+                   kv_code_dtype(kv_cache_dtype), kv_row_scales(kv_cache_dtype))
 
     @property
     def quantized(self) -> bool:
@@ -211,12 +248,13 @@ class KVPool:
     @property
     def kv_cache_dtype(self) -> str:
         """The --kv-cache-dtype name of this pool's storage."""
-        return next(n for n, d in CODE_DTYPES.items() if d == self.code_dtype)
+        return next(n for n, d in CODE_DTYPES.items() if d == self.code_dtype and (
+            self.code_dtype is None or (n not in UNIT_SCALE_NAMES) == self.row_scales))
 
     @property
     def bytes_per_slot(self) -> int:
         return kv_bytes_per_slot(self.layers, self.kv_heads, self.head_dim, self.dtype,
-                                 self.code_dtype)
+                                 self.code_dtype, self.row_scales)
 
     def layer(self, layer_id: int) -> LayerKV:
         return self._layers[layer_id]
@@ -235,11 +273,12 @@ class KVPool:
             self.v[layer_id].index_copy_(0, slots, v)
             return k, v
         out = []
-        for x, codes, scales in ((k, self.k[layer_id], self.k_scale[layer_id]),
-                                 (v, self.v[layer_id], self.v_scale[layer_id])):
-            c, sc = quantize_rows(x, self.code_dtype)
+        lk = self.layer(layer_id)
+        for x, codes, scales in ((k, lk.k, lk.k_scale), (v, lk.v, lk.v_scale)):
+            c, sc = quantize_rows(x, self.code_dtype, self.row_scales)
             codes.view(torch.uint8).index_copy_(0, slots, c.view(torch.uint8))  # fp8: no op
-            scales.index_copy_(0, slots, sc)
+            if scales is not None and sc is not None:
+                scales.index_copy_(0, slots, sc)
             out.append(dequantize_rows(c, sc, x.dtype) if seen else x)
         return out[0], out[1]
 
@@ -252,7 +291,7 @@ class KVPool:
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """The K/V of `slots`, copied out: uint8 [layers, 2 (k, v), n, row_bytes] on the CPU,
-        a row being the heads' values (codes, then the heads' float32 scales when quantized).
+        a row being the heads' values (codes, then the heads' float32 scales where kept).
         What the KV tier stores and the P/D transfer sends; `scatter` takes it back."""
         index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
         n, hd = len(index), self.kv_heads * self.head_dim
@@ -305,6 +344,7 @@ class KVPool:
         return [*self.k, *self.v, *self.k_scale, *self.v_scale]
 
     def _parts(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
-        """(K codes, K scales), (V codes, V scales) of a layer; scales None when unquantized."""
+        """(K codes, K scales), (V codes, V scales) of a layer; scales None where the pool
+        keeps none per row."""
         lk = self.layer(layer)
         return (lk.k, lk.k_scale), (lk.v, lk.v_scale)

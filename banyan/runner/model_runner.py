@@ -24,7 +24,7 @@ from banyan.host_tensors import int64_tensor, to_device
 from banyan.layers.gguf_linear import gguf_repacked_tensors
 from banyan.layers.int8_activations import check_activation_quant, enable_int8_activations
 from banyan.layers.quant import quantization_runs
-from banyan.mem.kv_pool import KVPool, kv_code_dtype, num_slots_for_bytes
+from banyan.mem.kv_pool import KVPool, kv_code_dtype, kv_row_scales, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
 from banyan.models.config import ModelConfig
 from banyan.models.loader import load_model
@@ -91,7 +91,8 @@ class ModelRunner:
         linears of `gguf_file` (the file model_path was converted from) computed from its own
         blocks (layers/gguf_linear.py); auto: gguf where that can run, else none.
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
-        kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 storage of the KV cache (mem/kv_pool.py).
+        kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 | fp8 storage of the KV cache
+            (mem/kv_pool.py).
         activation_quant: none | int8 (layers/int8_activations.py). cuda_graphs: decode steps
         replayed from CUDA graphs (runner/cuda_graph.py) where the backend can be captured.
         batch_invariant: each token's bits independent of its step (runner/batch_invariant.py)."""
@@ -102,7 +103,7 @@ class ModelRunner:
         self.split_mixed_steps = not batch_invariant
         if self.device.type == "cpu":  # activations on the heap, not fresh pages per step
             keep_freed_memory()
-        code_dtype = kv_code_dtype(kv_cache_dtype)
+        code_dtype, row_scales = kv_code_dtype(kv_cache_dtype), kv_row_scales(kv_cache_dtype)
         self.model_config = ModelConfig.from_pretrained(model_path)
         cfg = self.model_config
         quantized = quantization != "none" and (quantization != "auto" or gguf_file is not None)
@@ -137,19 +138,20 @@ class ModelRunner:
             probe = CudaMemoryProbe(self.device)
         if num_slots is None and kv_cache_bytes is not None:
             num_slots = num_slots_for_bytes(
-                kv_cache_bytes, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype
-            )
+                kv_cache_bytes, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype,
+                row_scales)
         elif num_slots is None:
             assert mem_fraction is not None
             if warmup_tokens is not None and probe is not None:
                 chunk = warmup_chunk or warmup_tokens
                 self.kv_sizing = size_by_warmup(probe, mem_fraction, warmup_tokens, lambda: (
-                    self._warmup_peak(probe, warmup_tokens, chunk, attention_backend, code_dtype)))
+                    self._warmup_peak(probe, warmup_tokens, chunk, attention_backend, code_dtype,
+                                      row_scales)))
                 budget = self.kv_sizing.budget
             else:
                 budget = int(available_memory(self.device) * mem_fraction)
             num_slots = num_slots_for_bytes(
-                budget, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype
+                budget, cfg.layers, cfg.kv_heads, cfg.head_dim, self.dtype, code_dtype, row_scales
             )
             # The implicit default is bounded by what running rows can reference at once, so a
             # CPU host does not zero a quarter of its RAM for a small model. An explicit size
@@ -163,7 +165,7 @@ class ModelRunner:
                 )
                 num_slots = useful
         self.pool = KVPool(cfg.layers, num_slots, cfg.kv_heads, cfg.head_dim, self.dtype,
-                           self.device, code_dtype)
+                           self.device, code_dtype, row_scales)
         self.backend = create_backend(attention_backend, self.pool, self.table)
         if batch_invariant:  # (before the stack reads its projections' kernels)
             make_batch_invariant(self.model, self.backend)
@@ -186,7 +188,7 @@ class ModelRunner:
         )
 
     def _warmup_peak(self, probe: MemoryProbe, tokens: int, chunk: int, attention_backend: str,
-                     code_dtype: torch.dtype | None) -> int:
+                     code_dtype: torch.dtype | None, row_scales: bool) -> int:
         """Run the largest step over a temporary pool just big enough for it -> the step's
         activation peak in bytes. The pool, its backend and the step's tensors are gone when
         this returns; the table keeps stale entries, which no step reads unmasked."""
@@ -195,7 +197,7 @@ class ModelRunner:
         # prepare/compute read these attributes: the warm-up is an ordinary step (the native
         # stack and the decode graphs are built after it, over the real pool)
         self.pool = KVPool(cfg.layers, batch.num_tokens + 1, cfg.kv_heads, cfg.head_dim,
-                           self.dtype, self.device, code_dtype)
+                           self.dtype, self.device, code_dtype, row_scales)
         self.backend = create_backend(attention_backend, self.pool, self.table)
         try:
             return measure_peak(probe, lambda: self.compute(self.prepare(batch)))
