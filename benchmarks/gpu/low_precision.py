@@ -1,8 +1,9 @@
 """The low-precision flags on a GPU (benchmarks/gpu/check.sh; #16 item 4): a random-weight
 1.2B Llama-shaped model (bench.py's) in bf16 with `--quantization none|int8|int4` and
-`--kv-cache-dtype auto|fp8_e4m3`, each engine in turn: batch-1 128/128 decode tok/s and random
-64 x 128/128 output tok/s, and each batch-1 request's greedy tokens against bf16's (how many of
-the first 32 agree: quantized weights may part from bf16 at near-ties, never from the start).
+`--kv-cache-dtype auto|fp8_e4m3|fp8` (fp8: one unit scale for the pool), each engine in turn:
+batch-1 128/128 decode tok/s and random 64 x 128/128 output tok/s, and each batch-1 request's
+greedy tokens against bf16's (how many of the first 32 agree: quantized weights may part from
+bf16 at near-ties, never from the start).
 
     python benchmarks/gpu/low_precision.py --out-dir DIR [--quick]
     (a smoke run on CPU: --device cpu --quick, the small shape)
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench import SHAPES, log  # noqa: E402
 
 CONFIGS = [("none", "auto"), ("int8", "auto"), ("int4", "auto"), ("none", "fp8_e4m3"),
-           ("int4", "fp8_e4m3")]
+           ("int4", "fp8_e4m3"), ("none", "fp8")]
 PROMPT = [5 + (7 * i) % 900 for i in range(128)]
 
 
