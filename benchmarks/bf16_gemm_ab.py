@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from banyan.bench.offline import machine_info
+from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
 from banyan.layers.linear import Linear, SkinnyBf16Method
 from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
 from two_builds import gemm_libraries, outputs_apart, parse_args  # (this script's folder)
@@ -73,9 +74,11 @@ def main() -> int:
     libs = gemm_libraries(ns.a, ns.b)
     for lib in libs.values() if ns.tiles else ():  # (each library has its own mode)
         lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
-        lib.banyan_set_gemm_tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        # (a build before the dense pairs' own threshold takes two arguments and ignores the
+        # third in its register)
+        lib.banyan_set_gemm_tiles.argtypes = [ctypes.c_int64] * 3
         lib.banyan_set_gemm_tiles.restype = ctypes.c_int64
-        if lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS) != 2:
+        if lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM) != 2:
             raise SystemExit("--tiles: AMX tiles refused here")
     torch.manual_seed(0)
     keep: list[Any] = []

@@ -2,8 +2,8 @@
 (kernels/cpu_quant_gemm_tiles.h): emulated in memory wherever the tile paths are built
 (AVX512-BF16), AMX's own where the CPU grants them. Against a float64 product of the weights
 it multiplies (rounded to bf16; int8 rows' codes, each sum then scaled); a token's outputs the
-same whatever block of 32 it falls in; steps shorter than BF16_GEMM_MIN_TOKENS untouched by the
-mode."""
+same whatever block of 32 it falls in; quantized weights' steps shorter than
+BF16_GEMM_MIN_TOKENS untouched by the mode, dense pairs' on the tiles at every step."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from banyan.attention.decode_tiles import ASK, tile_modes_here, tiles_mode
 from banyan.kernels import native
-from banyan.layers.gemm_tiles import gemm_tiles_agree, set_gemm_tiles
+from banyan.layers.gemm_tiles import PAIRS_TILES_FROM, gemm_tiles_agree, set_gemm_tiles
 from banyan.layers.panels import pack_bf16_pairs
 from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
 from tests.test_quant import _gemm_weight, _quantized_layer
@@ -78,19 +78,22 @@ def test_steps_short_of_the_gemm_keep_their_kernel(tile_mode: int) -> None:
             assert torch.equal(layer(x), got)
 
 
-def test_dense_pairs_on_tiles(tile_mode: int) -> None:
+def test_dense_pairs_on_tiles_at_every_step(tile_mode: int) -> None:
     """A dense bf16 weight stored in the GEMM's pairs (read in place, not dequantized) on the
-    tiles from BF16_GEMM_MIN_TOKENS tokens, below that on the vector loop."""
+    tiles at every step (PAIRS_TILES_FROM): against float64, and a token's outputs the same
+    alone (a decode: tiles of one row), in a short check, in a block of 16, in a padded last
+    block and in a long step, so a step's size changes no token's bits."""
+    assert PAIRS_TILES_FROM == 1
     torch.manual_seed(9)
     weight = torch.randn(50, 128).bfloat16()
-    x = torch.randn(BF16_GEMM_MIN_TOKENS + 20, 128).bfloat16()
+    x = torch.randn(BF16_GEMM_MIN_TOKENS + 40, 128).bfloat16()
     pairs = pack_bf16_pairs(weight)
     got = native.bf16_pairs_gemm(x, pairs, 50)
     want = x.double() @ weight.double().T
     assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-4 * want.abs().max()).all()
-    with tiles_mode(0, set_gemm_tiles):
-        short = native.bf16_pairs_gemm(x[:5], pairs, 50)
-    assert torch.equal(native.bf16_pairs_gemm(x[:5], pairs, 50), short)
+    for t0, t in ((0, 1), (7, 1), (3, 5), (0, 13), (16, 16), (5, 20), (0, 33)):
+        assert torch.equal(native.bf16_pairs_gemm(x[t0:t0 + t].contiguous(), pairs, 50),
+                           got[t0:t0 + t]), (t0, t)
 
 
 def test_the_emulated_tiles_are_the_path_taken() -> None:

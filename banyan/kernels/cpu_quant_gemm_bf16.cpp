@@ -146,7 +146,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #if defined(BANYAN_GEMM_TILES)
-    if (gemm_takes_tiles(T, w.K)) {  // (cpu_quant_gemm_tiles.h) each group filled, then used
+    if (gemm_takes_tiles(T, w.K, w.kind == kBf16Pairs)) {  // (cpu_quant_gemm_tiles.h) each group filled, then used
         if (gemm_tiles_mode() == 2) tiles_gemm<AmxTiles>(x, T, w, bias, out, N, n_threads);
         else tiles_gemm<SoftTiles>(x, T, w, bias, out, N, n_threads);
         return;
@@ -324,16 +324,19 @@ void banyan_quant_dequant_bf16(int64_t K, int64_t kind, const void* codes, const
 }
 #endif
 
-// The GEMM's products for steps of `from` tokens or more (cpu_quant_gemm_tiles.h), for the whole
-// process from now on: 0 vdpbf16ps, 1 tiles emulated in memory (tests), 2 AMX tiles (only where
-// granted); other modes only ask. Returns the mode in effect (0 where this build has no tiles).
-int64_t banyan_set_gemm_tiles(int64_t mode, int64_t from) {
+// The GEMM's products for steps of `from` tokens or more (a dense weight in pairs: of
+// `pairs_from`; cpu_quant_gemm_tiles.h), for the whole process from now on: 0 vdpbf16ps, 1 tiles
+// emulated in memory (tests), 2 AMX tiles (only where granted); other modes only ask. Returns the
+// mode in effect (0 where this build has no tiles).
+int64_t banyan_set_gemm_tiles(int64_t mode, int64_t from, int64_t pairs_from) {
 #if defined(BANYAN_GEMM_TILES)
-    if (mode == 0 || mode == 1 || (mode == 2 && amx_granted()))
-        gemm_tiles_mode() = static_cast<int>(mode), gemm_tiles_from() = from;
+    if (mode == 0 || mode == 1 || (mode == 2 && amx_granted())) {
+        gemm_tiles_mode() = static_cast<int>(mode);
+        gemm_tiles_from() = from, gemm_tiles_pairs_from() = pairs_from;
+    }
     return gemm_tiles_mode();
 #else
-    (void)mode, (void)from;
+    (void)mode, (void)from, (void)pairs_from;
     return 0;
 #endif
 }

@@ -9,18 +9,23 @@
 // each thread dequantizes a group of panels as before, then multiplies every block of 32 tokens
 // by it, two panels at a time (tile_block: 2 x 2 output tiles over K / 32 steps).
 //
-// Only for steps of `gemm_tiles_from()` tokens or more (the Python side sets it past
-// native.EXACT_STEP_TOKENS): a token's bits on tiles are not the vector loop's, and shorter
-// steps (decodes, speculative checks) keep the bits a token gets alone. On tiles a token's
+// Quantized weights only for steps of `gemm_tiles_from()` tokens or more (the Python side sets
+// it past native.EXACT_STEP_TOKENS): a token's bits on tiles are not the vector loop's, and
+// shorter steps (decodes, speculative checks) keep the bits a token gets alone from the short
+// kernels, which multiply the weights' exact values. A dense weight in pairs takes the tiles
+// from `gemm_tiles_pairs_from()` tokens (1: every step, decodes included): on tiles a token's
 // outputs do not depend on the tile row it falls in, so the step's size or company does not
-// change them either. One mode a process (banyan_set_gemm_tiles): 0 the vector loop, 1 tiles
-// emulated in memory (tests), 2 AMX's.
+// change them either, and a decode's tiles shaped to its one row cost what the vector loop
+// does while a speculative check of 13 tokens costs ~0.55x (the Xeon of #13: SmolLM2's stack,
+// 12.3 / 14.8 ms against 12.9 / 27.6). One mode a process (banyan_set_gemm_tiles): 0 the
+// vector loop, 1 tiles emulated in memory (tests), 2 AMX's.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "cpu_amx_tiles.h"
 #include "cpu_quant_common.h"
@@ -43,10 +48,16 @@ inline int64_t& gemm_tiles_from() {
     return tokens;
 }
 
-// Whether a step of T tokens over K inputs takes the tiles (whole 32-input tile rows only).
-inline bool gemm_takes_tiles(int64_t T, int64_t K) {
-    return gemm_tiles_mode() != 0 && gemm_tiles_from() > 0 && T >= gemm_tiles_from() &&
-           K % 32 == 0;
+inline int64_t& gemm_tiles_pairs_from() {
+    static int64_t tokens = 0;
+    return tokens;
+}
+
+// Whether a step of T tokens over K inputs takes the tiles (whole 32-input tile rows only);
+// pairs: a dense weight in the GEMM's pairs, else a quantized one.
+inline bool gemm_takes_tiles(int64_t T, int64_t K, bool pairs) {
+    const int64_t from = pairs ? gemm_tiles_pairs_from() : gemm_tiles_from();
+    return gemm_tiles_mode() != 0 && from > 0 && T >= from && K % 32 == 0;
 }
 
 // Tokens [t0, t0 + rows) (rows <= 32) times panels q, q1 of a group (q1 == q: one panel, its
@@ -97,23 +108,32 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         auto* tile = w.kind == kBf16Pairs
                          ? nullptr
                          : static_cast<__m512i*>(std::aligned_alloc(64, pairs * kGroup * 64));
-        // a last block of fewer than 32 tokens, zeros past T (tile loads read 16 whole rows)
-        auto* pad = static_cast<uint16_t*>(std::aligned_alloc(64, 32 * K * sizeof(uint16_t)));
+        // A last block of fewer than 32 tokens (tile loads read 16 whole rows), zeros past T:
+        // copied once a call into this thread's buffer, which is all zeros between calls (its
+        // rows are cleared after use), not once a group: at a decode's one token the copy and
+        // the 31 rows of zeros per group cost more than the products (a step 1.3x a vector
+        // loop's on the Xeon of #13; each group's at a token, 15-16 KB of writes per 1-2 KB
+        // of weights).
+        const int64_t tail = T % 32, tail0 = T - tail;
+        thread_local std::vector<uint16_t> pad;
+        if (tail) {
+            if (pad.size() < static_cast<size_t>(32 * K)) pad.assign(32 * K, 0);
+            std::memcpy(pad.data(), x + tail0 * K, tail * K * sizeof(uint16_t));
+        }
         alignas(64) float c[32 * 32];
         Tiles tl;
         tl.begin();
+        // a step of fewer than 16 tokens (a decode, a short check): its one block's tiles of
+        // its own rows (the same bits per element, fewer rows multiplied and moved)
+        if (T < kTileRows) tl.shape(static_cast<int>(T));
         for (int64_t p0 = a; p0 < b; p0 += kGroup) {
             const int np = static_cast<int>(std::min<int64_t>(kGroup, b - p0));
             if (w.kind != kBf16Pairs) fill_tile(w, p0, np, tile);
             const Panels group = panels_in(w, p0, np, tile);
             for (int64_t t0 = 0; t0 < T; t0 += 32) {
                 const int64_t rows = std::min<int64_t>(32, T - t0);
-                const char* at = reinterpret_cast<const char*>(x + t0 * K);
-                if (rows < 32) {
-                    std::memcpy(pad, x + t0 * K, rows * K * sizeof(uint16_t));
-                    std::memset(pad + rows * K, 0, (32 - rows) * K * sizeof(uint16_t));
-                    at = reinterpret_cast<const char*>(pad);
-                }
+                const char* at = reinterpret_cast<const char*>(rows < 32 ? pad.data()
+                                                                          : x + t0 * K);
                 for (int q = 0; q < np; q += 2)
                     tile_pair(tl, at, K * static_cast<int64_t>(sizeof(uint16_t)), rows, group, q,
                               std::min(q + 1, np - 1), K, p0, bias, sum_scales(w), out, t0, N,
@@ -121,7 +141,7 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
             }
         }
         tl.end();
-        std::free(pad);
+        if (tail) std::memset(pad.data(), 0, tail * K * sizeof(uint16_t));
         std::free(tile);
     });
 }

@@ -227,7 +227,7 @@ def load() -> ctypes.CDLL | None:
     lib.banyan_prefill_pairs.argtypes = []
     lib.banyan_prefill_pairs.restype = ctypes.c_int
     lib.banyan_set_decode_tiles.argtypes, lib.banyan_set_decode_tiles.restype = [i64], i64
-    lib.banyan_set_gemm_tiles.argtypes, lib.banyan_set_gemm_tiles.restype = [i64, i64], i64
+    lib.banyan_set_gemm_tiles.argtypes, lib.banyan_set_gemm_tiles.restype = [i64, i64, i64], i64
     return lib
 
 

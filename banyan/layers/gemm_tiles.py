@@ -4,8 +4,9 @@
 On an AMX Xeon a dense bf16 layer's long steps run oneDNN's GEMM on AMX tiles, while a quantized
 layer's ran the vdpbf16ps kernel: int8 and int4 weights would lose to bf16 at batched decodes
 and prefill chunks (#16's batched target). On tiles the kernel dequantizes its panels as before
-and multiplies them by tdpbf16ps. Steps of BF16_GEMM_MIN_TOKENS tokens or more only (the shorter
-ones keep the bits a token gets alone); one mode a process.
+and multiplies them by tdpbf16ps. Quantized weights: steps of BF16_GEMM_MIN_TOKENS tokens or
+more only (the shorter ones keep the bits a token gets alone from the short kernels); a dense
+bf16 weight in pairs: every step (PAIRS_TILES_FROM); one mode a process.
 
 Taken only once measured, as the attention kernels' tiles are (attention/decode_tiles.py): the
 real tiles' output must match the vector loop's on random weights and inputs (bf16 rounding
@@ -31,15 +32,24 @@ logger = logging.getLogger(__name__)
 
 PROBE_SHAPE = (1536, 576)  # (out, in): one half of SmolLM2's gate/up
 PROBE_TOKENS = 64  # a batched decode step (random 64 x 128/128's)
+# A dense bf16 weight in the GEMM's pairs takes the tiles at every step, decodes included
+# (cpu_quant_gemm_tiles.h): its tiles shaped to a decode's one row cost what the vector loop
+# does, and a step's size then never changes a token's bits, so speculative checks take the
+# tiles too. The Xeon of #13 (family 6 model 207, 2026-12-06, SmolLM2's dense bf16 stack, one
+# request over 256 tokens, 7 rounds alternating): 1 token 0.96x the vector loop's time, 4
+# tokens 0.79x, 9 0.61x, 13 0.54x, 16 0.49x.
+PAIRS_TILES_FROM = 1
 
 
 def set_gemm_tiles(mode: int) -> int:
-    """The quantized bf16 GEMM's products for steps of BF16_GEMM_MIN_TOKENS tokens or more, for
-    the whole process from now on: 0 vdpbf16ps, 1 tiles emulated in memory (tests), 2 AMX
-    tiles (only where native.prefill_tiles() is 2); any other value only asks. Returns the mode
-    in effect (0 where the kernels have no tile path)."""
+    """The bf16 GEMM's products for the whole process from now on: 0 vdpbf16ps, 1 tiles
+    emulated in memory (tests), 2 AMX tiles (only where native.prefill_tiles() is 2); any other
+    value only asks. On tiles, quantized weights' steps of BF16_GEMM_MIN_TOKENS tokens or more,
+    dense pairs' of PAIRS_TILES_FROM. Returns the mode in effect (0 where the kernels have no
+    tile path)."""
     lib = native.load()
-    return 0 if lib is None else int(lib.banyan_set_gemm_tiles(mode, BF16_GEMM_MIN_TOKENS))
+    return 0 if lib is None else int(lib.banyan_set_gemm_tiles(mode, BF16_GEMM_MIN_TOKENS,
+                                                               PAIRS_TILES_FROM))
 
 
 def _probe_layers() -> list[Linear]:
