@@ -105,12 +105,14 @@ def gemm_tiles_route(dtype: torch.dtype) -> int:
             and set_gemm_tiles(ASK) == 0):
         return 0
     if not gemm_tiles_agree():
-        logger.warning("quantized GEMM on AMX tiles: output differs from the vector loop's, "
+        logger.warning("bf16 GEMM on AMX tiles: output differs from the vector loop's, "
                        "not used")
         return set_gemm_tiles(0)
     vector_s, tiles_s = time_gemm_paths()
     mode = 2 if keeps_tiles(vector_s, tiles_s) else 0
-    logger.info("quantized GEMM on AMX tiles: checked; %d-token steps of an int4 and an int8 "
+    logger.info("bf16 GEMM on AMX tiles: checked; %d-token steps of an int4 and an int8 "
                 "layer took %.2f ms on tiles, %.2f ms on the vector loop: %s", PROBE_TOKENS,
-                tiles_s * 1e3, vector_s * 1e3, "tiles in use" if mode else "vector loop kept")
+                tiles_s * 1e3, vector_s * 1e3,
+                f"tiles in use (quantized weights from {BF16_GEMM_MIN_TOKENS} tokens, dense "
+                f"pairs from {PAIRS_TILES_FROM})" if mode else "vector loop kept")
     return set_gemm_tiles(mode)
