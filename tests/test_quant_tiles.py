@@ -142,6 +142,20 @@ def test_the_start_up_check_passes_on_the_tiles_in_use(tile_mode: int) -> None:
     assert gemm_tiles_agree(mode=tile_mode)
 
 
+def test_the_start_up_check_reads_a_dense_decode_on_the_tiles(
+        tile_mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check covers what a dense model runs on the tiles at every step: a dense layer's
+    one-token step planted off (on the tiles only) fails it."""
+    real = native.bf16_pairs_gemm
+
+    def off_on_tiles(x: torch.Tensor, *args: object) -> torch.Tensor:
+        out = real(x, *args)
+        return out + 1 if x.shape[0] == 1 and set_gemm_tiles(ASK) != 0 else out
+
+    monkeypatch.setattr(native, "bf16_pairs_gemm", off_on_tiles)
+    assert not gemm_tiles_agree(mode=tile_mode)
+
+
 def test_amx_tiles_are_refused_where_the_cpu_has_none() -> None:
     with tiles_mode(0, set_gemm_tiles):
         assert set_gemm_tiles(2) == (2 if native.prefill_tiles() == 2 else 0)

@@ -25,7 +25,7 @@ import torch
 from banyan.attention.decode_tiles import ASK, keeps_tiles, tiles_mode
 from banyan.attention.prefill_choice import alternating_medians
 from banyan.kernels import native
-from banyan.layers.linear import Linear
+from banyan.layers.linear import Linear, SkinnyBf16Method
 from banyan.layers.quant import BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
 
 logger = logging.getLogger(__name__)
@@ -67,16 +67,26 @@ def _outputs(layers: list[Linear], x: torch.Tensor, mode: int) -> list[torch.Ten
         return [layer(x).float() for layer in layers]
 
 
+def _dense_pairs_layer() -> Linear:
+    """A dense bf16 layer in the GEMM's pairs (read in place on the tiles, at every step)."""
+    weight = torch.randn(*PROBE_SHAPE, generator=torch.Generator().manual_seed(2)) * 0.05
+    layer = Linear.from_weight(weight.bfloat16())
+    layer.convert(SkinnyBf16Method())
+    return layer
+
+
 def gemm_tiles_agree(mode: int = 2) -> bool:
     """Whether the GEMM's output on tiles (`mode`) is the vector loop's on random weights and
-    inputs, to within what the two paths' roundings allow."""
-    layers = _probe_layers()
+    inputs, to within what the two paths' roundings allow: the probe's quantized layers and a
+    dense one in pairs, at a batched step's tokens and (the dense one) at a decode's one."""
+    layers = [*_probe_layers(), _dense_pairs_layer()]
     x = torch.randn(PROBE_TOKENS + 5, PROBE_SHAPE[1], generator=torch.Generator().manual_seed(1))
-    x = x.bfloat16()
-    for want, got in zip(_outputs(layers, x, 0), _outputs(layers, x, mode), strict=True):
-        if not (bool(torch.isfinite(got).all()) and
-                torch.allclose(got, want, rtol=2**-6, atol=1e-2 * float(want.abs().max()))):
-            return False
+    for tokens in (x.bfloat16(), x[:1].bfloat16()):
+        for want, got in zip(_outputs(layers, tokens, 0), _outputs(layers, tokens, mode),
+                             strict=True):
+            if not (bool(torch.isfinite(got).all()) and torch.allclose(
+                    got, want, rtol=2**-6, atol=1e-2 * float(want.abs().max()))):
+                return False
     return True
 
 
