@@ -24,7 +24,8 @@ from banyan import Engine
 from banyan.bench.grounded import chat_workload, grounded_workload
 from banyan.bench.offline import command_line, machine_info, run_workload
 from banyan.kernels import native
-from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
+from banyan.attention.decode_tiles import ASK
+from banyan.layers.gemm_tiles import PAIRS_TILES_FROM, set_gemm_tiles
 from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
 from spec_side_by_side import config  # (this script's folder)
 
@@ -50,7 +51,7 @@ def main() -> int:
                                max_running_requests=1, kv_cache_memory="512MiB", **extra)
     lib = native.load()
     assert lib is not None
-    if lib.banyan_set_gemm_tiles(-1, 0, 0) != 2:  # (-1 only asks)
+    if set_gemm_tiles(ASK) != 2:
         print("the GEMM's mode here is not AMX's tiles: nothing to compare")
         return 1
     tokenizer = engines["none"].tokenizer

@@ -39,10 +39,6 @@ def _attention_entry(kind: str, q: torch.Tensor, pool_k: torch.Tensor,
     return getattr(lib, f"banyan_{kind}_{_DTYPE_SUFFIX[q.dtype]}_{kv_sfx}")
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def paged_attention(
     q: torch.Tensor,
     pool_k: torch.Tensor,
@@ -76,7 +72,7 @@ def paged_attention(
     with kernel_range("banyan::paged_attention"):
         fn(
             q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
-            _ptr(k_scale), _ptr(v_scale),
+            native.data_ptr(k_scale), native.data_ptr(v_scale),
             table.data_ptr(), table.shape[1],
             req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             order.data_ptr(), group_start.data_ptr(), group_prefix.data_ptr(),
@@ -117,7 +113,7 @@ def prefill_attention(
     with kernel_range("banyan::prefill_attention"):
         fn(
             q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
-            _ptr(k_scale), _ptr(v_scale),
+            native.data_ptr(k_scale), native.data_ptr(v_scale),
             table.data_ptr(), table.shape[1],
             req_row.data_ptr(), req_len.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             req_row.shape[0], out.data_ptr(), H, pool_k.shape[1], D, scale,

@@ -193,8 +193,8 @@ int64_t banyan_fp8_dequantize_here() {
 #endif
 }
 
-// codes: [rows, d] bytes (d % 16 == 0); scales: [rows] float32 (null: 1 each); out: [rows, d] float32, or
-// bf16 (uint16) where bf16 is nonzero.
+// codes: [rows, d] bytes (d % 16 == 0); scales: [rows] float32 (null: 1 each); out: [rows, d]
+// float32, or bf16 (uint16) where bf16 is nonzero.
 void banyan_fp8_dequantize_rows_e4m3(const uint8_t* codes, const float* scales, int64_t rows,
                                      int64_t d, void* out, int64_t bf16, int64_t n_threads) {
     dequantize_rows<E4M3>(codes, scales, rows, d, out, bf16 != 0, n_threads);

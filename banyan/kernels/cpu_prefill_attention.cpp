@@ -191,8 +191,10 @@ void attend_block(Buffers& b, const typename C::T* q, const typename K::T* kpool
         const int64_t nk = std::min<int64_t>(BK, kend - k0);
         for (int64_t j = 0; j < nk; ++j) {
             const int64_t row = static_cast<int64_t>(slots[k0 + j]) * kvh + h;
-            load_row<K>(kpool + row * d, K::kScaled ? row_scale(kscale, row) : 1.0f, d, &b.kb[j * d]);
-            load_row<K>(vpool + row * d, K::kScaled ? row_scale(vscale, row) : 1.0f, d, &b.vb[j * dv]);
+            const float ks = K::kScaled ? row_scale(kscale, row) : 1.0f;
+            const float vs = K::kScaled ? row_scale(vscale, row) : 1.0f;
+            load_row<K>(kpool + row * d, ks, d, &b.kb[j * d]);
+            load_row<K>(vpool + row * d, vs, d, &b.vb[j * dv]);
         }
         // causal masking only where some row stops inside the block
         const bool diagonal = k0 + nk > prefix + t0 + 1;

@@ -146,7 +146,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #if defined(BANYAN_GEMM_TILES)
-    if (gemm_takes_tiles(T, w.K, w.kind == kBf16Pairs)) {  // (cpu_quant_gemm_tiles.h) each group filled, then used
+    // (cpu_quant_gemm_tiles.h) each group filled, then used
+    if (gemm_takes_tiles(T, w.K, w.kind == kBf16Pairs)) {
         if (gemm_tiles_mode() == 2) tiles_gemm<AmxTiles>(x, T, w, bias, out, N, n_threads);
         else tiles_gemm<SoftTiles>(x, T, w, bias, out, N, n_threads);
         return;

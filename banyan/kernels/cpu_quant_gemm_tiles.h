@@ -16,8 +16,8 @@
 // from `gemm_tiles_pairs_from()` tokens (1: every step, decodes included): on tiles a token's
 // outputs do not depend on the tile row it falls in, so the step's size or company does not
 // change them either, and a decode's tiles shaped to its one row cost what the vector loop
-// does while a speculative check of 13 tokens costs ~0.55x (the Xeon of #13: SmolLM2's stack,
-// 12.3 / 14.8 ms against 12.9 / 27.6). One mode a process (banyan_set_gemm_tiles): 0 the
+// does while a speculative check of 13 tokens costs ~0.5x (figures: gemm_tiles.py's
+// PAIRS_TILES_FROM). One mode a process (banyan_set_gemm_tiles): 0 the
 // vector loop, 1 tiles emulated in memory (tests), 2 AMX's.
 #pragma once
 

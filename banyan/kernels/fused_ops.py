@@ -174,7 +174,7 @@ def fp8_dequantize_rows(codes: torch.Tensor, scale: torch.Tensor | None, dtype: 
     s = None if scale is None else scale.float().contiguous()
     out = torch.empty(codes.shape, dtype=dtype)
     with native.kernel_range("banyan::fp8_dequantize_rows"):
-        fn(c.data_ptr(), None if s is None else s.data_ptr(), c.numel() // d, d, out.data_ptr(),
+        fn(c.data_ptr(), native.data_ptr(s), c.numel() // d, d, out.data_ptr(),
            int(dtype == torch.bfloat16), torch.get_num_threads())
     return out
 

@@ -294,6 +294,11 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a kernel's pointer argument; None (a null pointer) for None."""
+    return None if t is None else t.data_ptr()
+
+
 def bf16_pairs_gemm(x: torch.Tensor, pairs: torch.Tensor, rows: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ W^T (+ bias, float32 [rows]) for W [rows, K] stored by
@@ -305,7 +310,7 @@ def bf16_pairs_gemm(x: torch.Tensor, pairs: torch.Tensor, rows: int,
     with kernel_range("banyan::bf16_gemm"):
         lib.banyan_quant_gemm_bf16(x.data_ptr(), x.shape[0], x.shape[1], PAIRS_BF16_KIND,
                                    pairs.data_ptr(), None, None, 0,
-                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   data_ptr(bias), out.data_ptr(),
                                    rows, torch.get_num_threads())
     return out
 

@@ -36,8 +36,8 @@ PROBE_TOKENS = 64  # a batched decode step (random 64 x 128/128's)
 # (cpu_quant_gemm_tiles.h): its tiles shaped to a decode's one row cost what the vector loop
 # does, and a step's size then never changes a token's bits, so speculative checks take the
 # tiles too. The Xeon of #13 (family 6 model 207, 2026-12-06, SmolLM2's dense bf16 stack, one
-# request over 256 tokens, 7 rounds alternating): 1 token 0.96x the vector loop's time, 4
-# tokens 0.79x, 9 0.61x, 13 0.54x, 16 0.49x.
+# request over 256 tokens, 15 rounds alternating): 1 token 0.98x the vector loop's time, 4
+# tokens 0.91x, 9 0.63x, 13 0.49x, 16 0.43x (docs/performance.md).
 PAIRS_TILES_FROM = 1
 
 

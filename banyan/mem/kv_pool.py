@@ -13,8 +13,8 @@ then try three larger scales within an octave, FP8_SCALE_SHIFTS, and keep the cl
 default where a checkpoint names none), so no scale is stored (`row_scales` False): exactly half
 a bf16 pool's bytes, values beyond e4m3's range (+-448) clamped. Rows are quantized on store;
 the native attention kernel reads the codes in place, the SDPA paths dequantize what they
-gather. Every reader sees the same dequantized values, fresh tokens
-included (`store` hands them back), so chunking and caching do not change what is attended.
+gather. Every reader sees the same dequantized values, fresh tokens included (`store` hands
+them back), so chunking and caching do not change what is attended.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def kv_code_dtype(name: str) -> torch.dtype | None:
 def kv_row_scales(name: str) -> bool:
     """Whether the pool of a --kv-cache-dtype name keeps a scale per (slot, head) row."""
     return kv_cache_dtype_name(name) not in UNIT_SCALE_NAMES
+
+
+def _check_unit_scale(code_dtype: torch.dtype | None) -> None:
+    """ValueError unless `code_dtype` may go without row scales (fp8 only)."""
+    if code_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError("kv_cache_dtype: only fp8 codes go without row scales")
 
 
 def _code_max(code_dtype: torch.dtype) -> float:
@@ -106,8 +112,7 @@ def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype, row_scales: bool = T
     """x [..., D] float -> (codes [..., D] code_dtype, scale [...] float32), row-wise; without
     row_scales (fp8 only) the codes of x itself, clamped to the format's range, and no scale."""
     if not row_scales:
-        if code_dtype == torch.int8:
-            raise ValueError("kv_cache_dtype: int8 codes need a scale per row")
+        _check_unit_scale(code_dtype)
         top = _code_max(code_dtype)
         return x.float().clamp(-top, top).to(code_dtype), None
     if code_dtype != torch.int8:
@@ -203,8 +208,8 @@ class KVPool:
         per (slot, head) row, or (False, fp8 only) one unit scale for the pool."""
         if code_dtype not in CODE_DTYPES.values():
             raise ValueError(f"kv_cache_dtype: the pool cannot store {code_dtype} codes")
-        if not row_scales and code_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError("kv_cache_dtype: only fp8 codes go without row scales")
+        if not row_scales:
+            _check_unit_scale(code_dtype)
         if num_slots < 2:
             raise ValueError(
                 f"KV pool needs at least 2 slots (slot {PAD_SLOT} is padding), got {num_slots}"
@@ -248,8 +253,10 @@ class KVPool:
     @property
     def kv_cache_dtype(self) -> str:
         """The --kv-cache-dtype name of this pool's storage."""
-        return next(n for n, d in CODE_DTYPES.items() if d == self.code_dtype and (
-            self.code_dtype is None or (n not in UNIT_SCALE_NAMES) == self.row_scales))
+        if self.code_dtype is None:
+            return "auto"
+        return next(n for n, d in CODE_DTYPES.items()
+                    if d == self.code_dtype and kv_row_scales(n) == self.row_scales)
 
     @property
     def bytes_per_slot(self) -> int:

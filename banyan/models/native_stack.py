@@ -37,6 +37,7 @@ import torch
 from banyan.attention.base import AttentionMetadata
 from banyan.attention.cpu_native import CpuNativeBackend, NativeMetadata
 from banyan.kernels import native
+from banyan.kernels.native import data_ptr
 from banyan.layers.f32_linear import SkinnyF32Method
 from banyan.layers.linear import Linear, LinearMethod, NativeLinear, SkinnyBf16Method
 from banyan.layers.panels import unpack_bf16_pairs
@@ -74,10 +75,6 @@ KV_CODES = {None: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3
 _QUANTIZED = frozenset(LINEAR_KINDS) - {"skinny_f32", "skinny_bf16", "pairs_bf16"}
 STACK_KINDS = {torch.float32: _QUANTIZED | {"skinny_f32"},
                torch.bfloat16: _QUANTIZED | {"skinny_bf16", "pairs_bf16"}}
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class StackLinear(ctypes.Structure):
@@ -230,8 +227,8 @@ class NativeLayerStack:
                 gemm, gemm_from = BF16_GEMM_KINDS[spec.kind], BF16_GEMM_MIN_TOKENS
             elif spec.kind == "pairs_bf16":  # every step, as SkinnyBf16Method.apply does
                 gemm, gemm_from = native.PAIRS_BF16_KIND, 1
-            return StackLinear(LINEAR_KINDS[spec.kind], _ptr(spec.weight), _ptr(spec.scale),
-                               _ptr(spec.mins), _ptr(bias), layer.in_features,
+            return StackLinear(LINEAR_KINDS[spec.kind], data_ptr(spec.weight), data_ptr(spec.scale),
+                               data_ptr(spec.mins), data_ptr(bias), layer.in_features,
                                layer.out_features, spec.group, gemm, gemm_from)
 
         layers = []
@@ -251,8 +248,8 @@ class NativeLayerStack:
             keep += [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
             keep += [n.weight for n in norms if n is not None]
             layers.append(StackLayer(
-                *(_ptr(n.weight) if n is not None else None for n in norms), *projections,
-                kv.k.data_ptr(), kv.v.data_ptr(), _ptr(kv.k_scale), _ptr(kv.v_scale)))
+                *(data_ptr(n.weight) if n is not None else None for n in norms), *projections,
+                kv.k.data_ptr(), kv.v.data_ptr(), data_ptr(kv.k_scale), data_ptr(kv.v_scale)))
         if not _vector(model.norm.weight, cfg.hidden, dtype) or \
                 not model.embed_tokens.weight.is_contiguous():
             return None
@@ -347,7 +344,7 @@ class NativeLayerStack:
             s.pf_reqs = long.n_new.shape[0]
             s.pf_tiles = self.backend.tiles  # the per-op path's products (bf16 only)
         s.n_threads = torch.get_num_threads()
-        s.greedy_out, s.vocab = _ptr(greedy_out), vocab
+        s.greedy_out, s.vocab = data_ptr(greedy_out), vocab
         self._invoke()
         return out
 
