@@ -3,7 +3,9 @@ float32), int8 and int4 (float32 activations; bf16 ones with --configs int8-bf16
 ones with int8-q8act,...), then for every GGUF file given, Banyan with --quantization gguf
 (the file's blocks; with --gguf-activations none,int8 both activation modes, with
 --gguf-dtypes float32,bfloat16 both activation types) and llama.cpp (llama-cpp-python, in its
-own virtual environment) on that same file, all with the same threads.
+own virtual environment) on that same file, all with the same threads. Banyan's engines are
+held at once and take their runs in turns, each round in the order reversed (llama.cpp runs in a
+process of its own after them each round).
 
     python benchmarks/lowprec_side_by_side.py --llamacpp-python VENV/bin/python \
         --gguf Q8_0=smol-Q8_0.gguf --gguf Q4_0=smol-Q4_0.gguf [--batched] [--out FILE] \
@@ -24,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -118,32 +121,38 @@ print(json.dumps({"random_64_output_tok_s": made / elapsed, "elapsed_s": elapsed
 """
 
 
-def banyan_config(model: Path, dtype: str, quantization: str, threads: int,
-                  batched: bool, bandwidth: float, activation_quant: str = "none"
-                  ) -> dict[str, Any]:
-    """model: a Hugging Face folder, or the GGUF file itself for --quantization gguf."""
-    with Engine(str(model), dtype=dtype, device="cpu", quantization=quantization,
-                activation_quant=activation_quant, num_threads=threads, disable_tqdm=True,
-                kv_cache_memory="512MiB") as engine:
-        vocab = engine.core.vocab_size
-        batch1(engine, 16, 8, vocab)  # warm: first-call allocations and kernel builds
-        engine.core.populate_kv()  # llama.cpp clears its KV buffer at start-up
-        one = batch1(engine, IN_LEN, OUT_LEN, vocab)
-        weight_bytes = engine.core.weight_bytes
-        row: dict[str, Any] = {
-            "decode_tok_s": one["decode_tok_s"], "ttft_s": one["ttft_s"],
+def banyan_engine(model: Path, dtype: str, quantization: str, threads: int,
+                  activation_quant: str = "none") -> Engine:
+    """model: a Hugging Face folder, or the GGUF file itself for --quantization gguf. Warmed:
+    first-call allocations and kernel builds done, the KV pool's pages touched (llama.cpp
+    clears its KV buffer at start-up)."""
+    engine = Engine(str(model), dtype=dtype, device="cpu", quantization=quantization,
+                    activation_quant=activation_quant, num_threads=threads, disable_tqdm=True,
+                    kv_cache_memory="512MiB")
+    batch1(engine, 16, 8, engine.core.vocab_size)
+    engine.core.populate_kv()
+    return engine
+
+
+def banyan_batch1(engine: Engine, bandwidth: float) -> dict[str, Any]:
+    one = batch1(engine, IN_LEN, OUT_LEN, engine.core.vocab_size)
+    weight_bytes = engine.core.weight_bytes
+    return {"decode_tok_s": one["decode_tok_s"], "ttft_s": one["ttft_s"],
             "weight_bytes": weight_bytes,
             "fraction_of_bound": one["decode_tok_s"] / (bandwidth * 1e9 / weight_bytes)}
-        if batched:
-            # Warmed as llama.cpp is: its context clears its whole KV buffer before its clock
-            # starts, while Banyan's pool is mapped lazily and its first touches (and torch's
-            # first allocations of each step size) would fall inside the timed run (~10% of it
-            # on Zen 5). A shorter run of the same 64 rows touches the slots the timed one uses.
-            run_workload(engine, random_workload(64, IN_LEN, OUT_LEN // 4, vocab, seed=4))
-            work = random_workload(64, IN_LEN, OUT_LEN, vocab, seed=3)
-            result = run_workload(engine, work)
-            row["random_64_output_tok_s"] = result["output_tok_s"]
-    return row
+
+
+def banyan_random_64(engine: Engine, first: bool) -> float:
+    """Output tok/s of random 64 x 128/128. Before an engine's first, warmed as llama.cpp is:
+    its context clears its whole KV buffer before its clock starts, while Banyan's pool is
+    mapped lazily and its first touches (and torch's first allocations of each step size) would
+    fall inside the timed run (~10% of it on Zen 5): a shorter run of the same 64 rows touches
+    the slots the timed one uses."""
+    vocab = engine.core.vocab_size
+    if first:
+        run_workload(engine, random_workload(64, IN_LEN, OUT_LEN // 4, vocab, seed=4))
+    work = random_workload(64, IN_LEN, OUT_LEN, vocab, seed=3)
+    return run_workload(engine, work)["output_tok_s"]
 
 
 def llamacpp_config(python: str, path: Path, threads: int, bandwidth: float,
@@ -203,23 +212,40 @@ def main() -> None:
         runs.setdefault(key, []).append(row)
         print(key, row, flush=True)
 
-    for _ in range(args.reps):  # every configuration once per round: drift hits them all
-        for name in filter(None, args.configs.split(",")):
-            dtype, quantization, act = CONFIGS[name]
-            record(f"banyan {name}", banyan_config(model, dtype, quantization, args.threads,
-                                                   args.batched, bandwidth, act))
-        for spec in args.gguf:
-            name, file = spec.split("=", 1)
-            for dtype in filter(None, args.gguf_dtypes.split(",")):
-                for act in filter(None, args.gguf_activations.split(",")):
-                    key = (f"banyan gguf {name}" + ("" if act == "none" else f" {act}-act")
-                           + ("" if dtype == "float32" else f" {dtype}"))
-                    record(key, banyan_config(Path(file), dtype, "gguf", args.threads,
-                                              args.batched, bandwidth, act))
-            if args.llamacpp_python:
-                record(f"llama.cpp {name}", llamacpp_config(args.llamacpp_python, Path(file),
-                                                            args.threads, bandwidth,
-                                                            args.batched))
+    # Banyan's configurations (name -> model, dtype, --quantization, --activation-quant)
+    specs: dict[str, tuple[Path, str, str, str]] = {}
+    for name in filter(None, args.configs.split(",")):
+        dtype, quantization, act = CONFIGS[name]
+        specs[f"banyan {name}"] = (model, dtype, quantization, act)
+    for spec in args.gguf:
+        name, file = spec.split("=", 1)
+        for dtype in filter(None, args.gguf_dtypes.split(",")):
+            for act in filter(None, args.gguf_activations.split(",")):
+                key = (f"banyan gguf {name}" + ("" if act == "none" else f" {act}-act")
+                       + ("" if dtype == "float32" else f" {dtype}"))
+                specs[key] = (Path(file), dtype, "gguf", act)
+    # Every Banyan engine held at once and run in turns, a request each, the order reversed
+    # every round: this harness took each configuration's figures a minute or more apart, and on
+    # a VM whose speed drifted 2x within minutes (the AMX Xeon, 2026-12-06) a ratio could pair
+    # a fast stretch with a slow one (int8 / bf16 at batch 1: 1.33-1.45x here, 1.55-1.81x in
+    # turns in one process, batch1_split.py).
+    with ExitStack() as stack:
+        engines = {key: stack.enter_context(banyan_engine(m, d, q, args.threads, a))
+                   for key, (m, d, q, a) in specs.items()}
+        for rep in range(args.reps):
+            order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+            rows = {key: banyan_batch1(engines[key], bandwidth) for key in order}
+            if args.batched:
+                for key in order:
+                    rows[key]["random_64_output_tok_s"] = banyan_random_64(engines[key],
+                                                                           rep == 0)
+            for key in engines:
+                record(key, rows[key])
+            for spec in args.gguf:  # (its own process per run)
+                name, file = spec.split("=", 1)
+                if args.llamacpp_python:
+                    record(f"llama.cpp {name}", llamacpp_config(
+                        args.llamacpp_python, Path(file), args.threads, bandwidth, args.batched))
     results = {key: median_row(rows) for key, rows in runs.items()}
     report = {
         "command": "python " + " ".join(["benchmarks/lowprec_side_by_side.py", *sys.argv[1:]]),
