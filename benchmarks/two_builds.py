@@ -98,7 +98,32 @@ def stack_entries(stack: object, a: Path, b: Path) -> dict[str, Callable[..., in
     entry = stack._call  # type: ignore[attr-defined]
     calls = {}
     for name, path in (("a", a), ("b", b)):
-        fn = getattr(ctypes.CDLL(str(path)), entry.__name__)
+        lib = ctypes.CDLL(str(path))
+        same_tile_modes(lib)
+        fn = getattr(lib, entry.__name__)
         fn.argtypes, fn.restype = entry.argtypes, entry.restype
         calls[name] = fn
     return calls
+
+
+def same_tile_modes(lib: ctypes.CDLL) -> None:
+    """The process's own kernels' tile modes (the row kernel's and the bf16 GEMM's, AMX's where
+    the engine chose them) set in another build: each library keeps its own, and a build loaded
+    beside them starts on the vector loops (on AMX an A/B of two builds then timed tiles against
+    vector loops, with different bits). A build without a setter is left as it is."""
+    from banyan.attention.decode_tiles import ASK
+    from banyan.kernels import native
+    from banyan.layers.gemm_tiles import PAIRS_TILES_FROM, set_gemm_tiles
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+
+    decode, gemm = native.set_decode_tiles(ASK), set_gemm_tiles(ASK)
+    i64 = ctypes.c_int64
+    if hasattr(lib, "banyan_amx_state"):
+        lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
+    if hasattr(lib, "banyan_set_decode_tiles"):
+        lib.banyan_set_decode_tiles.argtypes, lib.banyan_set_decode_tiles.restype = [i64], i64
+        lib.banyan_set_decode_tiles(decode)
+    if hasattr(lib, "banyan_set_gemm_tiles"):
+        setter = lib.banyan_set_gemm_tiles
+        setter.argtypes, setter.restype = [i64, i64, i64], i64
+        setter(gemm, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM)
