@@ -177,13 +177,18 @@ enum AmxState : int {
 
 inline bool amx_granted() { return banyan_amx_state() == kAmxGranted; }
 
+// What a tile block does at each of its steps besides the products (a caller's prefetches).
+struct NoStep {
+    void operator()() const {}
+};
+
 // 2 x 2 output tiles: C[0..3] = (a0, a1) x (b0, b1) over `steps` steps of 32 bf16 (A) / 16
 // pairs (B); load: C starts from memory (c, ldc bytes a row, tiles at c, c + 64 bytes, c + 16
 // rows, both), else from zero. a1 / b1 at a fixed distance from a0 / b0 (da, db bytes).
-template <typename Tiles>
+template <typename Tiles, typename Step = NoStep>
 inline void tile_block(Tiles& tl, const char* a0, int64_t da, int64_t lda, int64_t astep,
                        const char* b0, int64_t db, int64_t ldb, int64_t bstep, int64_t steps,
-                       char* c, int64_t ldc, bool load) {
+                       char* c, int64_t ldc, bool load, Step step = {}) {
     if (load) {
         tl.template load<0>(c, ldc);
         tl.template load<1>(c + 64, ldc);
@@ -193,6 +198,7 @@ inline void tile_block(Tiles& tl, const char* a0, int64_t da, int64_t lda, int64
         tl.template zero<0>(), tl.template zero<1>(), tl.template zero<2>(), tl.template zero<3>();
     }
     for (int64_t s = 0; s < steps; ++s) {
+        step();
         tl.template load<4>(a0 + s * astep, lda);
         tl.template load<5>(a0 + da + s * astep, lda);
         tl.template load<6>(b0 + s * bstep, ldb);
@@ -208,10 +214,10 @@ inline void tile_block(Tiles& tl, const char* a0, int64_t da, int64_t lda, int64
 
 // The same for one A tile: C[0..1] = a0 x (b0, b1) (16 rows; tiles 2, 3 and 5 untouched),
 // each output element by the same instructions as in tile_block (so the same bits).
-template <typename Tiles>
+template <typename Tiles, typename Step = NoStep>
 inline void tile_row_block(Tiles& tl, const char* a0, int64_t lda, int64_t astep,
                            const char* b0, int64_t db, int64_t ldb, int64_t bstep, int64_t steps,
-                           char* c, int64_t ldc, bool load) {
+                           char* c, int64_t ldc, bool load, Step step = {}) {
     if (load) {
         tl.template load<0>(c, ldc);
         tl.template load<1>(c + 64, ldc);
@@ -219,6 +225,7 @@ inline void tile_row_block(Tiles& tl, const char* a0, int64_t lda, int64_t astep
         tl.template zero<0>(), tl.template zero<1>();
     }
     for (int64_t s = 0; s < steps; ++s) {
+        step();
         tl.template load<4>(a0 + s * astep, lda);
         tl.template load<6>(b0 + s * bstep, ldb);
         tl.template load<7>(b0 + db + s * bstep, ldb);

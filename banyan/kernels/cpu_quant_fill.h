@@ -82,6 +82,21 @@ inline Panels panels_in(const QuantWeight& w, int64_t p0, int np, const __m512i*
     return at;
 }
 
+// A span of memory the next group reads (codes fill_tile dequantizes, or pairs read in place),
+// to be fetched into L2 while this group computes.
+struct Ahead {
+    const char* codes;
+    int64_t bytes;
+};
+
+// The codes (the bulk of the bytes) of panels [p, p + np): contiguous in every kind's layout.
+inline Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
+    const int64_t per_panel = (w.kind == kBf16 || w.kind == kBf16Pairs ? 2 * w.K
+                               : w.kind == kInt8Rows || w.kind == kInt8Groups ? w.K  // a byte
+                               : w.K / 2) * PANEL;  // 4 bits a code
+    return {static_cast<const char*>(w.codes) + p * per_panel, np * per_panel};
+}
+
 inline __m512 scale16(const void* s, int64_t at, bool half) {
     return half ? load_scale16(static_cast<const uint16_t*>(s) + at)
                 : _mm512_loadu_ps(static_cast<const float*>(s) + at);

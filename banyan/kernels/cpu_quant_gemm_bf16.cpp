@@ -32,13 +32,6 @@ namespace {
 #if defined(__AVX512BF16__)
 constexpr int TB = 8;
 
-// A span of memory the next group reads (codes fill_tile dequantizes, or pairs read in place),
-// to be fetched into L2 while this group computes.
-struct Ahead {
-    const char* codes;
-    int64_t bytes;
-};
-
 // tb (<= TB) tokens from row t0 through the tile of panels [p0, p0 + N_P); FILL: the kind of
 // the next group's tile filled meanwhile (FillKind; Fill::next inlined into the pass: called out
 // of line, it cost a vzeroupper and the sums' moves out of zmm0-15 per call, and int4 64-token
@@ -89,14 +82,6 @@ void token_block(int tb, const Panels& tile, const uint16_t* x, int64_t K, int64
     if constexpr (T_B > 1)
         token_block<N_P, T_B - 1, FILL, SCALED>(tb, tile, x, K, t0, p0, bias, rs, out, N, fetch,
                                                 fill);
-}
-
-// The codes (the bulk of the bytes) of panels [p, p + np): contiguous in every kind's layout.
-Ahead codes_of(const QuantWeight& w, int64_t p, int64_t np) {
-    const int64_t per_panel = (w.kind == kBf16 || w.kind == kBf16Pairs ? 2 * w.K
-                               : w.kind == kInt8Rows || w.kind == kInt8Groups ? w.K  // a byte
-                               : w.K / 2) * PANEL;  // 4 bits a code
-    return {static_cast<const char*>(w.codes) + p * per_panel, np * per_panel};
 }
 
 // Every token block of T through the tile, and meanwhile the next group's codes prefetched into
