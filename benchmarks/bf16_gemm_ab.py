@@ -29,9 +29,8 @@ from typing import Any
 import torch
 
 from banyan.bench.offline import machine_info
-from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
 from banyan.layers.linear import Linear, SkinnyBf16Method
-from banyan.layers.quant import BF16_GEMM_KINDS, BF16_GEMM_MIN_TOKENS, Int4Method, Int8Method
+from banyan.layers.quant import BF16_GEMM_KINDS, Int4Method, Int8Method
 from two_builds import gemm_libraries, outputs_apart, parse_args  # (this script's folder)
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}  # (out, in)
@@ -71,15 +70,7 @@ def main() -> int:
     if len(ns.tokens) != 1:
         raise SystemExit("--tokens: one count here")
     ns.tokens = ns.tokens[0]
-    libs = gemm_libraries(ns.a, ns.b)
-    for lib in libs.values() if ns.tiles else ():  # (each library has its own mode)
-        lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
-        # (a build before the dense pairs' own threshold takes two arguments and ignores the
-        # third in its register)
-        lib.banyan_set_gemm_tiles.argtypes = [ctypes.c_int64] * 3
-        lib.banyan_set_gemm_tiles.restype = ctypes.c_int64
-        if lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM) != 2:
-            raise SystemExit("--tiles: AMX tiles refused here")
+    libs = gemm_libraries(ns.a, ns.b, ns.tiles)
     torch.manual_seed(0)
     keep: list[Any] = []
     cases = {(shape, method): call_args(method, n, k, ns.tokens, keep)

@@ -7,7 +7,7 @@ forward (order swapped every round), after a check that they give the same bits 
 the method's may differ; their largest difference is printed).
 
     python benchmarks/bf16_pairs_forward_ab.py A.so B.so [--tokens 1,8,9,12,13,16] [--rounds 9]
-        [--method bf16] [--new-bits] [--out FILE]
+        [--method bf16] [--new-bits] [--tiles] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,11 +33,14 @@ def more_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--method", default="bf16", choices=["bf16", "int8", "int4"])
     ap.add_argument("--new-bits", action="store_true",
                     help="the builds' outputs may differ (a change of what the method computes)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="both builds' GEMM on AMX tiles, as the engine runs it on a CPU with AMX "
+                         "(dense pairs at every step, quantized weights from 17 tokens)")
 
 
 def main() -> int:
     ns = parse_args(__doc__, "1,8,9,12,13,16", 9, more_args)
-    libs = gemm_libraries(ns.a, ns.b)
+    libs = gemm_libraries(ns.a, ns.b, ns.tiles)
     torch.manual_seed(0)
     tokens, keep = ns.tokens, []
     # every layer's call per token count (its own input and output), the weights shared
@@ -84,7 +87,7 @@ def main() -> int:
               f"(a streams {weight_bytes / a / 1e9:.1f} GB/s)", flush=True)
     if ns.out:
         result = {"command": ns.command, "machine": machine_info(), "method": ns.method,
-                  "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name,
+                  "rounds": ns.rounds, "a": ns.a.name, "b": ns.b.name, "tiles": ns.tiles,
                   "largest_differences": differences, "cases": rows}
         ns.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

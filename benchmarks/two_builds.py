@@ -55,12 +55,26 @@ def outputs_apart(label: object, a: torch.Tensor, b: torch.Tensor, may_differ: b
     return True
 
 
-def gemm_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
-    """Both libraries, banyan_quant_gemm_bf16 typed in each."""
+def gemm_libraries(a: Path, b: Path, tiles: bool = False) -> dict[str, ctypes.CDLL]:
+    """Both libraries, banyan_quant_gemm_bf16 typed in each; tiles: both builds' GEMM on AMX
+    tiles (each library keeps its own mode; quantized weights from BF16_GEMM_MIN_TOKENS tokens,
+    dense pairs from PAIRS_TILES_FROM, as the engine sets them), SystemExit where refused."""
+    from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+
     libs = {"a": ctypes.CDLL(str(a)), "b": ctypes.CDLL(str(b))}
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for lib in libs.values():
         lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
+        if not tiles:
+            continue
+        lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
+        # (a build before the dense pairs' own threshold takes two arguments and ignores the
+        # third in its register)
+        lib.banyan_set_gemm_tiles.argtypes = [i64] * 3
+        lib.banyan_set_gemm_tiles.restype = i64
+        if lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM) != 2:
+            raise SystemExit("--tiles: AMX tiles refused here")
     return libs
 
 
