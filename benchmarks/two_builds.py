@@ -59,23 +59,27 @@ def gemm_libraries(a: Path, b: Path, tiles: bool = False) -> dict[str, ctypes.CD
     """Both libraries, banyan_quant_gemm_bf16 typed in each; tiles: both builds' GEMM on AMX
     tiles (each library keeps its own mode; quantized weights from BF16_GEMM_MIN_TOKENS tokens,
     dense pairs from PAIRS_TILES_FROM, as the engine sets them), SystemExit where refused."""
-    from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
-    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
-
     libs = {"a": ctypes.CDLL(str(a)), "b": ctypes.CDLL(str(b))}
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for lib in libs.values():
         lib.banyan_quant_gemm_bf16.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64]
-        if not tiles:
-            continue
-        lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
-        # (a build before the dense pairs' own threshold takes two arguments and ignores the
-        # third in its register)
-        lib.banyan_set_gemm_tiles.argtypes = [i64] * 3
-        lib.banyan_set_gemm_tiles.restype = i64
-        if lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM) != 2:
+        if tiles and _set_gemm_mode(lib, 2) != 2:
             raise SystemExit("--tiles: AMX tiles refused here")
     return libs
+
+
+def _set_gemm_mode(lib: ctypes.CDLL, mode: int) -> int:
+    """A build's bf16 GEMM products in `mode` (gemm_tiles.set_gemm_tiles's contract, with the
+    engine's thresholds), its tile state asked of Linux first; the mode in effect."""
+    from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
+    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+
+    lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
+    # (a build before the dense pairs' own threshold takes two arguments and ignores the third
+    # in its register)
+    setter = lib.banyan_set_gemm_tiles
+    setter.argtypes, setter.restype = [ctypes.c_int64] * 3, ctypes.c_int64
+    return int(setter(mode, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM))
 
 
 def native_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:
@@ -127,17 +131,11 @@ def same_tile_modes(lib: ctypes.CDLL) -> None:
     vector loops, with different bits). A build without a setter is left as it is."""
     from banyan.attention.decode_tiles import ASK
     from banyan.kernels import native
-    from banyan.layers.gemm_tiles import PAIRS_TILES_FROM, set_gemm_tiles
-    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+    from banyan.layers.gemm_tiles import set_gemm_tiles
 
-    decode, gemm = native.set_decode_tiles(ASK), set_gemm_tiles(ASK)
-    i64 = ctypes.c_int64
-    if hasattr(lib, "banyan_amx_state"):
-        lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
-    if hasattr(lib, "banyan_set_decode_tiles"):
-        lib.banyan_set_decode_tiles.argtypes, lib.banyan_set_decode_tiles.restype = [i64], i64
-        lib.banyan_set_decode_tiles(decode)
     if hasattr(lib, "banyan_set_gemm_tiles"):
-        setter = lib.banyan_set_gemm_tiles
-        setter.argtypes, setter.restype = [i64, i64, i64], i64
-        setter(gemm, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM)
+        _set_gemm_mode(lib, set_gemm_tiles(ASK))
+    if hasattr(lib, "banyan_set_decode_tiles"):
+        setter = lib.banyan_set_decode_tiles
+        setter.argtypes, setter.restype = [ctypes.c_int64], ctypes.c_int64
+        setter(native.set_decode_tiles(ASK))
