@@ -23,7 +23,6 @@ from typing import Any
 from banyan import Engine
 from banyan.bench.grounded import chat_workload, grounded_workload
 from banyan.bench.offline import command_line, machine_info, run_workload
-from banyan.kernels import native
 from banyan.attention.decode_tiles import ASK
 from banyan.layers.gemm_tiles import PAIRS_TILES_FROM, set_gemm_tiles
 from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
@@ -49,8 +48,6 @@ def main() -> int:
             extra["spec_draft_model"] = ns.draft or ns.model
         engines[name] = Engine(model=ns.model, dtype="bfloat16", disable_tqdm=True,
                                max_running_requests=1, kv_cache_memory="512MiB", **extra)
-    lib = native.load()
-    assert lib is not None
     if set_gemm_tiles(ASK) != 2:
         print("the GEMM's mode here is not AMX's tiles: nothing to compare")
         return 1
@@ -65,7 +62,7 @@ def main() -> int:
     for r in range(ns.rounds):
         order = list(SETTINGS.items())
         for setting, pairs_from in order if r % 2 == 0 else order[::-1]:
-            lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS, pairs_from)
+            set_gemm_tiles(2, pairs_from=pairs_from)
             for wname, workload in workloads.items():
                 for name, engine in engines.items():
                     engine.flush_cache()
@@ -73,7 +70,7 @@ def main() -> int:
                     rates[wname][name][setting].append(res["output_tok_s"])
                     print(f"round {r + 1} {setting:6s} {wname:8s} {name:6s} "
                           f"{res['output_tok_s']:7.1f} tok/s", flush=True)
-    lib.banyan_set_gemm_tiles(2, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM)
+    set_gemm_tiles(2)
     summary: dict[str, Any] = {}
     for wname, by_config in rates.items():
         for name, by_setting in by_config.items():

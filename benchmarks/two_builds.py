@@ -69,17 +69,16 @@ def gemm_libraries(a: Path, b: Path, tiles: bool = False) -> dict[str, ctypes.CD
 
 
 def _set_gemm_mode(lib: ctypes.CDLL, mode: int) -> int:
-    """A build's bf16 GEMM products in `mode` (gemm_tiles.set_gemm_tiles's contract, with the
-    engine's thresholds), its tile state asked of Linux first; the mode in effect."""
-    from banyan.layers.gemm_tiles import PAIRS_TILES_FROM
-    from banyan.layers.quant import BF16_GEMM_MIN_TOKENS
+    """A build's bf16 GEMM products in `mode` (gemm_tiles.set_gemm_tiles on that build), its
+    tile state asked of Linux first; the mode in effect."""
+    from banyan.layers.gemm_tiles import set_gemm_tiles
 
     lib.banyan_amx_state()  # (asks Linux for the tile state, checks a first tile block)
     # (a build before the dense pairs' own threshold takes two arguments and ignores the third
     # in its register)
     setter = lib.banyan_set_gemm_tiles
     setter.argtypes, setter.restype = [ctypes.c_int64] * 3, ctypes.c_int64
-    return int(setter(mode, BF16_GEMM_MIN_TOKENS, PAIRS_TILES_FROM))
+    return set_gemm_tiles(mode, lib)
 
 
 def native_libraries(a: Path, b: Path) -> dict[str, ctypes.CDLL]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -41,15 +42,16 @@ PROBE_TOKENS = 64  # a batched decode step (random 64 x 128/128's)
 PAIRS_TILES_FROM = 1
 
 
-def set_gemm_tiles(mode: int) -> int:
+def set_gemm_tiles(mode: int, lib: Any = None, pairs_from: int = PAIRS_TILES_FROM) -> int:
     """The bf16 GEMM's products for the whole process from now on: 0 vdpbf16ps, 1 tiles
     emulated in memory (tests), 2 AMX tiles (only where native.prefill_tiles() is 2); any other
     value only asks. On tiles, quantized weights' steps of BF16_GEMM_MIN_TOKENS tokens or more,
-    dense pairs' of PAIRS_TILES_FROM. Returns the mode in effect (0 where the kernels have no
-    tile path)."""
-    lib = native.load()
+    dense pairs' of `pairs_from`. Returns the mode in effect (0 where the kernels have no tile
+    path). lib: another build of the kernels (its entry typed as native.load() types it; the
+    benchmarks' A/Bs), else the process's own."""
+    lib = native.load() if lib is None else lib
     return 0 if lib is None else int(lib.banyan_set_gemm_tiles(mode, BF16_GEMM_MIN_TOKENS,
-                                                               PAIRS_TILES_FROM))
+                                                               pairs_from))
 
 
 def _probe_layers() -> list[Linear]:
