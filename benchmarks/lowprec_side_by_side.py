@@ -183,6 +183,25 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], results: dict[str, Any]) -> None:
+    """Each Banyan configuration's figures over Banyan bf16's (or float32's) of the same round,
+    round by round and their median (`<key>_over_none_runs`, `<key>_over_none`): the rounds
+    pair runs seconds apart, while the medians of each configuration can pair a fast stretch of
+    one with a slow one of another (batch-1 int8 over bf16 1.42x as a ratio of medians, 1.62x
+    as the median of its rounds 1.62 / 1.71 / 1.36, AMX Xeon, 2026-12-06)."""
+    base = next((runs[k] for k in ("banyan none-bf16", "banyan none-f32") if k in runs), None)
+    if base is None:
+        return
+    for name, rows in runs.items():
+        if not name.startswith("banyan ") or len(rows) != len(base):
+            continue
+        for key in ("decode_tok_s", "random_64_output_tok_s"):
+            if all(key in r for r in rows) and all(key in r for r in base):
+                ratios = [r[key] / b[key] for r, b in zip(rows, base)]
+                results[name][f"{key}_over_none_runs"] = ratios
+                results[name][f"{key}_over_none"] = statistics.median(ratios)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llamacpp-python", default=None)
@@ -247,6 +266,7 @@ def main() -> None:
                     record(f"llama.cpp {name}", llamacpp_config(
                         args.llamacpp_python, Path(file), args.threads, bandwidth, args.batched))
     results = {key: median_row(rows) for key, rows in runs.items()}
+    paired_ratios(runs, results)
     report = {
         "command": "python " + " ".join(["benchmarks/lowprec_side_by_side.py", *sys.argv[1:]]),
         "machine": machine_info(),

@@ -15,7 +15,7 @@
 #   roofline   #13: a fresh 2,048-token prefill against the bf16 matmul peak of the same process
 #   contention #13: batch-1 decode beside a 2-thread matmul loop: default, fixed 2, 1 thread
 #   lowprec    #16: int8 / int4 / the GGUF blocks beside llama.cpp on Q8_0 / Q4_0 (installed on
-#              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5-12 min), and
+#              first use: peers/install_llamacpp.sh), batch 1 and random 64 (5 rounds, ~15 min), and
 #              batch 1 with and without bursts of decode steps (decode_bursts.py, ~3 min); on
 #              AMX also the quantized GEMM's three paths (quant_onednn_crossover.py --tiles 2)
 #   stack      #13: the native layer stack against the per-op path, batch 1 and random 64
@@ -119,7 +119,7 @@ for s in $STEPS; do
     $PY benchmarks/lowprec_side_by_side.py --llamacpp-python "$PEERS_DIR/llamacpp/bin/python" \
       --gguf "Q8_0=$PEERS_DIR/smol-Q8_0.gguf" --gguf "Q4_0=$PEERS_DIR/smol-Q4_0.gguf" \
       --gguf-dtypes "$DTYPE" --configs "$LOWPREC_CONFIGS" \
-      $(q "" --batched) --reps $(q 1 3) --note "$CPU" --out "$RESULTS/lowprec-$TAG.json"
+      $(q "" --batched) --reps $(q 1 5) --note "$CPU" --out "$RESULTS/lowprec-$TAG.json"
     # batch 1 with bursts of decode steps (the default) against single steps, in one engine
     $PY benchmarks/decode_bursts.py --dtype "$DTYPE" --rounds $(q 2 12) \
       --out "$RESULTS/decode-bursts-$TAG.json"

@@ -101,6 +101,9 @@ for _what, _key, _bars, _cpp_bar in (
     for _cfg, _bar in _bars.items():
         target("#16", f"{_what} {_cfg} vs bf16", "lowprec", _bar)(
             lambda d, c=_cfg, k=_key: _ratio(_lowprec(d, c, k), _lowprec(d, "none", k)))
+        # the same round by round (the median of each round's ratio; engines run in turns)
+        target("#16", f"{_what} {_cfg} vs bf16, round by round", "lowprec", _bar)(
+            lambda d, c=_cfg, k=_key: _lowprec(d, c, f"{k}_over_none"))
     for _cfg, _blocks in _BLOCKS.items():
         target("#16", f"{_what} {_cfg} vs llama.cpp {_blocks}", "lowprec", _cpp_bar)(
             lambda d, c=_cfg, b=_blocks, k=_key: _ratio(_lowprec(d, c, k), _llamacpp(d, b, k)))
