@@ -101,3 +101,33 @@ def test_summary_and_report() -> None:
     assert "failed to start: no" in md and "`aten::mm`" in md
     assert "Inside `banyan::layer_stack` (2.00 s, its own timers): gate_up 1.50 s (75%), " \
         "attention 0.50 s (25%)." in md
+
+
+def test_lowprec_ratios_round_by_round_and_their_target_rows() -> None:
+    """lowprec_side_by_side.py's figures over bf16's of the same round (engines in turns), and
+    targets_report.py's rows for them beside the ratio of medians."""
+    bench = PEERS.parent
+    sys.path.insert(0, str(bench))
+    from lowprec_side_by_side import median_row, paired_ratios
+    from targets_report import TARGETS
+
+    runs = {"banyan none-bf16": [{"decode_tok_s": t, "random_64_output_tok_s": 100.0}
+                                 for t in (100.0, 50.0, 80.0)],
+            "banyan int8-bf16": [{"decode_tok_s": t, "random_64_output_tok_s": 90.0}
+                                 for t in (150.0, 90.0, 170.0)],
+            "llama.cpp Q8_0": [{"decode_tok_s": 60.0}] * 3}
+    results = {key: median_row(rows) for key, rows in runs.items()}
+    paired_ratios(runs, results)
+    int8 = results["banyan int8-bf16"]
+    # medians 150 / 80 = 1.875; round by round 1.5, 1.8, 2.125 -> 1.8
+    assert int8["decode_tok_s"] / results["banyan none-bf16"]["decode_tok_s"] == 1.875
+    assert int8["decode_tok_s_over_none_runs"] == [1.5, 1.8, 2.125]
+    assert int8["decode_tok_s_over_none"] == 1.8
+    assert int8["random_64_output_tok_s_over_none"] == 0.9
+    assert "decode_tok_s_over_none" not in results["llama.cpp Q8_0"]
+    figures = {name: fn({"results": results}) for _, name, stem, fn, _, _ in TARGETS
+               if stem == "lowprec"}
+    assert figures["batch-1 decode int8 vs bf16"] == 1.875
+    assert figures["batch-1 decode int8 vs bf16, round by round"] == 1.8
+    assert figures["random 64 int8 vs bf16, round by round"] == 0.9
+    assert figures["batch-1 decode int4 vs bf16, round by round"] is None  # not run
