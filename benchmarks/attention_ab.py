@@ -58,7 +58,12 @@ def lone(keys: int, tokens: int) -> Callable[[], None]:
 
 def cases(tiles: bool) -> dict[str, Callable[[], None]]:
     random_rows, shared_rows = workload_rows()
+    # as the engine's allocator lays them out: each prompt's 128 slots in a run, then the 64
+    # decoded tokens' slots one a step for all 64 requests (lowest free first: a stride of 64)
+    engine_rows = [list(range(1 + 128 * i, 129 + 128 * i)) +
+                   [1 + 128 * 64 + i + 64 * t for t in range(64)] for i in range(64)]
     out = {"64 decodes x 192 keys": decode_step(random_rows, torch.bfloat16)[0],
+           "64 x (128 + 64 decoded), engine slots": decode_step(engine_rows, torch.bfloat16)[0],
            "shared-prefix 8 x 8, 1024 + 100": decode_step(shared_rows, torch.bfloat16)[0]}
     for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):  # kv_quant.py's step: bf16 queries, codes
         out[f"64 decodes x 256 keys, {kv} pool"] = decode_case(torch.bfloat16, kv, 256)[0]

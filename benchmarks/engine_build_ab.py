@@ -2,9 +2,11 @@
 speed with the layer stack's entry point taken from each library in turn (every kernel a step
 calls is that library's own), ABBA order, per weight format. Where layer_stack_ab.py times one
 step through the runner, this times what a user sees: the engine's steps, bursts included.
+--workload random64: random 64 x 128/128 output tok/s instead (new prompts every run; its two
+long prefill steps take the per-op path, the engine's own build in both).
 
     python benchmarks/engine_build_ab.py A.so B.so [--quantization int4,int8,none]
-        [--rounds 16] [--out F]
+        [--workload batch1|random64] [--rounds 16] [--out F]
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import sys
 from argparse import ArgumentParser
 
 from banyan import Engine
-from banyan.bench.offline import batch1, machine_info
+from banyan.bench.offline import batch1, machine_info, run_workload
+from banyan.bench.workloads import random_workload
 from banyan.model_files import resolve_model_dir
 from two_builds import parse_args, stack_entries  # (this script's folder)
 
@@ -23,6 +26,7 @@ from two_builds import parse_args, stack_entries  # (this script's folder)
 def main() -> int:
     def more(ap: ArgumentParser) -> None:
         ap.add_argument("--quantization", default="int4,int8,none")
+        ap.add_argument("--workload", choices=["batch1", "random64"], default="batch1")
 
     ns = parse_args(__doc__, "128", 16, more)
     cases = []
@@ -36,14 +40,24 @@ def main() -> int:
         entry = stack._call
         calls = stack_entries(stack, ns.a, ns.b)
         batch1(engine, 16, 8, vocab)  # warm
+        if ns.workload == "random64":  # (the pool's pages and each step size's first buffers)
+            run_workload(engine, random_workload(64, 128, 128, vocab, seed=1))
+
+        def speed(engine: Engine, run: int) -> float:
+            if ns.workload == "batch1":
+                return batch1(engine, 128, 128, vocab)["decode_tok_s"]
+            work = random_workload(64, 128, 128, vocab, seed=2 + run)  # (no cached prefix)
+            return run_workload(engine, work)["output_tok_s"]
+
         tok_s: dict[str, list[float]] = {"a": [], "b": []}
         for r in range(ns.rounds):
-            for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
+            for i, name in enumerate(("a", "b") if r % 2 == 0 else ("b", "a")):
                 stack._call = calls[name]
-                tok_s[name].append(batch1(engine, 128, 128, vocab)["decode_tok_s"])
+                tok_s[name].append(speed(engine, 2 * r + i))
         stack._call = entry
         ratios = [b / a for a, b in zip(tok_s["a"], tok_s["b"])]
-        case = {"quantization": q, "a_tok_s": statistics.median(tok_s["a"]),
+        case = {"quantization": q, "workload": ns.workload,
+                "a_tok_s": statistics.median(tok_s["a"]),
                 "b_tok_s": statistics.median(tok_s["b"]),
                 "b_over_a_tok_s": statistics.median(ratios),
                 "ratios_by_round": [round(x, 3) for x in ratios]}

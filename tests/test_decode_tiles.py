@@ -24,6 +24,7 @@ from banyan.attention.decode_tiles import (
 from banyan.attention import prefill_choice
 from banyan.attention.native_plan import plan_native
 from banyan.kernels import native
+from tests.test_native_attention import _attend
 from tests.test_native_attention import (
     test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone as grouped_bits,
     test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check as check_bits,
@@ -116,6 +117,36 @@ def test_a_token_has_the_same_bits_alone_batched_or_checked_on_tiles(
 def test_a_grouped_decode_has_the_bits_it_has_alone_on_tiles(tile_mode: int, shared: int) -> None:
     """... and a decode group's members over their shared prefix (and own keys of 1 to 700)."""
     grouped_bits(9, 3, 64, torch.bfloat16, shared)
+
+
+@pytest.mark.parametrize("layout", ["run", "strided", "shuffled"])
+def test_a_lone_decode_has_its_bits_however_its_slots_step_on_tiles(tile_mode: int,
+                                                                    layout: str) -> None:
+    """A call of few rows a KV head (a lone decode's 3) scores each block of 16 keys whose
+    slots step evenly as S^T, read from the pool in place, and any other block as S from the
+    keys transposed; a 13-token check's 39 rows take S throughout. Each decode of the check's
+    tokens has the check's bits, for a prompt's run of slots, a prompt then decoded tokens at a
+    batch's stride (blocks of both kinds, one straddling them), and shuffled slots."""
+    gen = torch.Generator().manual_seed(len(layout))
+    n, e, stride = 300, 13, 64
+    slots = {"run": torch.arange(1, n + 1),
+             "strided": torch.cat([torch.arange(1, 201), 201 + stride * torch.arange(n - 200)]),
+             "shuffled": 1 + torch.randperm(n * stride, generator=gen)[:n]}[layout]
+    k, v = (torch.randn(n * stride + 1, 3, 64, generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    q = torch.randn(e, 9, 64, generator=gen).to(torch.bfloat16)
+    table = slots.to(torch.int32)[None]
+    check = _attend(q, k, v, table, [(n, e)])
+    alone = torch.cat([_attend(q[t:t + 1].contiguous(), k, v, table, [(n - e + 1 + t, 1)])
+                       for t in range(e)])
+    assert torch.equal(alone, check)
+    kd, vd = k.double(), v.double()
+    for t in (0, e - 1):  # and the attention itself, against float64
+        keys = slots[:n - e + 1 + t]
+        for h in range(9):
+            s = kd[keys, h // 3] @ q[t, h].double() * 0.125
+            want = torch.softmax(s, 0) @ vd[keys, h // 3]
+            assert torch.allclose(check[t, h].double(), want, atol=2e-2, rtol=0)
 
 
 def test_tiles_differ_from_the_vector_loops_only_by_rounding(tile_mode: int) -> None:

@@ -5,7 +5,8 @@
 //
 //   S = Q K^T, 32 rows x 32 keys a block: A = the rows' queries as they are (qraw, 32 dims a
 //     step), B = the chunk's keys as pairs of dims (kt: [block of 16 keys][d / 2][16] words,
-//     attend512's transposed layout kept for the whole chunk); raw scores into sc.s;
+//     attend512's transposed layout kept for the whole chunk); raw scores into sc.s; a call
+//     of few rows takes a block of 16 keys whose slots step evenly as S^T instead (below);
 //   O += P V, 32 rows x 32 dims a block: A = the probabilities as chunk_softmax writes them (pp),
 //     B = the values as pairs of keys (interleave_values: vdpbf16ps's layout is a tile's B); the
 //     rows' sums staged through a buffer of 32 rows, so a block's rows past the call's own
@@ -75,9 +76,65 @@ namespace {
 // One thread's buffers of the tile path, kept with its Attender.
 struct TileScratch {
     std::vector<uint32_t> kt;  // the chunk's keys as pairs of dims, [block][d / 2][16] words
+    std::vector<uint32_t> qt;  // few rows: their queries as pairs of dims, [d / 32][16][16]
+    std::vector<float> st;     // few rows: a block's scores as S^T, [16 keys][16 rows]
     std::vector<float> stage;  // a block of 32 rows' sums [32][d]
     SoftTiles soft;            // the emulated tiles (mode 1)
 };
+
+// A call of at most this many rows a KV head (a lone decode's: SmolLM2's 3) scores a block of
+// 16 keys whose slots step evenly (a prompt's run of slots; a batch's decoded tokens, one slot
+// each a step, lowest free first) as S^T = K Q^T: A the 16 keys read from the pool in place
+// (one tile load at the slots' stride), B the rows' queries as pairs of dims (once a call), then
+// each row's 16 scores gathered from its column. The same products in the same order as S = Q
+// K^T (tdpbf16ps is symmetric in A and B): the same bits. No key is transposed (two 16 x 16
+// transposes of 32-bit words a block, at d = 64). On the AMX Xeon of #13 (`attention_ab.py
+// --tiles`, three runs): 64 x 192-key decodes 0.91-0.94x the time, with the engine's slots (a
+// prompt's run, then 64 decoded tokens at a stride of 64) 0.92-0.98x; with every block's keys
+// copied out first and taken as A from there, 1.11x (the copy cost more than the transposes).
+constexpr int kFewRows = 8;
+
+// The slot step of keys [j0, j0 + nb) of cs if they step evenly up and fill a block, else 0.
+inline int64_t even_step(const int32_t* cs, int j0, int nb) {
+    if (nb != VBLK) return 0;
+    const int64_t step = static_cast<int64_t>(cs[j0 + 1]) - cs[j0];
+    for (int j = 2; j < VBLK; ++j)
+        if (static_cast<int64_t>(cs[j0 + j]) - cs[j0 + j - 1] != step) return 0;
+    return step > 0 ? step : 0;
+}
+
+// The rows' queries (qraw, `rows` of d) as B tiles of pairs of dims, qt[step][pair][row] (the
+// columns past the rows zero).
+inline void queries_as_pairs(TileScratch& ts, const uint16_t* qraw, int rows, int d) {
+    ts.qt.assign(static_cast<size_t>(d / 32) * kTileRows * kTileRows, 0u);
+    for (int r = 0; r < rows; ++r) {
+        const uint32_t* qw = reinterpret_cast<const uint32_t*>(qraw + static_cast<size_t>(r) * d);
+        for (int w = 0; w < d / 2; ++w)  // pair w: row w % 16 of step w / 16's tile
+            ts.qt[(static_cast<size_t>(w / 16) * kTileRows + w % 16) * kTileRows + r] = qw[w];
+    }
+    ts.st.resize(static_cast<size_t>(kTileRows) * kTileRows);
+}
+
+// Few rows' raw scores against the 16 keys at k (ldk bytes apart) into s[r * CHUNK], on tiles
+// 5 (A), 6 (B) and 2 (C), which keep their 16 rows while shape() narrows tiles 0, 1 and 4.
+template <typename Tiles>
+inline void few_rows_scores(Tiles& tl, TileScratch& ts, const uint16_t* k, int64_t ldk,
+                            int rows, int d, float* s) {
+    tl.template zero<2>();
+    for (int step = 0; step < d / 32; ++step) {
+        tl.template load<5>(k + 32 * step, ldk);
+        tl.template load<6>(ts.qt.data() + static_cast<size_t>(step) * kTileRows * kTileRows,
+                            64);
+        tl.template dot<5, 6>();
+    }
+    tl.template store<2>(ts.st.data(), 64);
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(kTileRows));
+    for (int r = 0; r < rows; ++r)
+        _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK,
+                         _mm512_i32gather_ps(column, ts.st.data() + r, 4));
+}
 
 // attend512 for bf16 rows [r0, r0 + rows) over a bf16 pool on tiles: qraw the rows' queries
 // from r0 on (unscaled; readable for tile_rows(rows) rows: rows past the call's are read, their
@@ -100,6 +157,8 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
     const char* pp = reinterpret_cast<const char*>(sc.pp.data());
     char* stage = reinterpret_cast<char*>(ts.stage.data());
     const int64_t lds = CHUNK * 4, ldp = CHUNK / 2 * 4, ldq = 2 * d, ldv = 4 * d;
+    const bool few = rows <= kFewRows;
+    if (few) queries_as_pairs(ts, qraw, rows, d);
     prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, 2 * VBLK), kvh, h, d);
     if (rows < kTileRows) tl.shape(rows);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
@@ -107,13 +166,25 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         const int32_t* cs = slots + c0;
         const int blocks = (cn + VBLK - 1) / VBLK;
         // 1. the chunk's keys as pairs of dims, a block of 16 at a time (padding keys repeat
-        // the last one: their scores are never read)
+        // the last one: their scores are never read); few rows: a pair of blocks whose slots
+        // step evenly scored now as S^T instead (`direct`)
+        bool direct[CHUNK / (2 * VBLK)] = {};
         for (int b = 0; b < blocks; ++b) {
             const int j0 = b * VBLK, nb = std::min(VBLK, cn - j0);
             prefetch_rows(kpool, slots, c0 + j0 + 2 * VBLK,
                           std::min<int64_t>(n, c0 + j0 + 3 * VBLK), kvh, h, d);
             if (b == blocks - 1) prefetch_rows(vpool, cs, 0, std::min(cn, 2 * VBLK), kvh, h, d);
             sc.ahead.issue();
+            if (few && b % 2 == 0)  // (the pair's second block, where there is one, too)
+                direct[b / 2] = even_step(cs, j0, nb) > 0 &&
+                                (b + 1 == blocks ||
+                                 even_step(cs, j0 + VBLK, std::min(VBLK, cn - j0 - VBLK)) > 0);
+            if (few && direct[b / 2]) {
+                few_rows_scores(tl, ts, kpool + (static_cast<int64_t>(cs[j0]) * kvh + h) * d,
+                                even_step(cs, j0, nb) * kvh * d * 2, rows, d,
+                                sc.s.data() + j0);
+                continue;
+            }
             __m512i* kb = reinterpret_cast<__m512i*>(ts.kt.data() + b * block_words);
             for (int w0 = 0; w0 < words; w0 += 16) {
                 __m512i r[VBLK];
@@ -128,7 +199,7 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         // 2. every row's raw scores, 32 rows x 32 keys a block of tiles (an odd last block of
         // keys beside the next block's stale or zero words, scores never read)
         for (int j0 = 0; j0 < cn; j0 += 2 * VBLK)
-            for (int r = 0; r < padded; r += kTileBlock) {
+            for (int r = 0; r < padded && !direct[j0 / (2 * VBLK)]; r += kTileBlock) {
                 const char* b = kt + j0 / VBLK * block_words * 4;
                 char* c = s + (static_cast<int64_t>(r) * CHUNK + j0) * 4;
                 if (rows - r <= kTileRows)  // (a lone decode's 3 rows a KV head: one A tile)
