@@ -24,8 +24,8 @@ from banyan.attention.decode_tiles import (
 from banyan.attention import prefill_choice
 from banyan.attention.native_plan import plan_native
 from banyan.kernels import native
-from tests.test_native_attention import _attend
 from tests.test_native_attention import (
+    _attend,
     test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone as grouped_bits,
     test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check as check_bits,
 )

@@ -128,9 +128,8 @@ inline void few_rows_scores(Tiles& tl, TileScratch& ts, const uint16_t* k, int64
         tl.template dot<5, 6>();
     }
     tl.template store<2>(ts.st.data(), 64);
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(kTileRows));
+    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
+                                            64, 48, 32, 16, 0);  // key j's score: st[16 j + r]
     for (int r = 0; r < rows; ++r)
         _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK,
                          _mm512_i32gather_ps(column, ts.st.data() + r, 4));
@@ -166,23 +165,23 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         const int32_t* cs = slots + c0;
         const int blocks = (cn + VBLK - 1) / VBLK;
         // 1. the chunk's keys as pairs of dims, a block of 16 at a time (padding keys repeat
-        // the last one: their scores are never read); few rows: a pair of blocks whose slots
-        // step evenly scored now as S^T instead (`direct`)
+        // the last one: their scores are never read); few rows: a pair of blocks (step 2's
+        // unit) whose slots both step evenly scored now as S^T instead (`direct`)
+        int64_t step[CHUNK / VBLK] = {};  // few rows: each block's slot step (0: uneven)
         bool direct[CHUNK / (2 * VBLK)] = {};
+        for (int b = 0; few && b < blocks; ++b)
+            step[b] = even_step(cs, b * VBLK, std::min(VBLK, cn - b * VBLK));
+        for (int b = 0; few && b < blocks; b += 2)
+            direct[b / 2] = step[b] > 0 && (b + 1 == blocks || step[b + 1] > 0);
         for (int b = 0; b < blocks; ++b) {
             const int j0 = b * VBLK, nb = std::min(VBLK, cn - j0);
             prefetch_rows(kpool, slots, c0 + j0 + 2 * VBLK,
                           std::min<int64_t>(n, c0 + j0 + 3 * VBLK), kvh, h, d);
             if (b == blocks - 1) prefetch_rows(vpool, cs, 0, std::min(cn, 2 * VBLK), kvh, h, d);
             sc.ahead.issue();
-            if (few && b % 2 == 0)  // (the pair's second block, where there is one, too)
-                direct[b / 2] = even_step(cs, j0, nb) > 0 &&
-                                (b + 1 == blocks ||
-                                 even_step(cs, j0 + VBLK, std::min(VBLK, cn - j0 - VBLK)) > 0);
-            if (few && direct[b / 2]) {
+            if (direct[b / 2]) {
                 few_rows_scores(tl, ts, kpool + (static_cast<int64_t>(cs[j0]) * kvh + h) * d,
-                                even_step(cs, j0, nb) * kvh * d * 2, rows, d,
-                                sc.s.data() + j0);
+                                step[b] * kvh * d * 2, rows, d, sc.s.data() + j0);
                 continue;
             }
             __m512i* kb = reinterpret_cast<__m512i*>(ts.kt.data() + b * block_words);
@@ -198,8 +197,9 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
         }
         // 2. every row's raw scores, 32 rows x 32 keys a block of tiles (an odd last block of
         // keys beside the next block's stale or zero words, scores never read)
-        for (int j0 = 0; j0 < cn; j0 += 2 * VBLK)
-            for (int r = 0; r < padded && !direct[j0 / (2 * VBLK)]; r += kTileBlock) {
+        for (int j0 = 0; j0 < cn; j0 += 2 * VBLK) {
+            if (direct[j0 / (2 * VBLK)]) continue;  // (scored in step 1)
+            for (int r = 0; r < padded; r += kTileBlock) {
                 const char* b = kt + j0 / VBLK * block_words * 4;
                 char* c = s + (static_cast<int64_t>(r) * CHUNK + j0) * 4;
                 if (rows - r <= kTileRows)  // (a lone decode's 3 rows a KV head: one A tile)
@@ -209,6 +209,7 @@ void attend_tiles512(Tiles& tl, TileScratch& ts, Scratch& sc, const uint16_t* qr
                     tile_block(tl, q + r * ldq, kTileRows * ldq, ldq, 64, b, block_words * 4,
                                64, 16 * 64, d / 32, c, lds, false);
             }
+        }
         // 3. each row's softmax over the keys it sees, as attend512's; its probabilities past
         // them zero up to the chunk's last tile of 16 pairs (the tiles multiply whole tiles)
         const int pair_tiles = ((cn + 1) / 2 + 15) / 16;
