@@ -80,7 +80,7 @@ def _check_steps(runner: ModelRunner) -> None:
     too long for it."""
     largest = _every_extend_native(runner).max_tokens
     bf16 = runner.dtype == torch.bfloat16
-    any_step = runner.activation_quant == "int8"  # its kernels take steps of any size
+    any_step = runner.activation_quant != "none"  # its kernels take steps of any size
     gemm = bf16 and (any_step or bf16_gemm_here())
     assert largest == (GEMM_MAX_TOKENS if gemm else SkinnyBf16Method.SKINNY_ROWS if bf16
                        else MAX_TOKENS)

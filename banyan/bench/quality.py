@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from banyan.args import KV_CACHE_DTYPES
+from banyan.args import ACTIVATION_QUANT_CHOICES, KV_CACHE_DTYPES
 
 if TYPE_CHECKING:  # torch loads when a score is computed, not when the CLI is built
     import torch
@@ -122,7 +122,7 @@ def add_quality_parser(modes: Any) -> None:
                    help="text to score (default: a fixed ~600-token English text)")
     q.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
                    help="weight format of the linears (as for serve)")
-    q.add_argument("--activation-quant", default="none", choices=["none", "int8"],
+    q.add_argument("--activation-quant", default="none", choices=list(ACTIVATION_QUANT_CHOICES),
                    help="activations of the quantized linears (as for serve)")
     q.add_argument("--kv-cache-dtype", default="auto",
                    choices=list(KV_CACHE_DTYPES),

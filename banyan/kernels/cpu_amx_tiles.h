@@ -121,6 +121,12 @@ struct AmxTiles {
         c.rows[0] = c.rows[1] = c.rows[4] = static_cast<uint8_t>(m);
         __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
     }
+    // The same for tiles 0-5 (C and A): the int8 GEMM's two alternating sets (cpu_int8_tiles.cpp)
+    void shape_rows(int m) {
+        Config c;
+        for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = i < 6 ? m : kTileRows;
+        __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
+    }
     void end() {
         if (saved.palette != 0)
             __asm__ volatile("ldtilecfg %0" : : "m"(saved) : "memory");
@@ -159,6 +165,14 @@ struct AmxTiles {
         if constexpr (A == 4 && B == 7) __asm__ volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::);
         if constexpr (A == 5 && B == 6) __asm__ volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::);
         if constexpr (A == 5 && B == 7) __asm__ volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::);
+    }
+    // The same with AMX-INT8's tdpbssd: int32 C += int8 A [16][64] x int8 B [16 quads][16][4]
+    template <int A, int B>
+    void dot_s8() {
+        if constexpr (A == 4 && B == 6) __asm__ volatile("tdpbssd %%tmm6, %%tmm4, %%tmm0" ::);
+        if constexpr (A == 4 && B == 7) __asm__ volatile("tdpbssd %%tmm7, %%tmm4, %%tmm1" ::);
+        if constexpr (A == 5 && B == 6) __asm__ volatile("tdpbssd %%tmm6, %%tmm5, %%tmm2" ::);
+        if constexpr (A == 5 && B == 7) __asm__ volatile("tdpbssd %%tmm7, %%tmm5, %%tmm3" ::);
     }
 };
 #undef BANYAN_TILE_CASE

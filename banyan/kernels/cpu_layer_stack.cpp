@@ -44,7 +44,8 @@ enum LinearKind : int64_t {
     kQ8Int8 = 7,  // int8 per group or per row (group = K)
     kQ8Int5 = 8,  // GGUF Q5_0 as 5-bit codes
     kSkinnyBf16 = 9,  // plain [N, K] bf16 weight (bf16 stacks only)
-    kPairsBf16 = 10   // bf16 weight in the GEMM's pairs: every step through the GEMM (gemm_from 1)
+    kPairsBf16 = 10,  // bf16 weight in the GEMM's pairs: every step through the GEMM (gemm_from 1)
+    kQ8Tiles = 11     // int8 per row x int8 activations on int8 tiles (cpu_int8_tiles.cpp)
 };
 
 struct StackLinear {
@@ -195,6 +196,11 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
                                       static_cast<const uint16_t*>(l.mins), bias, out, l.out,
                                       n_threads);
             break;
+        case kQ8Tiles:
+            banyan_int8_tiles_linear_f32(x, T, l.in, static_cast<const int8_t*>(l.weight),
+                                         static_cast<const float*>(l.scale), bias, out, l.out,
+                                         1, n_threads);
+            break;
         default:
             banyan_int8g_linear_f32(x, T, l.in, l.group, static_cast<const int8_t*>(l.weight),
                                     static_cast<const float*>(l.scale), bias, out, l.out,
@@ -218,6 +224,13 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
     if (l.kind == kSkinnyBf16) {
         banyan_skinny_linear_bf16(x, T, l.in, static_cast<const uint16_t*>(l.weight),
                                   static_cast<const uint16_t*>(l.bias), out, l.out, n_threads);
+        return;
+    }
+    if (l.kind == kQ8Tiles) {
+        banyan_int8_tiles_linear_bf16(x, T, l.in, static_cast<const int8_t*>(l.weight),
+                                      static_cast<const float*>(l.scale),
+                                      static_cast<const float*>(l.bias), out, l.out, 1,
+                                      n_threads);
         return;
     }
     if (l.kind >= kQ8Int4 && l.kind <= kQ8Int5) {  // bf16 in and out: no widened copies

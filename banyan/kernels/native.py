@@ -46,7 +46,8 @@ SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp
            "cpu_int8g_linear.cpp", "cpu_quant_dequant.cpp", "cpu_skinny_linear.cpp",
            "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
            "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp", "cpu_kv_quant.cpp",
-           "cpu_draft_pick.cpp", "cpu_argmax.cpp", "cpu_head_screen.cpp", "cpu_amx_check.cpp")
+           "cpu_draft_pick.cpp", "cpu_argmax.cpp", "cpu_head_screen.cpp", "cpu_amx_check.cpp",
+           "cpu_int8_tiles.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -199,6 +200,14 @@ def load() -> ctypes.CDLL | None:
     for name in ("int4", "int4s", "int8", "int5"):
         getattr(lib, f"banyan_q8_{name}_linear_f32").restype = None
     lib.banyan_q8_quantize_f32.restype = None
+    # --activation-quant int8_tiles (cpu_int8_tiles.cpp, layers/int8_tiles.py)
+    lib.banyan_int8_tiles_here.argtypes, lib.banyan_int8_tiles_here.restype = [], i64
+    if lib.banyan_int8_tiles_here():
+        for suffix in ("f32", "bf16"):
+            fn = getattr(lib, f"banyan_int8_tiles_linear_{suffix}")
+            fn.argtypes, fn.restype = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64], None
+        lib.banyan_int8_tiles_quantize_f32.argtypes = [ptr, i64, i64, ptr, ptr]
+        lib.banyan_int8_tiles_quantize_f32.restype = None
     lib.banyan_quant_gemm_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
                                            i64, i64]
     lib.banyan_quant_gemm_bf16.restype = None

@@ -23,6 +23,7 @@ import logging
 import torch
 from torch import nn
 
+from banyan.args import ACTIVATION_QUANT_CHOICES as ACTIVATION_QUANTS  # int8_tiles: int8_tiles.py
 from banyan.kernels import native
 from banyan.layers.gguf_linear import GroupInt8Method
 from banyan.layers.linear import Linear, NativeLinear
@@ -31,7 +32,6 @@ from banyan.layers.quant import Int4Method, Int8Method, _QuantMethod
 
 logger = logging.getLogger(__name__)
 
-ACTIVATION_QUANTS = ("none", "int8")
 BLOCK = 32  # activation inputs per float32 scale
 HALF = PANEL // 2  # rows of the kernels' half panels
 WEIGHT_FORMATS = ("int8", "int4", "gguf")
@@ -49,6 +49,9 @@ def check_activation_quant(mode: str, quantization: str,
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--activation-quant {mode} runs on CPU only (its kernels are CPU "
                          f"kernels); this engine is on {device.type}")
+    if mode == "int8_tiles" and quantization != "int8":
+        raise ValueError(f"--activation-quant int8_tiles runs int8 weights with a scale per row: "
+                         f"it needs --quantization int8, not {quantization!r}")
     if mode != "none" and quantization not in WEIGHT_FORMATS:
         raise ValueError(f"--activation-quant {mode} runs the quantized linear kernels: it "
                          f"needs --quantization int8, int4 or gguf (a GGUF model), not "

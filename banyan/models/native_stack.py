@@ -57,14 +57,15 @@ GEMM_MAX_TOKENS = SkinnyBf16Method.GEMM_ROWS
 LINEAR_KINDS = {"skinny_f32": 0, "int8_rows": 1, "int4": 2, "int4_wide": 3, "int8_groups": 4,
                 # with 8-bit activations (layers/int8_activations.py)
                 "q8_int4": 5, "q8_int4_wide": 6, "q8_int8": 7, "q8_int5": 8,
-                "skinny_bf16": 9, "pairs_bf16": 10}  # the dense kinds of a bf16 stack
+                "skinny_bf16": 9, "pairs_bf16": 10,  # the dense kinds of a bf16 stack
+                "q8_tiles": 11}  # int8 x int8 activations on int8 tiles (layers/int8_tiles.py)
 # The stack's element types and the pools each runs over (code dtypes: None = as computed).
 # Kinds whose own kernel takes a step of any size, in the per-op path as here (8-bit
 # activations: `Int8ActivationMethod.apply` widens x and runs it at every size), so a bf16 stack
 # of them takes batched decodes as one of bf16 GEMMs does (before, a 64-decode step of an int4
 # model with --activation-quant int8 ran the per-op path: ~73 ms a step against bf16's ~67).
 ANY_STEP_KINDS = frozenset(LINEAR_KINDS[k] for k in ("q8_int4", "q8_int4_wide", "q8_int8",
-                                                     "q8_int5"))
+                                                     "q8_int5", "q8_tiles"))
 ROPE_ROWS = 4096  # the RoPE tables' first size (positions); they double as positions need
 ROPE_BLOCK = 512  # positions the tables are made in at a time (see _grow_rope)
 # The pools the stack stores into and attends, in either element type (cpu_stack_kv.h:

@@ -23,6 +23,7 @@ from banyan.batch import ForwardBatch, TokenLogprobs
 from banyan.host_tensors import int64_tensor, to_device
 from banyan.layers.gguf_linear import gguf_repacked_tensors
 from banyan.layers.int8_activations import check_activation_quant, enable_int8_activations
+from banyan.layers.int8_tiles import enable_int8_tiles
 from banyan.layers.quant import quantization_runs
 from banyan.mem.kv_pool import KVPool, kv_code_dtype, kv_row_scales, num_slots_for_bytes
 from banyan.mem.req_table import ReqToTokenTable
@@ -93,7 +94,8 @@ class ModelRunner:
         linear_kernel: auto | torch | native, for unquantized linears (EngineArgs.linear_kernel).
         kv_cache_dtype: auto | int8 | fp8_e4m3 | fp8_e5m2 | fp8 storage of the KV cache
             (mem/kv_pool.py).
-        activation_quant: none | int8 (layers/int8_activations.py). cuda_graphs: decode steps
+        activation_quant: none | int8 (layers/int8_activations.py) | int8_tiles
+        (layers/int8_tiles.py). cuda_graphs: decode steps
         replayed from CUDA graphs (runner/cuda_graph.py) where the backend can be captured.
         batch_invariant: each token's bits independent of its step (runner/batch_invariant.py)."""
         if num_slots is None and kv_cache_bytes is None and mem_fraction is None:
@@ -125,6 +127,8 @@ class ModelRunner:
         self.activation_quant, self.batch_invariant = activation_quant, batch_invariant
         if activation_quant == "int8":
             enable_int8_activations(self.model)
+        elif activation_quant == "int8_tiles":
+            enable_int8_tiles(self.model)
         self.max_rows = max_rows
         self.max_context = max_context or cfg.max_position_embeddings
         self.checks = BatchChecks(max_rows, self.max_context)

@@ -1,0 +1,115 @@
+"""`--activation-quant int8_tiles`: int8 weights (`--quantization int8`, a scale per output row)
+times int8 activations with a scale per 192 inputs of each token, the integer products on
+AMX-INT8 tiles (kernels/cpu_int8_tiles.cpp).
+
+Why: on an AMX Xeon a batched step's projections are bound by the tiles, and weight-only int8
+runs the same bf16 tile products as bf16 after dequantizing each panel, so it loses to bf16
+there (#16's random 64: 0.79-0.85x). tdpbssd takes twice the inputs an instruction, on the
+codes as stored. SmolLM2's projections at 64 tokens (the Xeon of #13, alternating): 0.69-0.89x
+bf16's time, 0.56-0.72x weight-only int8's (docs/performance.md).
+
+The block of 192 inputs is the measured compromise: over the fixed text, with int8 weights,
+per-token scales cost +3.7% perplexity (the activations' outlier channels), a scale per 64
+inputs +0.5% but a float fold of the int32 sums every tile product (no faster than bf16), per
+192 +1.0% (+1.5% is #16's bound for int8). Every step, whatever its size: a token's integer
+sums are exact and folded in one order, so its outputs do not depend on its company (batching,
+speculation) nor on whether the CPU has AMX (elsewhere the same sums run emulated, much more
+slowly: a warning at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from banyan.kernels import native
+from banyan.layers.linear import Linear, NativeLinear
+from banyan.layers.panels import PANEL, from_panels
+from banyan.layers.quant import Int8Method, _QuantMethod
+
+logger = logging.getLogger(__name__)
+
+STEP = 64  # inputs a tile product takes: K must be a multiple
+BLOCK = 192  # activation inputs per scale (kernels/cpu_int8_tiles.cpp: kBlock)
+
+
+def pack_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """codes int8 [rows (multiple of 16), K] -> [rows / 16, K / 4, 16, 4]: per panel of 16 rows,
+    for each 4 inputs the 16 rows' 4 codes side by side (a tdpbssd B tile per 64 inputs)."""
+    rows, k = codes.shape
+    return codes.reshape(rows // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_tiles undone -> codes [rows (padded), K]."""
+    panels, quads = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(panels * PANEL, quads * 4)
+
+
+def tiles_here() -> int:
+    """2 where the kernel runs AMX-INT8's tiles, 1 where only emulated, 0 where not built."""
+    lib = native.load()
+    return 0 if lib is None else int(lib.banyan_int8_tiles_here())
+
+
+class Int8TilesMethod(_QuantMethod):
+    """An int8 layer computed with int8 activations on int8 tiles (module)."""
+
+    def __init__(self, inner: _QuantMethod, layer: Linear) -> None:
+        if not isinstance(inner, Int8Method):
+            raise ValueError("--activation-quant int8_tiles runs int8 weights with a scale per "
+                             f"row (--quantization int8), not {type(inner).__name__}")
+        if layer.in_features % STEP:
+            raise ValueError(f"--activation-quant int8_tiles needs layers of a multiple of "
+                             f"{STEP} inputs; one has {layer.in_features}")
+        self.inner = inner
+        self.padded_rows = layer.codes.shape[0] * PANEL
+        layer.tile_codes = pack_tiles(from_panels(layer.codes, self.padded_rows))
+        del layer.codes  # the new layout replaces the float kernels' (one copy in memory)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        flat = x.reshape(-1, layer.in_features).to(dtype).contiguous()
+        out = torch.empty(flat.shape[0], layer.out_features, dtype=dtype)
+        lib = self._lib()
+        fn = (lib.banyan_int8_tiles_linear_bf16 if dtype == torch.bfloat16
+              else lib.banyan_int8_tiles_linear_f32)
+        with native.kernel_range("banyan::int8_tiles_linear"):
+            fn(flat.data_ptr(), flat.shape[0], layer.in_features, layer.tile_codes.data_ptr(),
+               layer.scale.data_ptr(), self._bias_ptr(layer), out.data_ptr(),
+               layer.out_features, 1, torch.get_num_threads())
+        return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+    def native(self, layer: Linear) -> NativeLinear:
+        return NativeLinear("q8_tiles", layer.tile_codes, layer.scale)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return self.inner.weight_bytes(layer)  # the same codes and scales, in another order
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        codes = unpack_tiles(layer.tile_codes)[: layer.out_features].float()
+        return codes * layer.scale[: layer.out_features, None]
+
+
+def enable_int8_tiles(model: nn.Module) -> int:
+    """Convert every int8 Linear of `model` -> how many; ValueError when the kernels are not
+    built here or the model has none."""
+    here = tiles_here()
+    if here == 0:
+        raise ValueError("--activation-quant int8_tiles needs the native kernels built with "
+                         "AVX-512 on x86-64 Linux")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.method, Int8Method):
+            module.method = Int8TilesMethod(module.method, module)
+            count += 1
+    if count == 0:
+        raise ValueError("--activation-quant int8_tiles: this model has no int8 linear layer "
+                         "(it needs --quantization int8)")
+    if here == 1:
+        logger.warning("--activation-quant int8_tiles: this CPU has no AMX-INT8; the same "
+                       "integer sums run emulated, many times slower (use int8 here)")
+    logger.info("%d int8 linear layers compute with int8 activations on tiles", count)
+    return count
