@@ -183,7 +183,7 @@ class EngineArgs:
         "exact against the float32 product of the dequantized weights), int8 (each step's rows "
         "quantized to 8 bits per block of 32 inputs and multiplied by integer dot products, as "
         "llama.cpp does: faster on CPUs where the linears are compute-bound, outputs move "
-        "slightly; docs/performance.md); int8_tiles (--quantization int8 only: a scale per 192 "
+        "slightly; docs/performance.md); int8_tiles (--quantization int8 only: a scale per 128 "
         "inputs, the products on AMX-INT8 tiles; faster than bf16 at batched steps on Intel "
         "Xeons with AMX, emulated and slow elsewhere).",
         choices=list(ACTIVATION_QUANT_CHOICES)))

@@ -42,7 +42,8 @@ CONFIGS = {"none-bf16": ("bfloat16", "none", "none"), "none-f32": ("float32", "n
            "int8-bf16": ("bfloat16", "int8", "none"), "int4-bf16": ("bfloat16", "int4", "none"),
            "int8-bf16-q8act": ("bfloat16", "int8", "int8"),
            "int4-bf16-q8act": ("bfloat16", "int4", "int8"),
-           "int8-bf16-tiles": ("bfloat16", "int8", "int8_tiles")}
+           "int8-bf16-tiles": ("bfloat16", "int8", "int8_tiles"),
+           "int8-tiles": ("float32", "int8", "int8_tiles")}
 DEFAULT_CONFIGS = "none-bf16,none-f32,int8-f32,int4-f32"
 IN_LEN = OUT_LEN = 128
 

@@ -61,8 +61,8 @@ RESULTS=benchmarks/results
 DENSE=$($PY -c "from banyan.model_files import resolve_model_dir as r; print(r(None))")
 GGUF=$($PY -c "from banyan.models.gguf_loader import default_model_file as f; print(f())")
 echo "TAG=$TAG  CPU=$CPU  dtype: $DTYPE  steps: $STEPS"
-LOWPREC_CONFIGS=none-bf16,int8-bf16,int4-bf16,int8-bf16-q8act,int4-bf16-q8act
-[ "$DTYPE" = float32 ] && LOWPREC_CONFIGS=none-f32,int8-f32,int4-f32,int8-q8act,int4-q8act
+LOWPREC_CONFIGS=none-bf16,int8-bf16,int4-bf16,int8-bf16-q8act,int4-bf16-q8act,int8-bf16-tiles
+[ "$DTYPE" = float32 ] && LOWPREC_CONFIGS=none-f32,int8-f32,int4-f32,int8-q8act,int4-q8act,int8-tiles
 
 # No machine paths in what is committed: the checkout and the home directory spelled out.
 scrub() { sed -i "s#$PWD/##g; s#$HOME/#~/#g" "$@"; }

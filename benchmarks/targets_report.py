@@ -72,14 +72,18 @@ def _contention(d: dict[str, Any]) -> float:
 
 # ---- #16: low precision beside bf16 and llama.cpp (lowprec_side_by_side.py), the KV cache -----
 
+_ACTIVATION_MODES = ("q8act", "tiles")  # lowprec_side_by_side's names for --activation-quant
+
+
 def _lowprec(d: dict[str, Any], config: str, key: str) -> float | None:
     """A Banyan configuration's figure by its weights ("none", "int8", "int4", with "-q8act"
-    for 8-bit activations), whatever dtype the run computed in."""
-    want = config.split("-q8act")[0]
+    for 8-bit activations, "-tiles" for int8_tiles), whatever dtype the run computed in."""
+    want, _, mode = config.partition("-")
     for name, r in d["results"].items():
         parts = name.removeprefix("banyan ").split("-")
+        modes = [m for m in _ACTIVATION_MODES if m in parts]
         if name.startswith("banyan ") and parts[0] == want and \
-                ("q8act" in parts) == ("q8act" in config) and key in r:
+                modes == ([mode] if mode else []) and key in r:
             return float(r[key])
     return None
 
@@ -95,9 +99,10 @@ def _llamacpp(d: dict[str, Any], blocks: str, key: str) -> float | None:
 
 _BLOCKS = {"int8": "Q8_0", "int4": "Q4_0"}  # llama.cpp's file for each weight format
 for _what, _key, _bars, _cpp_bar in (
-        ("batch-1 decode", "decode_tok_s", {"int8": 1.6, "int4": 2.5}, 1.2),
+        ("batch-1 decode", "decode_tok_s", {"int8": 1.6, "int4": 2.5, "int8-tiles": 1.6}, 1.2),
         ("random 64", "random_64_output_tok_s",
-         {"int8": 1.0, "int4": 1.0, "int8-q8act": 1.0, "int4-q8act": 1.0}, 2.0)):
+         {"int8": 1.0, "int4": 1.0, "int8-q8act": 1.0, "int4-q8act": 1.0, "int8-tiles": 1.0},
+         2.0)):
     for _cfg, _bar in _bars.items():
         target("#16", f"{_what} {_cfg} vs bf16", "lowprec", _bar)(
             lambda d, c=_cfg, k=_key: _ratio(_lowprec(d, c, k), _lowprec(d, "none", k)))

@@ -1,5 +1,5 @@
 """--activation-quant int8_tiles (layers/int8_tiles.py, kernels/cpu_int8_tiles.cpp): int8
-weights with a scale per row times int8 activations with a scale per 192 inputs, exact integer
+weights with a scale per row times int8 activations with a scale per 128 inputs, exact integer
 sums folded in one float order, on AMX-INT8 tiles or emulated."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _quantized(x: torch.Tensor) -> torch.Tensor:
                                                (33, 320, 17), (64, 448, 33), (40, 576, 70)])
 def test_kernel_matches_float64_of_the_quantized_activations(out_f: int, in_f: int,
                                                              tokens: int) -> None:
-    """Blocks of 192 and a shorter last one (320 = 192 + 128), a last panel alone or in a
+    """Blocks of 128 and a shorter last one (320 = 2 x 128 + 64), a last panel alone or in a
     pair, token counts around the 16-row tiles."""
     layer = _layer(out_f, in_f, out_f + in_f)
     x = _x(tokens, in_f, tokens)
@@ -79,11 +79,13 @@ def test_each_token_gets_the_bits_it_gets_alone_and_bf16_is_the_rounding() -> No
     assert torch.equal(layer(xb), layer(xb.float()).bfloat16())
 
 
-@pytest.mark.skipif(tiles_here() != 2, reason="no AMX-INT8 tiles on this CPU")
-def test_amx_tiles_and_the_emulated_ones_give_the_same_bits() -> None:
+@pytest.mark.skipif(tiles_here() < 2, reason="neither AMX-INT8 nor AVX512-VNNI here")
+def test_the_fast_paths_and_the_emulated_tiles_give_the_same_bits() -> None:
+    """AMX's tiles (steps of 8 tokens or more) and the vpdpbusd path (shorter ones; all of them
+    without AMX) against the tiles emulated in plain loops."""
     layer = _layer(72, 448, 5)
     lib = native.load()
-    for tokens in (1, 15, 16, 40, 70):
+    for tokens in (1, 3, 7, 8, 15, 16, 40, 70):
         x = _x(tokens, 448, tokens)
         outs = []
         for amx in (1, 0):

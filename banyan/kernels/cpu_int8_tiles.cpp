@@ -1,21 +1,24 @@
 // --activation-quant int8_tiles (layers/int8_tiles.py): int8 weights with a float32 scale per
-// output row times int8 activations with a float32 scale per 192 inputs of each token, the
+// output row times int8 activations with a float32 scale per 128 inputs of each token, the
 // integer products on AMX-INT8 tiles where the CPU has them.
 //
 // Why: on an AMX Xeon a batched step's projections are bound by the tiles (#13 / #16: a
 // 64-token step's tileloadd + tdpbf16ps ~85% of its samples), and weight-only int8 runs the
 // same tdpbf16ps after dequantizing each panel, so it cannot beat bf16 there. tdpbssd takes 64
 // inputs an instruction where tdpbf16ps takes 32, on the codes as stored (nothing dequantized).
-// The int32 sums are folded into float32 once a block of 192 inputs (3 tile products): a tile
+// The int32 sums are folded into float32 once a block of 128 inputs (2 tile products): a tile
 // store, then a convert and a multiply-add a row. With a block of 64 that fold came every
 // product, and its vector work (which slows as the VM's vector units throttle under sustained
-// load) made the kernel no faster than bf16's tiles; per token (no fold) costs +3.7% perplexity
-// against 192's +1.0% (the activations' outlier channels; layers/int8_tiles.py).
+// load) made the kernel no faster than bf16's tiles; per token (no fold at all) costs too much
+// perplexity (the activations' outlier channels; the figures: layers/int8_tiles.py).
 //
 // One order of float operations, on exact integer sums: out[t][n] = (sum over blocks b, in
 // order, of fma(float(S_b[t][n]), d[t][b], .)) * s[n] (+ bias[n]), so AMX's tiles and their
 // emulation in plain loops (CPUs without AMX-INT8, and the tests' check) give the same bits,
 // whatever the step's size or company.
+//
+// Steps of fewer than kTilesFrom tokens (and every step where AVX512-VNNI is there but not
+// AMX-INT8: Zen 4) take vpdpbusd instead (vnni_panel): the same integer sums and folds.
 //
 // Weights: [N / 16 panels][K / 4][16 rows][4 inputs] int8: a B tile per panel and 64 inputs is
 // 16 rows of 64 contiguous bytes; N padded to whole panels with zero rows; K a multiple of 64.
@@ -37,7 +40,7 @@
 namespace {
 
 constexpr int64_t kStep = 64;    // inputs a tile product takes: one int8 tile row
-constexpr int64_t kBlock = 192;  // activation inputs per scale (a row's last block: K's rest)
+constexpr int64_t kBlock = 128;  // activation inputs per scale (a row's last block: K's rest)
 constexpr int64_t kPanel = 16;   // weight rows per panel: one B tile's columns
 constexpr int64_t kRows = 64;    // tokens a pass over a pair of panels
 
@@ -86,6 +89,74 @@ inline void soft_dot_s8(const int8_t* a, int64_t lda, const int8_t* b, int32_t* 
 
 // A row's blocks of kBlock inputs (the last one K's rest, whole tile rows).
 inline int64_t blocks_of(int64_t K) { return (K + kBlock - 1) / kBlock; }
+
+// A row's 16 sums of panel columns [n0, n0 + 16) -> out_row: times the rows' scales, plus
+// bias, in Out's type (only the columns below N exist).
+template <typename Out>
+inline void finish(const float* sums, int64_t n0, const float* scale, const float* bias,
+                   Out* out_row, int64_t N) {
+    const __mmask16 mask = static_cast<__mmask16>(N - n0 >= 16 ? 0xFFFF : (1u << (N - n0)) - 1u);
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_maskz_loadu_ps(mask, scale + n0));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0));
+    if constexpr (sizeof(Out) == 4)
+        _mm512_mask_storeu_ps(out_row + n0, mask, v);
+    else
+        _mm256_mask_storeu_epi16(out_row + n0, mask, _mm512_cvtepi32_epi16(f32_to_bf16_16(v)));
+}
+
+#if defined(__AVX512VNNI__)
+constexpr int64_t kVnniRows = 4;  // tokens a pass of the vector path over a panel
+// Steps of fewer tokens take the vector path where AMX's tiles are there too: SmolLM2's 120
+// projections from memory (the Xeon of #13, bf16 in, two runs each way): 1 token 5.8-7.5 ms
+// against the tiles' 8.0-8.7, 2 tokens 6.3-7.3 / 9.7-10.2, 4 6.8-7.8 / 9.8-10.6, 8 11.2-12.5 /
+// 10.7-11.0, 16 21-23 / 9.4-11.8.
+constexpr int64_t kTilesFrom = 8;
+
+// Tokens [t0, t0 + rows) (rows <= kVnniRows) x panel p with vpdpbusd: each 4 inputs' 16 codes a
+// row of the panel's 64 bytes, read as unsigned (w + 128: one vpxord, shared by the rows) times
+// the token's 4 activation codes broadcast; 128 x the block's activation sum comes off after.
+// The same integer sums as the tiles', folded in the same order: the same bits.
+template <typename Out>
+void vnni_panel(const int8_t* q, const float* d, int64_t t0, int64_t rows, int64_t K,
+                const int8_t* w, int64_t p, const float* scale, const float* bias, Out* out,
+                int64_t N) {
+    const int64_t blocks = blocks_of(K);
+    const int8_t* wp = w + p * K * kPanel;
+    __m512 acc[kVnniRows];
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = b * kBlock, k1 = std::min(K, k0 + kBlock);
+        __m512i sum[kVnniRows];
+        int32_t qsum[kVnniRows];
+        for (int64_t r = 0; r < rows; ++r) {
+            sum[r] = _mm512_setzero_si512();
+            qsum[r] = 0;
+            for (int64_t k = k0; k < k1; ++k) qsum[r] += q[(t0 + r) * K + k];
+        }
+        for (int64_t k = k0; k < k1; k += 4) {
+            const int8_t* wk = wp + k * kPanel;
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wk), flip);
+            for (int64_t r = 0; r < rows; ++r) {
+                int32_t a4;
+                std::memcpy(&a4, q + (t0 + r) * K + k, 4);
+                sum[r] = _mm512_dpbusd_epi32(sum[r], wv, _mm512_set1_epi32(a4));
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512i exact = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * qsum[r]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                                     _mm512_set1_ps(d[(t0 + r) * blocks + b]), acc[r]);
+        }
+    }
+    alignas(64) float row[16];
+    for (int64_t r = 0; r < rows; ++r) {
+        _mm512_store_ps(row, acc[r]);
+        finish(row, p * kPanel, scale, bias, out + (t0 + r) * N, N);
+    }
+}
+#endif
 
 // out rows [t0, t0 + rows) (rows <= kRows) x panels p, p1 (p1 == p: one panel) over all of K.
 // Each 16 rows' sums over a block of inputs accumulate in two tiles of int32 (the block's tile
@@ -151,22 +222,9 @@ void panel_pair(AmxTiles& tl, const int8_t* q, const float* d, int64_t K, int64_
         }
     }
     fold(last_b, last_u, cs[(seq - 1) & 1]);
-    for (int64_t pp = p; pp <= p1; ++pp) {
-        const int64_t n0 = pp * kPanel, h = pp - p;
-        const __mmask16 mask = static_cast<__mmask16>(
-            N - n0 >= 16 ? 0xFFFF : (1u << (N - n0)) - 1u);
-        const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n0);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-        for (int64_t t = 0; t < rows; ++t) {
-            __m512 v = _mm512_mul_ps(_mm512_load_ps(acc + t * 32 + 16 * h), s);
-            if (bias) v = _mm512_add_ps(v, bv);
-            Out* o = out + (t0 + t) * N + n0;
-            if constexpr (sizeof(Out) == 4)
-                _mm512_mask_storeu_ps(o, mask, v);
-            else
-                _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(f32_to_bf16_16(v)));
-        }
-    }
+    for (int64_t pp = p; pp <= p1; ++pp)
+        for (int64_t t = 0; t < rows; ++t)
+            finish(acc + t * 32 + 16 * (pp - p), pp * kPanel, scale, bias, out + (t0 + t) * N, N);
 }
 
 bool cpu_has_amx_int8() {
@@ -175,11 +233,12 @@ bool cpu_has_amx_int8() {
     return (d >> 24 & 1u) && (d >> 25 & 1u);  // AMX-TILE, AMX-INT8
 }
 
-// x [T, K] (float32 or bf16) -> out [T, N] (the same type); K a multiple of 64. amx: 1 AMX's
-// tiles where this process may run them, 0 the emulated ones (the same bits).
+// x [T, K] (float32 or bf16) -> out [T, N] (the same type); K a multiple of 64. fast: 1 AMX's
+// tiles where this process may run them (steps of kTilesFrom tokens or more) or else the
+// vpdpbusd path, 0 the emulated tiles (the tests' check of the tiles' layout): the same bits.
 template <typename X>
 void int8_tiles_linear(const X* x, int64_t T, int64_t K, const int8_t* w, const float* scale,
-                       const float* bias, X* out, int64_t N, int64_t amx, int64_t n_threads) {
+                       const float* bias, X* out, int64_t N, int64_t fast, int64_t n_threads) {
     const int64_t blocks = blocks_of(K), padded = (T + kRows - 1) / kRows * kRows;
     thread_local std::vector<int8_t> q;
     thread_local std::vector<float> d;
@@ -191,8 +250,17 @@ void int8_tiles_linear(const X* x, int64_t T, int64_t K, const int8_t* w, const 
     banyan_team::parallel_for(T, n_threads, [&](int64_t t) {
         quantize_row(x + t * K, K, qp + t * K, dp + t * blocks);
     });
-    const bool tiles = amx != 0 && amx_granted() && cpu_has_amx_int8();
+    const bool tiles = fast != 0 && amx_granted() && cpu_has_amx_int8();
     const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (panels + 1) / 2;
+#if defined(__AVX512VNNI__)
+    if (fast != 0 && (!tiles || T < kTilesFrom)) {
+        banyan_team::parallel_for(panels, n_threads, [&](int64_t p) {
+            for (int64_t t0 = 0; t0 < T; t0 += kVnniRows)
+                vnni_panel(qp, dp, t0, std::min(kVnniRows, T - t0), K, w, p, scale, bias, out, N);
+        });
+        return;
+    }
+#endif
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min(pairs, n_threads)));
     banyan_team::parallel_team(threads, [&](int64_t i, int64_t n) {
         const int64_t first = pairs * i / n * 2, last = std::min(panels, pairs * (i + 1) / n * 2);
@@ -220,18 +288,26 @@ void int8_tiles_linear(const X* x, int64_t T, int64_t K, const int8_t* w, const 
 
 extern "C" {
 
-int64_t banyan_int8_tiles_here() { return amx_granted() && cpu_has_amx_int8() ? 2 : 1; }
+// 3: AMX-INT8's tiles (and the vector path for short steps), 2: the vector path (AVX512-VNNI, no
+// AMX-INT8), 1: only the emulated tiles (slow: a warning at start-up)
+int64_t banyan_int8_tiles_here() {
+#if defined(__AVX512VNNI__)
+    return amx_granted() && cpu_has_amx_int8() ? 3 : 2;
+#else
+    return 1;
+#endif
+}
 
 void banyan_int8_tiles_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
                                   const float* scale, const float* bias, float* out, int64_t N,
-                                  int64_t amx, int64_t n_threads) {
-    int8_tiles_linear(x, T, K, w, scale, bias, out, N, amx, n_threads);
+                                  int64_t fast, int64_t n_threads) {
+    int8_tiles_linear(x, T, K, w, scale, bias, out, N, fast, n_threads);
 }
 
 void banyan_int8_tiles_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int8_t* w,
                                    const float* scale, const float* bias, uint16_t* out,
-                                   int64_t N, int64_t amx, int64_t n_threads) {
-    int8_tiles_linear(x, T, K, w, scale, bias, out, N, amx, n_threads);
+                                   int64_t N, int64_t fast, int64_t n_threads) {
+    int8_tiles_linear(x, T, K, w, scale, bias, out, N, fast, n_threads);
 }
 
 // The activation quantization alone (for the tests): q [T, K] int8, d [T, blocks] float32.

@@ -1,20 +1,27 @@
 """`--activation-quant int8_tiles`: int8 weights (`--quantization int8`, a scale per output row)
-times int8 activations with a scale per 192 inputs of each token, the integer products on
+times int8 activations with a scale per 128 inputs of each token, the integer products on
 AMX-INT8 tiles (kernels/cpu_int8_tiles.cpp).
 
 Why: on an AMX Xeon a batched step's projections are bound by the tiles, and weight-only int8
 runs the same bf16 tile products as bf16 after dequantizing each panel, so it loses to bf16
 there (#16's random 64: 0.79-0.85x). tdpbssd takes twice the inputs an instruction, on the
-codes as stored. SmolLM2's projections at 64 tokens (the Xeon of #13, alternating): 0.69-0.89x
-bf16's time, 0.56-0.72x weight-only int8's (docs/performance.md).
+codes as stored.
 
-The block of 192 inputs is the measured compromise: over the fixed text, with int8 weights,
-per-token scales cost +3.7% perplexity (the activations' outlier channels), a scale per 64
-inputs +0.5% but a float fold of the int32 sums every tile product (no faster than bf16), per
-192 +1.0% (+1.5% is #16's bound for int8). Every step, whatever its size: a token's integer
-sums are exact and folded in one order, so its outputs do not depend on its company (batching,
-speculation) nor on whether the CPU has AMX (elsewhere the same sums run emulated, much more
-slowly: a warning at start-up).
+The block of 128 inputs is the measured compromise. Perplexity of the fixed text over the
+float32 model's (22.765; `banyan bench quality`, chunks of 256 / 512): int8 weights alone
++0.35%; with activation scales per 64 inputs +0.55% / +0.78%, per 128 +1.33% / +1.35%, per 192
++1.77% / +1.48% (+1.5% is #16's bound for int8), per token +3.7% (simulated in transformers:
+the activations' outlier channels). Per 64, the fold of the int32 sums after every tile product
+left the kernel no faster than bf16's tiles (1.05x the time); per 128 and 192 it runs SmolLM2's
+projections at 64 tokens in 0.87-0.89x / 0.87-1.01x bf16's time, where weight-only int8 takes
+1.22-1.28x (the Xeon of #13, alternating, 30 s a round; docs/performance.md).
+
+Every step, whatever its size: a token's integer sums are exact and folded in one order, so its
+outputs do not depend on its company (batching, speculation) nor on the CPU: steps of fewer
+than 8 tokens (and every step on CPUs with AVX512-VNNI but no AMX-INT8, as Zen 4) take a
+vpdpbusd path with the same integer sums, faster there than a tile's 16 rows used by 1-4
+(SmolLM2's projections from memory, the Xeon of #13: 1 token 0.67-0.93x the tiles' time, 4
+tokens 0.64-0.79x); without either the tiles run in plain loops (a warning at start-up).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from banyan.layers.quant import Int8Method, _QuantMethod
 logger = logging.getLogger(__name__)
 
 STEP = 64  # inputs a tile product takes: K must be a multiple
-BLOCK = 192  # activation inputs per scale (kernels/cpu_int8_tiles.cpp: kBlock)
+BLOCK = 128  # activation inputs per scale (kernels/cpu_int8_tiles.cpp: kBlock)
 
 
 def pack_tiles(codes: torch.Tensor) -> torch.Tensor:
@@ -49,7 +56,9 @@ def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def tiles_here() -> int:
-    """2 where the kernel runs AMX-INT8's tiles, 1 where only emulated, 0 where not built."""
+    """3 where the kernel runs AMX-INT8's tiles (and vpdpbusd for steps under 8 tokens), 2
+    vpdpbusd alone (AVX512-VNNI without AMX), 1 only the tiles emulated in plain loops, 0 not
+    built (no AVX-512 or not x86-64 Linux)."""
     lib = native.load()
     return 0 if lib is None else int(lib.banyan_int8_tiles_here())
 
@@ -109,7 +118,8 @@ def enable_int8_tiles(model: nn.Module) -> int:
         raise ValueError("--activation-quant int8_tiles: this model has no int8 linear layer "
                          "(it needs --quantization int8)")
     if here == 1:
-        logger.warning("--activation-quant int8_tiles: this CPU has no AMX-INT8; the same "
-                       "integer sums run emulated, many times slower (use int8 here)")
+        logger.warning("--activation-quant int8_tiles: this CPU has neither AMX-INT8 nor "
+                       "AVX512-VNNI; the same integer sums run in plain loops, many times "
+                       "slower (use int8 here)")
     logger.info("%d int8 linear layers compute with int8 activations on tiles", count)
     return count
