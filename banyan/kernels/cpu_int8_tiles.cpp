@@ -51,9 +51,9 @@ inline __m512 widen16(const uint16_t* p) {
 }
 
 // Row x's codes and scales: d = max|x| / 127 per block (0 for a zero block), q =
-// nearbyint(x * (1 / d)) within +-127.
+// nearbyint(x * (1 / d)) within +-127; qs: each block's sum of codes (the vector path's).
 template <typename X>
-void quantize_row(const X* x, int64_t K, int8_t* q, float* d) {
+void quantize_row(const X* x, int64_t K, int8_t* q, float* d, int32_t* qs) {
     for (int64_t b = 0, k0 = 0; k0 < K; ++b, k0 += kBlock) {
         const int n = static_cast<int>(std::min(kBlock, K - k0) / 16);
         __m512 v[kBlock / 16], top = _mm512_setzero_ps();
@@ -64,14 +64,18 @@ void quantize_row(const X* x, int64_t K, int8_t* q, float* d) {
         const float scale = _mm512_reduce_max_ps(top) / 127.0f;
         const __m512 inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
         const __m512 lim = _mm512_set1_ps(127.0f);
+        __m512i codes = _mm512_setzero_si512();
         for (int i = 0; i < n; ++i) {
             __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[i], inv),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             r = _mm512_min_ps(_mm512_max_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+            const __m512i c = _mm512_cvtps_epi32(r);
+            codes = _mm512_add_epi32(codes, c);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16 * i),
-                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+                             _mm512_cvtepi32_epi8(c));
         }
         d[b] = scale;
+        qs[b] = _mm512_reduce_add_epi32(codes);
     }
 }
 
@@ -114,12 +118,13 @@ constexpr int64_t kTilesFrom = 8;
 
 // Tokens [t0, t0 + rows) (rows <= kVnniRows) x panel p with vpdpbusd: each 4 inputs' 16 codes a
 // row of the panel's 64 bytes, read as unsigned (w + 128: one vpxord, shared by the rows) times
-// the token's 4 activation codes broadcast; 128 x the block's activation sum comes off after.
-// The same integer sums as the tiles', folded in the same order: the same bits.
+// the token's 4 activation codes broadcast; 128 x the block's sum of codes (qs) comes off after.
+// Two sums a row (even and odd 4-input steps: vpdpbusd's latency). The same integer sums as the
+// tiles', folded in the same order: the same bits.
 template <typename Out>
-void vnni_panel(const int8_t* q, const float* d, int64_t t0, int64_t rows, int64_t K,
-                const int8_t* w, int64_t p, const float* scale, const float* bias, Out* out,
-                int64_t N) {
+void vnni_panel(const int8_t* q, const float* d, const int32_t* qs, int64_t t0, int64_t rows,
+                int64_t K, const int8_t* w, int64_t p, const float* scale, const float* bias,
+                Out* out, int64_t N) {
     const int64_t blocks = blocks_of(K);
     const int8_t* wp = w + p * K * kPanel;
     __m512 acc[kVnniRows];
@@ -127,25 +132,25 @@ void vnni_panel(const int8_t* q, const float* d, int64_t t0, int64_t rows, int64
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t k0 = b * kBlock, k1 = std::min(K, k0 + kBlock);
-        __m512i sum[kVnniRows];
-        int32_t qsum[kVnniRows];
-        for (int64_t r = 0; r < rows; ++r) {
-            sum[r] = _mm512_setzero_si512();
-            qsum[r] = 0;
-            for (int64_t k = k0; k < k1; ++k) qsum[r] += q[(t0 + r) * K + k];
-        }
-        for (int64_t k = k0; k < k1; k += 4) {
+        __m512i sum[2][kVnniRows];
+        for (int64_t r = 0; r < rows; ++r)
+            sum[0][r] = _mm512_setzero_si512(), sum[1][r] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += 8) {  // (blocks are whole 64-input steps)
             const int8_t* wk = wp + k * kPanel;
             _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wk), flip);
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64, _MM_HINT_T0);
+            const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wk), flip);
+            const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wk + 64), flip);
             for (int64_t r = 0; r < rows; ++r) {
-                int32_t a4;
-                std::memcpy(&a4, q + (t0 + r) * K + k, 4);
-                sum[r] = _mm512_dpbusd_epi32(sum[r], wv, _mm512_set1_epi32(a4));
+                int32_t a[2];
+                std::memcpy(a, q + (t0 + r) * K + k, 8);
+                sum[0][r] = _mm512_dpbusd_epi32(sum[0][r], w0, _mm512_set1_epi32(a[0]));
+                sum[1][r] = _mm512_dpbusd_epi32(sum[1][r], w1, _mm512_set1_epi32(a[1]));
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
-            const __m512i exact = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * qsum[r]));
+            const __m512i off = _mm512_set1_epi32(128 * qs[(t0 + r) * blocks + b]);
+            const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(sum[0][r], sum[1][r]), off);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
                                      _mm512_set1_ps(d[(t0 + r) * blocks + b]), acc[r]);
         }
@@ -242,13 +247,16 @@ void int8_tiles_linear(const X* x, int64_t T, int64_t K, const int8_t* w, const 
     const int64_t blocks = blocks_of(K), padded = (T + kRows - 1) / kRows * kRows;
     thread_local std::vector<int8_t> q;
     thread_local std::vector<float> d;
+    thread_local std::vector<int32_t> qs;
     q.resize(padded * K);
     d.resize(T * blocks);
+    qs.resize(T * blocks);
     std::memset(q.data() + T * K, 0, (padded - T) * K);
     int8_t* qp = q.data();
     float* dp = d.data();
+    int32_t* qsp = qs.data();
     banyan_team::parallel_for(T, n_threads, [&](int64_t t) {
-        quantize_row(x + t * K, K, qp + t * K, dp + t * blocks);
+        quantize_row(x + t * K, K, qp + t * K, dp + t * blocks, qsp + t * blocks);
     });
     const bool tiles = fast != 0 && amx_granted() && cpu_has_amx_int8();
     const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (panels + 1) / 2;
@@ -256,7 +264,8 @@ void int8_tiles_linear(const X* x, int64_t T, int64_t K, const int8_t* w, const 
     if (fast != 0 && (!tiles || T < kTilesFrom)) {
         banyan_team::parallel_for(panels, n_threads, [&](int64_t p) {
             for (int64_t t0 = 0; t0 < T; t0 += kVnniRows)
-                vnni_panel(qp, dp, t0, std::min(kVnniRows, T - t0), K, w, p, scale, bias, out, N);
+                vnni_panel(qp, dp, qsp, t0, std::min(kVnniRows, T - t0), K, w, p, scale, bias,
+                           out, N);
         });
         return;
     }
@@ -312,7 +321,9 @@ void banyan_int8_tiles_linear_bf16(const uint16_t* x, int64_t T, int64_t K, cons
 
 // The activation quantization alone (for the tests): q [T, K] int8, d [T, blocks] float32.
 void banyan_int8_tiles_quantize_f32(const float* x, int64_t T, int64_t K, int8_t* q, float* d) {
-    for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, q + t * K, d + t * blocks_of(K));
+    std::vector<int32_t> qs(blocks_of(K));
+    for (int64_t t = 0; t < T; ++t)
+        quantize_row(x + t * K, K, q + t * K, d + t * blocks_of(K), qs.data());
 }
 
 }  // extern "C"
