@@ -184,8 +184,9 @@ class EngineArgs:
         "quantized to 8 bits per block of 32 inputs and multiplied by integer dot products, as "
         "llama.cpp does: faster on CPUs where the linears are compute-bound, outputs move "
         "slightly; docs/performance.md); int8_tiles (--quantization int8 only: a scale per 128 "
-        "inputs, the products on AMX-INT8 tiles; faster than bf16 at batched steps on Intel "
-        "Xeons with AMX, emulated and slow elsewhere).",
+        "inputs, the products on AMX-INT8 tiles (vpdpbusd for short steps, and on AVX512-VNNI "
+        "CPUs without AMX); the batched speed of bf16 at int8's bytes on Intel Xeons with "
+        "AMX, perplexity 1 percent above weight-only int8; docs/performance.md).",
         choices=list(ACTIVATION_QUANT_CHOICES)))
     linear_kernel: str = field(default="auto", metadata=_doc(
         "Kernel of the unquantized linear layers: torch (F.linear; bfloat16 weights prepacked "

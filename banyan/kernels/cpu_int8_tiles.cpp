@@ -29,11 +29,11 @@
 #include <vector>
 
 #include "cpu_amx_tiles.h"
+#include "cpu_avx512.h"
 #include "cpu_dtypes.h"
 #include "cpu_team.h"
 
 #if defined(BANYAN_AMX_TILES) && defined(__AVX512F__) && defined(__AVX512BW__)
-#define BANYAN_INT8_TILES 1
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -44,12 +44,6 @@ constexpr int64_t kBlock = 128;  // activation inputs per scale (a row's last bl
 constexpr int64_t kPanel = 16;   // weight rows per panel: one B tile's columns
 constexpr int64_t kRows = 64;    // tokens a pass over a pair of panels
 
-inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen16(const uint16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // Row x's codes and scales: d = max|x| / 127 per block (0 for a zero block), q =
 // nearbyint(x * (1 / d)) within +-127; qs: each block's sum of codes (the vector path's).
 template <typename X>
@@ -58,7 +52,7 @@ void quantize_row(const X* x, int64_t K, int8_t* q, float* d, int32_t* qs) {
         const int n = static_cast<int>(std::min(kBlock, K - k0) / 16);
         __m512 v[kBlock / 16], top = _mm512_setzero_ps();
         for (int i = 0; i < n; ++i) {
-            v[i] = widen16(x + k0 + 16 * i);
+            v[i] = load16(x + k0 + 16 * i);
             top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));
         }
         const float scale = _mm512_reduce_max_ps(top) / 127.0f;
@@ -356,7 +350,7 @@ void banyan_int8_tiles_linear_bf16(const uint16_t* x, int64_t T, int64_t K, cons
 void banyan_int8_tiles_quantize_f32(const float* x, int64_t T, int64_t K, int8_t* q, float* d) {
     std::vector<int32_t> qs(blocks_of(K));
     for (int64_t t = 0; t < T; ++t)
-        quantize_row(x + t * K, K, q + t * K, d + t * blocks_of(K), qs.data());
+        quantize_row(x + t * K, K, q + t * K, d + t * qs.size(), qs.data());
 }
 
 }  // extern "C"

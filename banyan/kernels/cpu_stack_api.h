@@ -90,10 +90,10 @@ void banyan_fp8_quantize_rows_e5m2(const float* x, int64_t rows, int64_t d, cons
                                    int64_t n_threads);
 void banyan_int8_tiles_linear_f32(const float* x, int64_t T, int64_t K, const int8_t* w,
                                   const float* scale, const float* bias, float* out, int64_t N,
-                                  int64_t amx, int64_t n_threads);
+                                  int64_t fast, int64_t n_threads);
 void banyan_int8_tiles_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int8_t* w,
                                    const float* scale, const float* bias, uint16_t* out,
-                                   int64_t N, int64_t amx, int64_t n_threads);
+                                   int64_t N, int64_t fast, int64_t n_threads);
 void banyan_q8_linear_bf16(int64_t kind, const uint16_t* x, int64_t T, int64_t K,
                            int64_t group, const void* w, const void* scale, const void* mins,
                            const float* bias, uint16_t* out, int64_t N, int64_t n_threads);

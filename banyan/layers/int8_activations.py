@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from banyan.args import ACTIVATION_QUANT_CHOICES as ACTIVATION_QUANTS  # int8_tiles: int8_tiles.py
+from banyan.args import ACTIVATION_QUANT_CHOICES  # (int8_tiles: layers/int8_tiles.py)
 from banyan.kernels import native
 from banyan.layers.gguf_linear import GroupInt8Method
 from banyan.layers.linear import Linear, NativeLinear
@@ -43,8 +43,9 @@ def check_activation_quant(mode: str, quantization: str,
                            device: torch.device = torch.device("cpu")) -> None:
     """ValueError at startup unless the mode can run on these weights (quantization as
     resolved: auto already made gguf or none) and this device (its kernels are CPU ones)."""
-    if mode not in ACTIVATION_QUANTS:
-        raise ValueError(f"--activation-quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
+    if mode not in ACTIVATION_QUANT_CHOICES:
+        raise ValueError(f"--activation-quant must be one of "
+                         f"{', '.join(ACTIVATION_QUANT_CHOICES)}, "
                          f"got {mode!r}")
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--activation-quant {mode} runs on CPU only (its kernels are CPU "
@@ -68,11 +69,12 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def pack_int8(codes: torch.Tensor) -> torch.Tensor:
-    """codes int8 [rows (multiple of 16), K] -> [rows / 8, K / 4, 8, 4]: for each 4 inputs,
-    the 8 rows' 4 codes side by side."""
+def pack_int8(codes: torch.Tensor, unit: int = HALF) -> torch.Tensor:
+    """codes int8 [rows (multiple of 16), K] -> [rows / unit, K / 4, unit, 4]: for each 4
+    inputs, the unit's rows' 4 codes side by side (8-row half panels here; int8_tiles' 16-row
+    B-tile panels)."""
     rows, k = codes.shape
-    return codes.reshape(rows // HALF, HALF, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return codes.reshape(rows // unit, unit, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def pack_int5(codes: torch.Tensor) -> torch.Tensor:
@@ -105,8 +107,8 @@ def unpack_q8_layout(packed: torch.Tensor, kind: str, rows: int, k: int) -> torc
         rows = packed.permute(0, 3, 1, 2, 4)  # [units, row, block, j, i]
         both = torch.stack([rows & 0xF, rows >> 4], dim=-2)  # [..., j, lo/hi, i]
         return both.reshape(units * HALF, blocks * 32)
-    units, quads = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(units * HALF, quads * 4)
+    quads = packed.shape[1]  # (any unit of rows: pack_int8's)
+    return packed.permute(0, 2, 1, 3).reshape(-1, quads * 4)
 
 
 class Int8ActivationMethod(_QuantMethod):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from banyan.kernels import native
+from banyan.layers.int8_activations import pack_int8, unpack_q8_layout
 from banyan.layers.linear import Linear, NativeLinear
 from banyan.layers.panels import PANEL, from_panels
 from banyan.layers.quant import Int8Method, _QuantMethod
@@ -47,14 +48,12 @@ BLOCK = 128  # activation inputs per scale (kernels/cpu_int8_tiles.cpp: kBlock)
 def pack_tiles(codes: torch.Tensor) -> torch.Tensor:
     """codes int8 [rows (multiple of 16), K] -> [rows / 16, K / 4, 16, 4]: per panel of 16 rows,
     for each 4 inputs the 16 rows' 4 codes side by side (a tdpbssd B tile per 64 inputs)."""
-    rows, k = codes.shape
-    return codes.reshape(rows // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return pack_int8(codes, PANEL)
 
 
 def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
     """pack_tiles undone -> codes [rows (padded), K]."""
-    panels, quads = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(panels * PANEL, quads * 4)
+    return unpack_q8_layout(packed, "int8", packed.shape[0] * PANEL, packed.shape[1] * 4)
 
 
 def tiles_here() -> int:
@@ -76,8 +75,7 @@ class Int8TilesMethod(_QuantMethod):
             raise ValueError(f"--activation-quant int8_tiles needs layers of a multiple of "
                              f"{STEP} inputs; one has {layer.in_features}")
         self.inner = inner
-        self.padded_rows = layer.codes.shape[0] * PANEL
-        layer.tile_codes = pack_tiles(from_panels(layer.codes, self.padded_rows))
+        layer.tile_codes = pack_tiles(from_panels(layer.codes, layer.codes.shape[0] * PANEL))
         del layer.codes  # the new layout replaces the float kernels' (one copy in memory)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
