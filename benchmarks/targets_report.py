@@ -156,6 +156,7 @@ for _work, _cfg, _bar, _what in (("grounded", "ngram", 2.0, "batch 1, input-grou
 def report(tag: str, results: Path) -> str:
     cpu = None
     rows = ["| issue | target | figure | bar | |", "|---|---|---:|---:|---|"]
+    tally: dict[str, dict[str, list[str]]] = {}  # issue -> met / short -> target names
     for issue, name, stem, fn, bar, at_least in TARGETS:
         path = results / f"{stem}-{tag}.json"
         figure = None
@@ -171,13 +172,25 @@ def report(tag: str, results: Path) -> str:
             status, shown = ("not run" if not path.exists() else "not in the run"), ""
         else:
             met = figure >= bar if at_least else figure <= bar
-            status, shown = ("met" if met else "**short**"), f"{figure:.2f}"
+            status, shown = ("met" if met else "**short**"), shown_figure(figure, bar)
+            tally.setdefault(issue, {"met": [], "short": []})["met" if met else "short"].append(
+                name)
         rows.append(f"| {issue} | {name} | {shown} | {sign} {bar:g} | {status} |")
     head = f"Targets of run `{tag}`"
     if cpu:
         head += (f" on {cpu.get('cpu')} (family/model {cpu.get('cpu_family_model')}; "
                  f"{', '.join(cpu.get('isa', []))}; {cpu.get('cores')} cores)")
-    return head + "\n\n" + "\n".join(rows)
+    counts = [f"{issue}: {len(t['met'])} met, {len(t['short'])} short"
+              + (f" ({'; '.join(t['short'])})" if t["short"] else "")
+              for issue, t in tally.items()]
+    return head + "\n\n" + "\n".join(f"- {c}" for c in counts) + "\n\n" + "\n".join(rows)
+
+
+def shown_figure(figure: float, bar: float) -> str:
+    """Two decimals, or three where two would print the bar itself (1.00 short of <= 1 is
+    1.004): the table never shows a figure equal to its bar on the wrong side of it."""
+    two = f"{figure:.2f}"
+    return f"{figure:.3f}" if float(two) == bar and figure != bar else two
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ Markdown computed from hand-made runs. vLLM and transformers are never needed he
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -131,3 +132,25 @@ def test_lowprec_ratios_round_by_round_and_their_target_rows() -> None:
     assert figures["batch-1 decode int8 vs bf16, round by round"] == 1.8
     assert figures["random 64 int8 vs bf16, round by round"] == 0.9
     assert figures["batch-1 decode int4 vs bf16, round by round"] is None  # not run
+
+
+def test_targets_report_counts_each_issue_and_never_prints_the_bar_on_the_wrong_side(
+        tmp_path: Path) -> None:
+    """A figure that rounds to its bar keeps a third decimal (1.004 short of <= 1 is not shown
+    as 1.00), and each issue's count of met and short targets heads the table."""
+    sys.path.insert(0, str(PEERS.parent))
+    from targets_report import report, shown_figure
+
+    assert shown_figure(1.0041, 1.0) == "1.004"
+    assert shown_figure(1.37, 1.3) == "1.37" and shown_figure(2.0, 2.0) == "2.00"
+    machine = {"cpu": "AMD EPYC", "cpu_family_model": "25/17", "isa": ["avx512f"], "cores": 2}
+    (tmp_path / "contention-t.json").write_text(json.dumps(
+        {"machine": machine, "summary": {"default": {"loaded_own_over_idle": 0.39}}}))
+    (tmp_path / "prefill-roofline-dense-t.json").write_text(json.dumps(
+        {"machine": machine, "prefill_over_peak_time": 1.2}))
+    md = report("t", tmp_path)
+    assert "on AMD EPYC (family/model 25/17; avx512f; 2 cores)" in md
+    assert "- #13: 1 met, 1 short (batch-1 beside a 2-thread matmul loop / idle (default))" in md
+    assert ("| #13 | fresh 2,048-token prefill over its time at the bf16 peak | 1.20 | <= 1.6 "
+            "| met |") in md
+    assert "| #17 | vs speculation off: batch 1, free chat, ngram |  | >= 1 | not run |" in md
