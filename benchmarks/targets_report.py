@@ -156,7 +156,8 @@ for _work, _cfg, _bar, _what in (("grounded", "ngram", 2.0, "batch 1, input-grou
 def report(tag: str, results: Path) -> str:
     cpu = None
     rows = ["| issue | target | figure | bar | |", "|---|---|---:|---:|---|"]
-    tally: dict[str, dict[str, list[str]]] = {}  # issue -> met / short -> target names
+    met_count: dict[str, int] = {}  # issue -> targets met
+    short: dict[str, list[str]] = {}  # issue -> the names of those short
     for issue, name, stem, fn, bar, at_least in TARGETS:
         path = results / f"{stem}-{tag}.json"
         figure = None
@@ -173,16 +174,15 @@ def report(tag: str, results: Path) -> str:
         else:
             met = figure >= bar if at_least else figure <= bar
             status, shown = ("met" if met else "**short**"), shown_figure(figure, bar)
-            tally.setdefault(issue, {"met": [], "short": []})["met" if met else "short"].append(
-                name)
+            met_count[issue] = met_count.get(issue, 0) + met
+            short.setdefault(issue, []).extend([] if met else [name])
         rows.append(f"| {issue} | {name} | {shown} | {sign} {bar:g} | {status} |")
     head = f"Targets of run `{tag}`"
     if cpu:
         head += (f" on {cpu.get('cpu')} (family/model {cpu.get('cpu_family_model')}; "
                  f"{', '.join(cpu.get('isa', []))}; {cpu.get('cores')} cores)")
-    counts = [f"{issue}: {len(t['met'])} met, {len(t['short'])} short"
-              + (f" ({'; '.join(t['short'])})" if t["short"] else "")
-              for issue, t in tally.items()]
+    counts = [f"{issue}: {met_count[issue]} met, {len(names)} short"
+              + (f" ({'; '.join(names)})" if names else "") for issue, names in short.items()]
     return head + "\n\n" + "\n".join(f"- {c}" for c in counts) + "\n\n" + "\n".join(rows)
 
 
