@@ -156,8 +156,7 @@ for _work, _cfg, _bar, _what in (("grounded", "ngram", 2.0, "batch 1, input-grou
 def report(tag: str, results: Path) -> str:
     cpu = None
     rows = ["| issue | target | figure | bar | |", "|---|---|---:|---:|---|"]
-    met_count: dict[str, int] = {}  # issue -> targets met
-    short: dict[str, list[str]] = {}  # issue -> the names of those short
+    outcomes: dict[str, list[tuple[str, bool]]] = {}  # issue -> (target, met) of those run
     for issue, name, stem, fn, bar, at_least in TARGETS:
         path = results / f"{stem}-{tag}.json"
         figure = None
@@ -174,15 +173,17 @@ def report(tag: str, results: Path) -> str:
         else:
             met = figure >= bar if at_least else figure <= bar
             status, shown = ("met" if met else "**short**"), shown_figure(figure, bar)
-            met_count[issue] = met_count.get(issue, 0) + met
-            short.setdefault(issue, []).extend([] if met else [name])
+            outcomes.setdefault(issue, []).append((name, met))
         rows.append(f"| {issue} | {name} | {shown} | {sign} {bar:g} | {status} |")
     head = f"Targets of run `{tag}`"
     if cpu:
         head += (f" on {cpu.get('cpu')} (family/model {cpu.get('cpu_family_model')}; "
                  f"{', '.join(cpu.get('isa', []))}; {cpu.get('cores')} cores)")
-    counts = [f"{issue}: {met_count[issue]} met, {len(names)} short"
-              + (f" ({'; '.join(names)})" if names else "") for issue, names in short.items()]
+    counts = []
+    for issue, run in outcomes.items():
+        short = [name for name, met in run if not met]
+        counts.append(f"{issue}: {len(run) - len(short)} met, {len(short)} short"
+                      + (f" ({'; '.join(short)})" if short else ""))
     return head + "\n\n" + "\n".join(f"- {c}" for c in counts) + "\n\n" + "\n".join(rows)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 PEERS = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
 sys.path.insert(0, str(PEERS))
+sys.path.insert(0, str(PEERS.parent))  # benchmarks/: lowprec_side_by_side, targets_report
 
 from run_side_by_side import summarize_runs  # noqa: E402 (after the sys.path insert)
 from side_by_side_report import write_report  # noqa: E402 (after the sys.path insert)
@@ -107,8 +108,6 @@ def test_summary_and_report() -> None:
 def test_lowprec_ratios_round_by_round_and_their_target_rows() -> None:
     """lowprec_side_by_side.py's figures over bf16's of the same round (engines in turns), and
     targets_report.py's rows for them beside the ratio of medians."""
-    bench = PEERS.parent
-    sys.path.insert(0, str(bench))
     from lowprec_side_by_side import median_row, paired_ratios
     from targets_report import TARGETS
 
@@ -138,7 +137,6 @@ def test_targets_report_counts_each_issue_and_never_prints_the_bar_on_the_wrong_
         tmp_path: Path) -> None:
     """A figure that rounds to its bar keeps a third decimal (1.004 short of <= 1 is not shown
     as 1.00), and each issue's count of met and short targets heads the table."""
-    sys.path.insert(0, str(PEERS.parent))
     from targets_report import report, shown_figure
 
     assert shown_figure(1.0041, 1.0) == "1.004"
