@@ -2,11 +2,12 @@
 speed with the layer stack's entry point taken from each library in turn (every kernel a step
 calls is that library's own), ABBA order, per weight format. Where layer_stack_ab.py times one
 step through the runner, this times what a user sees: the engine's steps, bursts included.
---workload random64: random 64 x 128/128 output tok/s instead (new prompts every run; its two
-long prefill steps take the per-op path, the engine's own build in both).
+--workload random64 (or random16, random8): random 64 (16, 8) x 128/128 output tok/s instead
+(new prompts every run; their long prefill steps take the per-op path, the engine's own build in
+both; random 8 and 16 decode in steps of the short kernels' sizes, random 64 in the GEMM's).
 
     python benchmarks/engine_build_ab.py A.so B.so [--quantization int4,int8,none]
-        [--workload batch1|random64] [--rounds 16] [--out F]
+        [--workload batch1|random64|random16|random8] [--rounds 16] [--out F]
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from two_builds import parse_args, stack_entries  # (this script's folder)
 def main() -> int:
     def more(ap: ArgumentParser) -> None:
         ap.add_argument("--quantization", default="int4,int8,none")
-        ap.add_argument("--workload", choices=["batch1", "random64"], default="batch1")
+        ap.add_argument("--workload", default="batch1",
+                        choices=["batch1", "random64", "random16", "random8"])
 
     ns = parse_args(__doc__, "128", 16, more)
     cases = []
@@ -40,13 +42,14 @@ def main() -> int:
         entry = stack._call
         calls = stack_entries(stack, ns.a, ns.b)
         batch1(engine, 16, 8, vocab)  # warm
-        if ns.workload == "random64":  # (the pool's pages and each step size's first buffers)
-            run_workload(engine, random_workload(64, 128, 128, vocab, seed=1))
+        requests = 0 if ns.workload == "batch1" else int(ns.workload.removeprefix("random"))
+        if requests:  # (the pool's pages and each step size's first buffers)
+            run_workload(engine, random_workload(requests, 128, 128, vocab, seed=1))
 
         def speed(engine: Engine, run: int) -> float:
             if ns.workload == "batch1":
                 return batch1(engine, 128, 128, vocab)["decode_tok_s"]
-            work = random_workload(64, 128, 128, vocab, seed=2 + run)  # (no cached prefix)
+            work = random_workload(requests, 128, 128, vocab, seed=2 + run)  # (no cached prefix)
             return run_workload(engine, work)["output_tok_s"]
 
         tok_s: dict[str, list[float]] = {"a": [], "b": []}

@@ -6,23 +6,28 @@ converts them (SkinnyBf16Method where the CPU has vdpbf16ps, else oneDNN's packe
 it from two checkouts, alternating, to compare kernels:
 
     PYTHONPATH=<checkout> python benchmarks/quant_gemm_streaming.py [--tokens 16,64]
-        [--methods int4,int4-widened,int8,bf16] [--rounds 15] [--out FILE]
+        [--methods int4,int4-widened,int8,int8-widened,q8_0,q8_0-widened,bf16] [--rounds 15]
+        [--out FILE]
 
-Per method and token count: the fastest of --rounds passes, in ms.
+Per method and token count: the fastest (and the median) of --rounds passes, in ms, the methods
+timed in turns.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from banyan.bench.offline import command_line, machine_info
 from banyan.layers.linear import Linear, LinearMethod, PackedBf16Method, SkinnyBf16Method
+from banyan.layers.gguf_linear import GroupInt8Method
 from banyan.layers.quant import Int4Method, Int8Method
-from f32_gemm import best_ms  # (this script's folder)
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate/up, down
@@ -42,8 +47,34 @@ class Int4WidenedMethod(Int4Method):
         return None
 
 
-METHODS = {"int4": lambda: Int4Method(32), "int4-widened": lambda: Int4WidenedMethod(32),
-           "int8": Int8Method, "bf16": dense_bf16}
+class Int8WidenedMethod(Int8Method):
+    """int8 as before cpu_int8_bf16_linear.cpp: the float32 kernel on x widened."""
+
+    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+def q8_0(widened: bool) -> Callable[[Linear], LinearMethod]:
+    """GGUF's Q8_0 (int8 codes, a float32 scale per 32 inputs) made from the layer's weight;
+    widened: the float32 kernel on x widened, as before cpu_int8_bf16_linear.cpp."""
+
+    class Widened(GroupInt8Method):
+        def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+            return None
+
+    def make(layer: Linear) -> LinearMethod:
+        w = layer.weight.float().view(layer.out_features, -1, 32)
+        scale = w.abs().amax(-1).clamp_min(1e-8) / 127
+        codes = torch.round(w / scale[..., None]).to(torch.int8).view(layer.out_features, -1)
+        return (Widened if widened else GroupInt8Method)(codes, scale, 32)
+
+    return make
+
+
+METHODS: dict[str, Callable[[Linear], LinearMethod]] = {
+    "int4": lambda _: Int4Method(32), "int4-widened": lambda _: Int4WidenedMethod(32),
+    "int8": lambda _: Int8Method(), "int8-widened": lambda _: Int8WidenedMethod(),
+    "q8_0": q8_0(False), "q8_0-widened": q8_0(True), "bf16": lambda _: dense_bf16()}
 
 
 def model_linears(method: str) -> list[Linear]:
@@ -53,19 +84,19 @@ def model_linears(method: str) -> list[Linear]:
         for n, k in SHAPES:
             weight = torch.randn(n, k, generator=gen) * 0.05
             layer = Linear.from_weight(weight.bfloat16() if method == "bf16" else weight)
-            layer.convert(METHODS[method]())
+            layer.convert(METHODS[method](layer))
             out.append(layer)
     return out
 
 
-def best_pass_ms(layers: list[Linear], tokens: int, rounds: int) -> float:
+def passes(layers: list[Linear], tokens: int) -> Callable[[], None]:
     xs = [torch.randn(tokens, layer.in_features).bfloat16() for layer in layers]
 
     def one_pass() -> None:
         for layer, x in zip(layers, xs):
             layer(x)
 
-    return best_ms(one_pass, rounds)  # (its first call builds the kernels)
+    return one_pass
 
 
 def main() -> int:
@@ -75,15 +106,28 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    methods = args.methods.split(",")
+    models = {method: model_linears(method) for method in methods}
     results: dict[str, float] = {}
-    for method in args.methods.split(","):
-        layers = model_linears(method)
-        for tokens in map(int, args.tokens.split(",")):
-            results[f"{method} {tokens} tokens"] = ms = best_pass_ms(layers, tokens, args.rounds)
-            print(f"{method:12s} {tokens:4d} tokens  {ms:7.2f} ms a pass of {len(layers)} linears")
+    medians: dict[str, float] = {}
+    for tokens in map(int, args.tokens.split(",")):
+        runs = {method: passes(models[method], tokens) for method in methods}
+        for run in runs.values():
+            run()  # (the first call builds the kernels)
+        times: dict[str, list[float]] = {method: [] for method in methods}
+        for _ in range(args.rounds):  # the methods in turns: a drift of the VM hits all alike
+            for method, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                times[method].append((time.perf_counter() - t0) * 1e3)
+        for method in methods:
+            key = f"{method} {tokens} tokens"
+            results[key], medians[key] = min(times[method]), statistics.median(times[method])
+            print(f"{method:12s} {tokens:4d} tokens  {results[key]:7.2f} ms a pass of "
+                  f"{len(models[method])} linears (median {medians[key]:.2f})")
     if args.out:
-        args.out.write_text(json.dumps({"command": command_line(),
-                                        "machine": machine_info(), "ms": results}, indent=2))
+        args.out.write_text(json.dumps({"command": command_line(), "machine": machine_info(),
+                                        "ms": results, "ms_median": medians}, indent=2))
     return 0
 
 

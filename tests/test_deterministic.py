@@ -69,7 +69,9 @@ def test_every_step_size_gives_each_token_its_bits_alone(method: str, dtype: tor
             assert torch.equal(whole[t:t + 1], alone), t
             if t < 40:
                 assert torch.equal(head[t:t + 1], alone), t
-        if method != "dense" or dtype == torch.float32:  # (bf16 pairs vs oneDNN may agree)
+        # (in bf16, dense pairs and oneDNN may agree, and int8's short kernel and GEMM both sum
+        # the exact products of its codes in float32: their outputs rounded to bf16 rarely part)
+        if method not in ("dense", "int8") or dtype == torch.float32:
             assert not torch.equal(plain, whole)
 
 

@@ -210,10 +210,10 @@ void linear(const StackLinear& l, const float* x, int64_t T, float* out, float* 
 }
 
 // In the bf16 stack: long steps through the bf16 GEMM where the per-op path takes it; else the
-// skinny bf16 kernel on a plain bf16 weight, the 8-bit-activation kernels' bf16 entry, int4
-// codes' bf16 kernel (cpu_int4_bf16_linear.cpp, where built), or another quantized weight's
-// float32 kernel on x widened to float32, its output rounded back to bf16 (bias float32, added
-// before the rounding), as the per-op path's x.float() and .to(bfloat16) around that kernel do.
+// skinny bf16 kernel on a plain bf16 weight, the 8-bit-activation kernels' bf16 entry, int4 or
+// int8 codes' bf16 kernels (cpu_int{4,8}_bf16_linear.cpp, where built), or another quantized
+// weight's float32 kernel on x widened to float32, its output rounded back to bf16 (bias
+// float32, added before the rounding), as the per-op path's x.float() and .to(bfloat16) do.
 void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, float* xsum,
             int64_t n_threads) {
     if (l.gemm >= 0 && T >= l.gemm_from) {  // (its bias, if any, float32)
@@ -243,6 +243,13 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
         banyan_int4_linear_bf16(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
                                 l.scale, l.mins, l.kind == kInt4Wide,
                                 static_cast<const float*>(l.bias), out, l.out, xsum, n_threads);
+        return;
+    }
+    if ((l.kind == kInt8Rows || (l.kind == kInt8Groups && l.group % 4 == 0)) && l.in % 4 == 0) {
+        banyan_int8_linear_bf16(x, T, l.in, l.kind == kInt8Rows ? 0 : l.group,
+                                static_cast<const int8_t*>(l.weight),
+                                static_cast<const float*>(l.scale),
+                                static_cast<const float*>(l.bias), out, l.out, n_threads);
         return;
     }
 #endif

@@ -47,7 +47,7 @@ SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp
            "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
            "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp", "cpu_kv_quant.cpp",
            "cpu_draft_pick.cpp", "cpu_argmax.cpp", "cpu_head_screen.cpp", "cpu_amx_check.cpp",
-           "cpu_int8_tiles.cpp")
+           "cpu_int8_tiles.cpp", "cpu_int8_bf16_linear.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
@@ -187,6 +187,9 @@ def load() -> ctypes.CDLL | None:
         lib.banyan_int4_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr,
                                                 ptr, i64, ptr, i64]
         lib.banyan_int4_linear_bf16.restype = None
+        lib.banyan_int8_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64,
+                                                i64]
+        lib.banyan_int8_linear_bf16.restype = None
     # 8-bit activations (cpu_int8act_linear.cpp, layers/int8_activations.py)
     lib.banyan_q8_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                               i64]
@@ -334,8 +337,9 @@ def bf16_gemm_here() -> bool:
 
 @cache
 def int4_bf16_here() -> bool:
-    """Whether int4 codes times bf16 activations run natively here (cpu_int4_bf16_linear.cpp;
-    elsewhere a bf16 step's int4 layers widen x to float32)."""
+    """Whether int4 codes (and int8 ones with a scale per row) times bf16 activations run
+    natively here (cpu_int4_bf16_linear.cpp, cpu_int8_bf16_linear.cpp; elsewhere a bf16 step's
+    quantized layers widen x to float32)."""
     lib = load()
     return lib is not None and bool(lib.banyan_int4_linear_bf16_vector())
 

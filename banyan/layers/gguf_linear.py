@@ -149,6 +149,9 @@ class GroupInt8Method(_QuantMethod):
             layer.codes.data_ptr(), layer.scale.data_ptr(), self._bias_ptr(layer),
             out.data_ptr(), layer.out_features, torch.get_num_threads())
 
+    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        return self._int8_bf16(layer, x, self.group)
+
     def native(self, layer: Linear) -> NativeLinear:
         return NativeLinear("int8_groups", layer.codes, layer.scale, group=self.group)
 

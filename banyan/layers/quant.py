@@ -185,6 +185,26 @@ class _QuantMethod(WeightOnlyMethod):
         same one), or None: the float32 kernel on x widened."""
         return None
 
+    def _bf16_kernel_serves(self, layer: Linear, x: torch.Tensor) -> bool:
+        """Whether a bf16 kernel of these codes (int4, int8: built where the CPU has
+        AVX512-BF16 and VBMI) takes this bf16 step: a short one, or any where batch-invariant."""
+        long_step = x.numel() >= DEQUANT_MIN_TOKENS * layer.in_features
+        return native.int4_bf16_here() and (not long_step or self.batch_invariant)
+
+    def _int8_bf16(self, layer: Linear, x: torch.Tensor, group: int) -> torch.Tensor | None:
+        """int8 codes (a scale per row: group 0, or per group of inputs) times bf16 x by
+        cpu_int8_bf16_linear.cpp, or None where it does not serve (inputs in fours only)."""
+        if not self._bf16_kernel_serves(layer, x) or layer.in_features % 4 or group % 4:
+            return None
+        flat = x.reshape(-1, layer.in_features).contiguous()
+        out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
+        with native.kernel_range("banyan::quantized_linear"):
+            self._lib().banyan_int8_linear_bf16(
+                flat.data_ptr(), flat.shape[0], layer.in_features, group,
+                layer.codes.data_ptr(), layer.scale.data_ptr(), self._bias_ptr(layer),
+                out.data_ptr(), layer.out_features, torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], layer.out_features)
+
     def _bf16_gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N] bf16 through the weight rounded to bf16 (float32 sums)."""
         flat = x.reshape(-1, layer.in_features).contiguous()
@@ -256,6 +276,9 @@ class Int8Method(_QuantMethod):
             layer.scale.data_ptr(), self._bias_ptr(layer), out.data_ptr(), layer.out_features,
             torch.get_num_threads())
 
+    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        return self._int8_bf16(layer, x, 0)
+
     def native(self, layer: Linear) -> NativeLinear:
         return NativeLinear("int8_rows", layer.codes, layer.scale)
 
@@ -315,8 +338,7 @@ class Int4Method(_QuantMethod):
             torch.get_num_threads())
 
     def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        long_step = x.numel() >= DEQUANT_MIN_TOKENS * layer.in_features
-        if not native.int4_bf16_here() or (long_step and not self.batch_invariant):
+        if not self._bf16_kernel_serves(layer, x):
             return None
         flat = x.reshape(-1, layer.in_features).contiguous()
         out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
