@@ -21,7 +21,6 @@
 
 #include <cstring>
 
-#include "cpu_dtypes.h"
 #include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
 #include "cpu_team.h"
@@ -115,18 +114,19 @@ void panel_bf16(const CodePairs& pairs, const uint16_t* x, int64_t K, int64_t gr
                     part[t][u] = _mm512_dpbf16_ps(part[t][u], input_pair(x + t * K + k + 2 * u),
                                                   (__m512bh)word[u]);
         }
-        const __m512 s = _mm512_loadu_ps(sg);
-        for (int t = 0; t < TB; ++t)  // (fused, as the float32 kernels and the GEMM do it)
+        // (fused multiply-adds here and below, as the float32 kernels and the GEMM scale)
+        const __m512 s = group > 0 ? _mm512_loadu_ps(sg) : _mm512_setzero_ps();
+        for (int t = 0; t < TB; ++t)
             total[t] = group > 0 ? _mm512_fmadd_ps(_mm512_add_ps(part[t][0], part[t][1]), s,
                                                    total[t])
                                  : _mm512_add_ps(part[t][0], part[t][1]);
     }
     const __m512 b = bias ? _mm512_loadu_ps(bias + p * PANEL) : _mm512_setzero_ps();
-    const __m512 s = group > 0 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(scale + p * PANEL);
+    const __m512 per_row = group > 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(scale + p * PANEL);
     const int64_t rows = std::min<int64_t>(PANEL, n_out - p * PANEL);
     for (int t = 0; t < TB; ++t) {
         const __m512 vals =
-            group > 0 ? _mm512_add_ps(total[t], b) : _mm512_fmadd_ps(total[t], s, b);
+            group > 0 ? _mm512_add_ps(total[t], b) : _mm512_fmadd_ps(total[t], per_row, b);
         alignas(32) uint16_t rounded[PANEL];
         _mm256_store_si256(reinterpret_cast<__m256i*>(rounded), (__m256i)_mm512_cvtneps_pbh(vals));
         std::memcpy(out + t * n_out + p * PANEL, rounded, rows * sizeof(uint16_t));
