@@ -6,13 +6,13 @@
 //
 // Why: the float32 kernel on x widened converts each code to a float and multiplies it into
 // one token per FMA, 16 products an instruction: steps of 8-16 tokens over SmolLM2's int8
-// projections took 1.4-1.8x bf16's time (Zen 4). Here one vdpbf16ps multiplies 32 codes into a
+// projections took 1.6-1.9x bf16's time (Zen 4). Here one vdpbf16ps multiplies 32 codes into a
 // token, and 64 codes become those bf16 pairs in eight byte instructions: each magnitude's bf16
 // low and high byte from two 128-entry tables (every int8 is exact in bf16), the sign bit put
 // back (and -128's high byte), two permutes pairing inputs (k, k + 1) of a row in one 32-bit
 // lane. Products of bf16 values are exact in float32: the sums are float32 sums of the exact
-// products, as the float32 kernel's (in another order). 8-16 tokens now take 0.64-0.74x the
-// float32 route's time, one token 0.91-0.99x (read-bound).
+// products, as the float32 kernel's (in another order). 8-16 tokens now take 0.64-0.75x the
+// float32 route's time, one token 0.86-0.88x (benchmarks/quant_gemm_streaming.py).
 //
 // Token blocks of at most 8, 2 partial sums per token whatever the block: a token's sums are
 // the same bits in a step of 1 as in a step of 16. Built where the bf16 int4 kernel is
