@@ -4,7 +4,9 @@ calls is that library's own), ABBA order, per weight format. Where layer_stack_a
 step through the runner, this times what a user sees: the engine's steps, bursts included.
 --workload random64 (or random16, random8): random 64 (16, 8) x 128/128 output tok/s instead
 (new prompts every run; their long prefill steps take the per-op path, the engine's own build in
-both; random 8 and 16 decode in steps of the short kernels' sizes, random 64 in the GEMM's).
+both; random 8 and 16 decode in steps of the short kernels' sizes, random 64 in the GEMM's);
+grounded: `banyan bench`'s grounded workload at batch 1 with ngram speculation (its checks of
+up to 16 tokens in the stack), output tok/s, the prefix cache flushed before each run.
 
     python benchmarks/engine_build_ab.py A.so B.so [--quantization int4,int8,none]
         [--workload batch1|random64|random16|random8] [--rounds 16] [--out F]
@@ -18,9 +20,10 @@ import sys
 from argparse import ArgumentParser
 
 from banyan import Engine
+from banyan.bench.grounded import grounded_workload
 from banyan.bench.offline import batch1, machine_info, run_workload
 from banyan.bench.workloads import random_workload
-from banyan.model_files import resolve_model_dir
+from banyan.model_files import load_tokenizer, resolve_model_dir
 from two_builds import parse_args, stack_entries  # (this script's folder)
 
 
@@ -28,13 +31,16 @@ def main() -> int:
     def more(ap: ArgumentParser) -> None:
         ap.add_argument("--quantization", default="int4,int8,none")
         ap.add_argument("--workload", default="batch1",
-                        choices=["batch1", "random64", "random16", "random8"])
+                        choices=["batch1", "random64", "random16", "random8", "grounded"])
 
     ns = parse_args(__doc__, "128", 16, more)
     cases = []
     for q in ns.quantization.split(","):
-        engine = Engine(str(resolve_model_dir(None)), dtype="bfloat16", device="cpu",
-                        quantization=q, disable_tqdm=True, kv_cache_memory="512MiB")
+        folder = resolve_model_dir(None)
+        spec = {"speculative_algorithm": "ngram", "max_running_requests": 1} \
+            if ns.workload == "grounded" else {}
+        engine = Engine(str(folder), dtype="bfloat16", device="cpu", quantization=q,
+                        disable_tqdm=True, kv_cache_memory="512MiB", **spec)
         vocab = engine.core.vocab_size
         stack = engine.core.scheduler.runner.model_runner.stack
         if stack is None:
@@ -42,13 +48,20 @@ def main() -> int:
         entry = stack._call
         calls = stack_entries(stack, ns.a, ns.b)
         batch1(engine, 16, 8, vocab)  # warm
-        requests = 0 if ns.workload == "batch1" else int(ns.workload.removeprefix("random"))
+        grounded = grounded_workload(load_tokenizer(folder), 5, 128) \
+            if ns.workload == "grounded" else None
+        requests = int(ns.workload.removeprefix("random")) if "random" in ns.workload else 0
         if requests:  # (the pool's pages and each step size's first buffers)
             run_workload(engine, random_workload(requests, 128, 128, vocab, seed=1))
+        if grounded is not None:
+            run_workload(engine, grounded)
 
         def speed(engine: Engine, run: int) -> float:
             if ns.workload == "batch1":
                 return batch1(engine, 128, 128, vocab)["decode_tok_s"]
+            if grounded is not None:
+                engine.flush_cache()
+                return run_workload(engine, grounded)["output_tok_s"]
             work = random_workload(requests, 128, 128, vocab, seed=2 + run)  # (no cached prefix)
             return run_workload(engine, work)["output_tok_s"]
 
