@@ -39,42 +39,37 @@ def dense_bf16() -> LinearMethod:
             SkinnyBf16Method.suits_here() else PackedBf16Method())
 
 
-class Int4WidenedMethod(Int4Method):
-    """int4 as before cpu_int4_bf16_linear.cpp: a short bf16 step through the float32 kernel on
-    x widened (the same values but for roundings), to compare the two in one run."""
+def widened(method: type[LinearMethod]) -> type[LinearMethod]:
+    """`method` as before its bf16 kernel (cpu_int4_bf16_linear.cpp, cpu_int8_bf16_linear.cpp):
+    a short bf16 step through the float32 kernel on x widened (the same values but for
+    roundings), to compare the two in one run."""
 
-    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        return None
-
-
-class Int8WidenedMethod(Int8Method):
-    """int8 as before cpu_int8_bf16_linear.cpp: the float32 kernel on x widened."""
-
-    def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        return None
-
-
-def q8_0(widened: bool) -> Callable[[Linear], LinearMethod]:
-    """GGUF's Q8_0 (int8 codes, a float32 scale per 32 inputs) made from the layer's weight;
-    widened: the float32 kernel on x widened, as before cpu_int8_bf16_linear.cpp."""
-
-    class Widened(GroupInt8Method):
+    class Widened(method):  # type: ignore[misc, valid-type]
         def _bf16_short(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
             return None
+
+    return Widened
+
+
+def q8_0(method: type[LinearMethod]) -> Callable[[Linear], LinearMethod]:
+    """GGUF's Q8_0 (int8 codes, a float32 scale per 32 inputs) made from the layer's weight,
+    computed by `method` (GroupInt8Method or its widened twin)."""
 
     def make(layer: Linear) -> LinearMethod:
         w = layer.weight.float().view(layer.out_features, -1, 32)
         scale = w.abs().amax(-1).clamp_min(1e-8) / 127
         codes = torch.round(w / scale[..., None]).to(torch.int8).view(layer.out_features, -1)
-        return (Widened if widened else GroupInt8Method)(codes, scale, 32)
+        return method(codes, scale, 32)
 
     return make
 
 
+INT4_WIDENED, INT8_WIDENED = widened(Int4Method), widened(Int8Method)
 METHODS: dict[str, Callable[[Linear], LinearMethod]] = {
-    "int4": lambda _: Int4Method(32), "int4-widened": lambda _: Int4WidenedMethod(32),
-    "int8": lambda _: Int8Method(), "int8-widened": lambda _: Int8WidenedMethod(),
-    "q8_0": q8_0(False), "q8_0-widened": q8_0(True), "bf16": lambda _: dense_bf16()}
+    "int4": lambda _: Int4Method(32), "int4-widened": lambda _: INT4_WIDENED(32),
+    "int8": lambda _: Int8Method(), "int8-widened": lambda _: INT8_WIDENED(),
+    "q8_0": q8_0(GroupInt8Method), "q8_0-widened": q8_0(widened(GroupInt8Method)),
+    "bf16": lambda _: dense_bf16()}
 
 
 def model_linears(method: str) -> list[Linear]:
