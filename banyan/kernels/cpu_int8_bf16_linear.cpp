@@ -21,6 +21,7 @@
 
 #include <cstring>
 
+#include "cpu_avx512.h"
 #include "cpu_int4_api.h"
 #include "cpu_quant_common.h"
 #include "cpu_team.h"
@@ -64,14 +65,16 @@ struct CodePairs {
         alignas(64) uint8_t first[64];  // byte 4r + 2i + h: table h (0 lo, 1 hi) at input k + i
         alignas(64) uint8_t second[64];  // the same for inputs k + 2, k + 3
     };
-    static Tables tables() {
+    static Tables tables() {  // the magnitudes' bf16 as the KV pools' int8 codes get theirs
         Tables t;
+        alignas(64) int8_t codes[128];
+        alignas(64) uint16_t bf16[128];
+        for (int m = 0; m < 128; ++m) codes[m] = static_cast<int8_t>(m);
+        for (int i = 0; i < 128; i += 32)
+            _mm512_store_si512(bf16 + i, codes_bf16x32<I8>(codes + i));
         for (int m = 0; m < 128; ++m) {
-            const float f = static_cast<float>(m);  // <= 7 significant bits: bf16 exactly
-            uint32_t bits;
-            std::memcpy(&bits, &f, 4);
-            t.lo[m] = static_cast<uint8_t>(bits >> 16);
-            t.hi[m] = static_cast<uint8_t>(bits >> 24);
+            t.lo[m] = static_cast<uint8_t>(bf16[m] & 0xff);
+            t.hi[m] = static_cast<uint8_t>(bf16[m] >> 8);
         }
         for (int r = 0; r < PANEL; ++r)
             for (int i = 0; i < 2; ++i)
