@@ -11,9 +11,12 @@ heads, 30 layers, bf16):
 A phase's cost is the base build's time minus the time without it. The phases: the scores
 (block_scores: key transposes and dot products), the key transposes alone, the softmax, the
 values' pair interleaving, their products (add_pairs_rows), the software prefetches, and
-stream_in (each request's own K/V read in slot order first).
+stream_in (each request's own K/V read in slot order first); over a quantized pool
+(--kv-cache-dtype int8 / fp8_*) also the keys' codes made bf16, the rows' scales read from
+their table, and the keys' scales applied to the scores.
 
-    python benchmarks/decode_attention_phases.py [--rounds 9] [--out FILE]
+    python benchmarks/decode_attention_phases.py [--rounds 9] [--kv-cache-dtype int8]
+        [--phases scores,softmax] [--out FILE]
 """
 
 from __future__ import annotations
@@ -53,6 +56,19 @@ PHASES: dict[str, tuple[str, str, str]] = {
                        "                for (int c0 = 0; c0 < words && d < 0; c0 += 4)\n"),
     "prefetches": (A512, "    for (int64_t j = j0; j < j1; ++j) {",
                    "    for (int64_t j = j0; j < j1 && d < 0; ++j) {"),
+    # a quantized pool's own (--kv-cache-dtype int8 / fp8_*: no effect on a bf16 pool)
+    "key codes to bf16": (
+        A512, "                    for (int e = 0; e < d; e += 32)\n"
+              "                        _mm512_storeu_si512(kc + e, bf16(",
+        "                    for (int e = 0; e < d && d < 0; e += 32)\n"
+        "                        _mm512_storeu_si512(kc + e, bf16("),
+    "row scales read": (
+        A512, "                    ks[j] = row_scale(kscale, row) * code_unit<Codes>;\n"
+              "                    sc.vsc[j0 + j] = row_scale(vscale, row) * code_unit<Codes>;",
+        "                    ks[j] = code_unit<Codes>;  // (no scale table read)\n"
+        "                    sc.vsc[j0 + j] = code_unit<Codes>;"),
+    "key scales applied": (A512, "            if constexpr (kCodes) {  // the keys' scales",
+                           "            if (kCodes && d < 0) {  // the keys' scales"),
     "stream_in": (ATT, "    for (int64_t j = 0; j < n; ++j) {\n        const int64_t at = slots[j]",
                   "    for (int64_t j = 0; j < n && row_bytes < 0; ++j) {\n"
                   "        const int64_t at = slots[j]"),
@@ -75,10 +91,12 @@ def build(phase: str | None, work: Path) -> Path:
     return native._build(os.environ.get("CXX") or "g++", src)  # (native.load's compiler)
 
 
-def steps() -> dict[str, Callable[[], None]]:
-    """case -> one decode step's attention over all layers, cold and hot."""
+def steps(kv_cache_dtype: str) -> dict[str, Callable[[], None]]:
+    """case -> one decode step's attention over all layers, cold and hot, over a pool stored
+    as kv_cache_dtype."""
     random_rows, shared_rows = workload_rows()
-    return {f"{name}, {temp}": decode_step(rows, torch.bfloat16, hot=temp == "hot")[0]
+    return {f"{name}, {temp}": decode_step(rows, torch.bfloat16, hot=temp == "hot",
+                                           kv_cache_dtype=kv_cache_dtype)[0]
             for name, rows in (("shared-prefix 8 x 8", shared_rows),
                                ("random 64 x 192", random_rows))
             for temp in ("cold", "hot")}
@@ -88,11 +106,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the pool's storage (auto: bf16; int8, fp8_e4m3, ...)")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help="comma-separated phases to take out (default: all)")
     ns = ap.parse_args()
-    variants: list[str | None] = [None, *PHASES]
+    variants: list[str | None] = [None, *ns.phases.split(",")]
     with tempfile.TemporaryDirectory() as work:
         libs = typed_libraries({v: build(v, Path(work)) for v in variants})
-    cases = steps()
+    cases = steps(ns.kv_cache_dtype)
     seconds = {c: {v: [] for v in variants} for c in cases}
     keep = native.load
     try:
@@ -111,7 +133,7 @@ def main() -> int:
     for case in cases:
         base = statistics.median(seconds[case][None]) * 1e3
         row = {"case": case, "base_ms": round(base, 3), "phase_ms": {}}
-        for phase in PHASES:
+        for phase in variants[1:]:
             row["phase_ms"][phase] = round(base - statistics.median(seconds[case][phase]) * 1e3,
                                            3)
         results.append(row)
@@ -120,7 +142,8 @@ def main() -> int:
     if ns.out:
         Path(ns.out).write_text(json.dumps({
             "command": command_line(), "machine": machine_info(),
-            "threads": torch.get_num_threads(), "rounds": ns.rounds, "results": results},
+            "threads": torch.get_num_threads(), "rounds": ns.rounds,
+            "kv_cache_dtype": ns.kv_cache_dtype, "results": results},
             indent=2) + "\n")
     return 0
 
