@@ -8,7 +8,7 @@
 // The bf16 kernels are built where the CPU has AVX512-BF16 and VBMI; elsewhere its callers (the
 // layer stack, layers/quant.py) keep the float32 kernel on x widened.
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#define BANYAN_INT4_BF16 1
+#define BANYAN_CODES_BF16 1
 #endif
 
 extern "C" {
@@ -20,14 +20,14 @@ void banyan_int4s_linear_f32(const float* x, int64_t T, int64_t K, int64_t group
                              const uint8_t* w, const float* scale, const float* mins,
                              const float* bias, float* out, int64_t N, float* xsum,
                              int64_t n_threads);
-#if defined(BANYAN_INT4_BF16)
+#if defined(BANYAN_CODES_BF16)
 void banyan_int4_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
                              const uint8_t* w, const void* scale, const void* mins, int64_t wide,
                              const float* bias, uint16_t* out, int64_t N, float* xsum,
                              int64_t n_threads);
-void banyan_int8_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
-                             const int8_t* w, const float* scale, const float* bias,
-                             uint16_t* out, int64_t N, int64_t n_threads);
+int64_t banyan_int8_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
+                                const int8_t* w, const float* scale, const float* bias,
+                                uint16_t* out, int64_t N, int64_t n_threads);
 #endif
 int64_t banyan_int4_linear_bf16_vector();
 }

@@ -18,7 +18,7 @@
 //
 // Token blocks of at most 4, with 4 partial sums per token per group whatever the block: a
 // token's sums are the same in a step of 1 as in a step of 8. Built only with AVX512-BF16 and
-// VBMI (cpu_int4_api.h's BANYAN_INT4_BF16).
+// VBMI (cpu_int4_api.h's BANYAN_CODES_BF16).
 
 #include <omp.h>
 
@@ -28,7 +28,7 @@
 #include "cpu_team.h"
 
 
-#if defined(BANYAN_INT4_BF16)
+#if defined(BANYAN_CODES_BF16)
 namespace {
 
 constexpr int kTokens = 4;  // tokens a pass over a panel: 4 x 4 partial sums in registers
@@ -163,11 +163,11 @@ void banyan_int4_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t gr
 }
 
 }  // extern "C"
-#endif  // BANYAN_INT4_BF16
+#endif  // BANYAN_CODES_BF16
 
 // Whether banyan_int4_linear_bf16 is built here.
 extern "C" int64_t banyan_int4_linear_bf16_vector() {
-#if defined(BANYAN_INT4_BF16)
+#if defined(BANYAN_CODES_BF16)
     return 1;
 #else
     return 0;

@@ -26,7 +26,7 @@
 #include "cpu_quant_common.h"
 #include "cpu_team.h"
 
-#if defined(BANYAN_INT4_BF16)
+#if defined(BANYAN_CODES_BF16)
 namespace {
 
 // Tokens a pass over a panel, two partial sums each: 16 sums in registers. (Four sums a token
@@ -140,12 +140,15 @@ void panel_bf16(const CodePairs& pairs, const uint16_t* x, int64_t K, int64_t gr
 
 extern "C" {
 
-// x [T, K] bf16 (K % 4 == 0); w [panels, K, 16] int8 codes; group 0: scale [panels * 16]
-// float32, one a row; else group % 4 == 0, K % group == 0, scale [panels, K / group, 16]
-// float32; bias [N] float32 or null; out [T, N] bf16.
-void banyan_int8_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
-                             const int8_t* w, const float* scale, const float* bias,
-                             uint16_t* out, int64_t N, int64_t n_threads) {
+// x [T, K] bf16; w [panels, K, 16] int8 codes; group 0: scale [panels * 16] float32, one a
+// row; else K % group == 0, scale [panels, K / group, 16] float32; bias [N] float32 or null;
+// out [T, N] bf16. Inputs go in fours (a code word's pairs): K or a group not a multiple of 4
+// -> 0, nothing computed, and the caller (layers/quant.py, the layer stack: this is their one
+// rule) widens x for the float32 kernel; else 1.
+int64_t banyan_int8_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t group,
+                                const int8_t* w, const float* scale, const float* bias,
+                                uint16_t* out, int64_t N, int64_t n_threads) {
+    if (K % 4 != 0 || group % 4 != 0) return 0;
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const CodePairs pairs;
     banyan_team::parallel_for(panels, threads_for(panels, n_threads), [&](int64_t p) {
@@ -156,7 +159,8 @@ void banyan_int8_linear_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t gr
                                                    out + t0 * N, N, p);
             });
     });
+    return 1;
 }
 
 }  // extern "C"
-#endif  // BANYAN_INT4_BF16
+#endif  // BANYAN_CODES_BF16

@@ -238,20 +238,19 @@ void linear(const StackLinear& l, const uint16_t* x, int64_t T, uint16_t* out, f
                               static_cast<const float*>(l.bias), out, l.out, n_threads);
         return;
     }
-#if defined(BANYAN_INT4_BF16)
+#if defined(BANYAN_CODES_BF16)
     if (l.kind == kInt4 || l.kind == kInt4Wide) {
         banyan_int4_linear_bf16(x, T, l.in, l.group, static_cast<const uint8_t*>(l.weight),
                                 l.scale, l.mins, l.kind == kInt4Wide,
                                 static_cast<const float*>(l.bias), out, l.out, xsum, n_threads);
         return;
     }
-    if ((l.kind == kInt8Rows || (l.kind == kInt8Groups && l.group % 4 == 0)) && l.in % 4 == 0) {
+    if ((l.kind == kInt8Rows || l.kind == kInt8Groups) &&
         banyan_int8_linear_bf16(x, T, l.in, l.kind == kInt8Rows ? 0 : l.group,
                                 static_cast<const int8_t*>(l.weight),
                                 static_cast<const float*>(l.scale),
-                                static_cast<const float*>(l.bias), out, l.out, n_threads);
+                                static_cast<const float*>(l.bias), out, l.out, n_threads))
         return;
-    }
 #endif
     static thread_local std::vector<float> wide_x, wide_out;
     wide_x.resize(T * l.in);

@@ -189,7 +189,7 @@ def load() -> ctypes.CDLL | None:
         lib.banyan_int4_linear_bf16.restype = None
         lib.banyan_int8_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64,
                                                 i64]
-        lib.banyan_int8_linear_bf16.restype = None
+        lib.banyan_int8_linear_bf16.restype = i64  # 0: K or the group not in fours
     # 8-bit activations (cpu_int8act_linear.cpp, layers/int8_activations.py)
     lib.banyan_q8_int4_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64,
                                               i64]
@@ -336,7 +336,7 @@ def bf16_gemm_here() -> bool:
 
 
 @cache
-def int4_bf16_here() -> bool:
+def codes_bf16_here() -> bool:
     """Whether int4 codes (and int8 ones with a scale per row) times bf16 activations run
     natively here (cpu_int4_bf16_linear.cpp, cpu_int8_bf16_linear.cpp; elsewhere a bf16 step's
     quantized layers widen x to float32)."""

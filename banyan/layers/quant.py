@@ -189,21 +189,21 @@ class _QuantMethod(WeightOnlyMethod):
         """Whether a bf16 kernel of these codes (int4, int8: built where the CPU has
         AVX512-BF16 and VBMI) takes this bf16 step: a short one, or any where batch-invariant."""
         long_step = x.numel() >= DEQUANT_MIN_TOKENS * layer.in_features
-        return native.int4_bf16_here() and (not long_step or self.batch_invariant)
+        return native.codes_bf16_here() and (not long_step or self.batch_invariant)
 
     def _int8_bf16(self, layer: Linear, x: torch.Tensor, group: int) -> torch.Tensor | None:
         """int8 codes (a scale per row: group 0, or per group of inputs) times bf16 x by
-        cpu_int8_bf16_linear.cpp, or None where it does not serve (inputs in fours only)."""
-        if not self._bf16_kernel_serves(layer, x) or layer.in_features % 4 or group % 4:
+        cpu_int8_bf16_linear.cpp, or None where it does not serve (its entry's input rule)."""
+        if not self._bf16_kernel_serves(layer, x):
             return None
         flat = x.reshape(-1, layer.in_features).contiguous()
         out = torch.empty(flat.shape[0], layer.out_features, dtype=torch.bfloat16)
         with native.kernel_range("banyan::quantized_linear"):
-            self._lib().banyan_int8_linear_bf16(
+            served = self._lib().banyan_int8_linear_bf16(
                 flat.data_ptr(), flat.shape[0], layer.in_features, group,
                 layer.codes.data_ptr(), layer.scale.data_ptr(), self._bias_ptr(layer),
                 out.data_ptr(), layer.out_features, torch.get_num_threads())
-        return out.reshape(*x.shape[:-1], layer.out_features)
+        return out.reshape(*x.shape[:-1], layer.out_features) if served else None
 
     def _bf16_gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N] bf16 through the weight rounded to bf16 (float32 sums)."""
