@@ -42,8 +42,8 @@ from two_builds import typed_libraries
 A512, ATT = "cpu_attend512.h", "cpu_attend.h"
 # phase -> (file, text, the same text with the phase switched off by a condition never true)
 PHASES: dict[str, tuple[str, str, str]] = {
-    "scores": (A512, "            block_scores(sc, qraw, first, rows, kr, d, j0);",
-               "            if (d < 0) block_scores(sc, qraw, first, rows, kr, d, j0);"),
+    "scores": (A512, "                block_scores(sc, qraw, first, rows, kr, d, j0);",
+               "                if (d < 0) block_scores(sc, qraw, first, rows, kr, d, j0);"),
     "key transposes": (
         A512, "                transpose16(r);\n                for (int i = 0; i < 16; ++i)",
         "                if (d < 0) transpose16(r);\n"
@@ -58,16 +58,18 @@ PHASES: dict[str, tuple[str, str, str]] = {
                    "    for (int64_t j = j0; j < j1 && d < 0; ++j) {"),
     # a quantized pool's own (--kv-cache-dtype int8 / fp8_*: no effect on a bf16 pool)
     "key codes to bf16": (
-        A512, "                    for (int e = 0; e < d; e += 32)\n"
-              "                        _mm512_storeu_si512(kc + e, bf16(",
-        "                    for (int e = 0; e < d && d < 0; e += 32)\n"
-        "                        _mm512_storeu_si512(kc + e, bf16("),
+        A512, "                        for (int e = 0; e < d; e += 32)\n"
+              "                            _mm512_storeu_si512(kc + e, bf16(",
+        "                        for (int e = 0; e < d && d < 0; e += 32)\n"
+        "                            _mm512_storeu_si512(kc + e, bf16("),
+    "int8 scores": (A512, "                block_scores_i8(sc, first, rows,",
+                    "                if (d < 0) block_scores_i8(sc, first, rows,"),
     "row scales read": (
         A512, "                    ks[j] = row_scale(kscale, row) * code_unit<Codes>;\n"
               "                    sc.vsc[j0 + j] = row_scale(vscale, row) * code_unit<Codes>;",
         "                    ks[j] = code_unit<Codes>;  // (no scale table read)\n"
         "                    sc.vsc[j0 + j] = code_unit<Codes>;"),
-    "key scales applied": (A512, "            if constexpr (kCodes) {  // the keys' scales",
+    "key scales applied": (A512, "            if (kCodes && !i8_scores) {  // the keys' scales",
                            "            if (kCodes && d < 0) {  // the keys' scales"),
     "stream_in": (ATT, "    for (int64_t j = 0; j < n; ++j) {\n        const int64_t at = slots[j]",
                   "    for (int64_t j = 0; j < n && row_bytes < 0; ++j) {\n"

@@ -218,10 +218,25 @@ def test_a_lone_request_shares_its_heads_between_threads(extend: int, dtype: tor
     assert meta.native is not None and meta.native.n_new.tolist() == [extend]
 
 
+def _pool(gen: torch.Generator, slots: int, kv_heads: int, dim: int, dtype: torch.dtype,
+          int8: bool) -> tuple[torch.Tensor, ...]:
+    """Random K, V of one layer -> (k, v, k_scale, v_scale): as dtype (no scales), or int8 codes
+    with a scale per (slot, head) row (an int8 pool's, read in place)."""
+    if not int8:
+        k, v = (torch.randn(slots, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+        return k, v, None, None
+    k, v = (torch.randint(-127, 128, (slots, kv_heads, dim), generator=gen, dtype=torch.int8)
+            for _ in range(2))
+    ks, vs = (torch.rand(slots, kv_heads, generator=gen) * 0.02 + 0.005 for _ in range(2))
+    return k, v, ks, vs
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-            reqs: list[tuple[int, int]]) -> torch.Tensor:
+            reqs: list[tuple[int, int]], k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The row kernel over (context, new tokens) per request, each request's own table row
-    (all naming the same slots), its new tokens' queries taken in order from q."""
+    (all naming the same slots), its new tokens' queries taken in order from q; an int8 pool
+    with its scales."""
     from banyan.attention.native_plan import plan_native
 
     rows = table.repeat(len(reqs), 1).contiguous()
@@ -231,23 +246,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     out = torch.empty_like(q)
     attention_kernels.paged_attention(q, k, v, rows, plan.req_row, plan.req_len, plan.q_start,
                                       plan.n_new, plan.order, plan.group_start, plan.group_prefix,
-                                      0.125, out)
+                                      0.125, out, k_scale, v_scale)
     return out
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (6, 2, 64), (5, 5, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True], ids=["pool-as-dtype", "int8-pool"])
 def test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check(
-        heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+        heads: int, kv_heads: int, dim: int, dtype: torch.dtype, int8: bool) -> None:
     """The bits of a query row's attention depend only on its query and its keys: decoded alone
     (its KV heads shared among the threads), among other decodes of a step, or as one row of a
     13-token extend (a speculative check), on 1 or 2 threads. Speculation and batching then
     change no output: a lone decode once split its keys between the threads and merged the
     parts, and bf16 rows of a KV head fewer than 4 took scores by another summation (each
-    gave other last bits, and greedy text with speculation on parted from it off)."""
+    gave other last bits, and greedy text with speculation on parted from it off). So over an
+    int8 pool (its bf16 queries' scores in int8 on VNNI: 4 or more rows and fewer take them
+    alike)."""
     gen = torch.Generator().manual_seed(heads * dim)
     n, e = 1000, 13  # past the old split's bar (128 keys) and its cap of parts
-    k, v = (torch.randn(n + 1, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    k, v, ks, vs = _pool(gen, n + 1, kv_heads, dim, dtype, int8)
     q = torch.randn(e, heads, dim, generator=gen).to(dtype)
     table = torch.arange(1, n + 1, dtype=torch.int32)[None]
     before = torch.get_num_threads()
@@ -255,10 +273,10 @@ def test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check(
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            check = _attend(q, k, v, table, [(n, e)])
-            batch = _attend(q, k, v, table, [(n - e + 1 + t, 1) for t in range(e)])
+            check = _attend(q, k, v, table, [(n, e)], ks, vs)
+            batch = _attend(q, k, v, table, [(n - e + 1 + t, 1) for t in range(e)], ks, vs)
             alone = torch.cat([_attend(q[t:t + 1].contiguous(), k, v, table,
-                                       [(n - e + 1 + t, 1)]) for t in range(e)])
+                                       [(n - e + 1 + t, 1)], ks, vs) for t in range(e)])
             assert torch.equal(alone, check) and torch.equal(batch, check)
             outs.append(check)
         assert torch.equal(outs[0], outs[1])
@@ -288,8 +306,10 @@ def test_the_native_kernels_show_in_torch_profiles(llama_dir: Path) -> None:
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (5, 5, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [300, 1061])
+@pytest.mark.parametrize("int8", [False, True], ids=["pool-as-dtype", "int8-pool"])
 def test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone(
-        heads: int, kv_heads: int, dim: int, dtype: torch.dtype, shared: int) -> None:
+        heads: int, kv_heads: int, dim: int, dtype: torch.dtype, shared: int,
+        int8: bool) -> None:
     """Members of a decode group attend the shared prefix once for all of them, in whole parts
     of the kernel's (kPartKeys) with the same arithmetic as a request alone, and their own keys
     from there: each member's bits are those it has decoded alone (a lone request's check has
@@ -301,7 +321,7 @@ def test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone(
     gen = torch.Generator().manual_seed(shared + dim)
     owns = [1, 40, 255, 256, 300, 700, 3, 90]
     total = shared + sum(owns)
-    k, v = (torch.randn(total + 1, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    k, v, ks, vs = _pool(gen, total + 1, kv_heads, dim, dtype, int8)
     q = torch.randn(len(owns), heads, dim, generator=gen).to(dtype)
     width = shared + max(owns)
     table = torch.zeros(len(owns), width, dtype=torch.int32)
@@ -317,8 +337,8 @@ def test_a_decode_grouped_by_a_shared_prefix_gets_the_bits_it_has_alone(
     grouped = torch.empty_like(q)
     attention_kernels.paged_attention(q, k, v, table, plan.req_row, plan.req_len, plan.q_start,
                                       plan.n_new, plan.order, plan.group_start, plan.group_prefix,
-                                      0.125, grouped)
+                                      0.125, grouped, ks, vs)
     for i, n in enumerate(lens):
         alone = _attend(q[i:i + 1].contiguous(), k, v, table[i:i + 1, :n].contiguous(),
-                        [(n, 1)])
+                        [(n, 1)], ks, vs)
         assert torch.equal(alone, grouped[i:i + 1]), f"member {i} ({n} keys)"

@@ -101,6 +101,11 @@ struct Scratch {
     // value scales
     std::vector<uint16_t> kc;
     std::vector<float> vsc;
+    // ... and on VNNI (cpu_attend512_i8.h) the call's query rows as int8 codes, their scales
+    // and sums
+    std::vector<int8_t> qi8;
+    std::vector<float> qsc;
+    std::vector<int32_t> qsum;
     void fit(int rows, int d) {
         lim.resize(rows);
         vis.resize(rows);

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "cpu_attend.h"
+#include "cpu_attend512_i8.h"
 #include "cpu_attend512_values.h"
 
 namespace {
@@ -269,7 +270,15 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
     constexpr bool kPairs = kPairsFor<T>;
     constexpr bool kCodes = !std::is_same<Codes, void>::value;
     static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "codes: bf16 pairs only");
+#if defined(BANYAN_I8_SCORES)
+    // an int8 pool's scores in int8 (cpu_attend512_i8.h), its keys read in place
+    const bool i8_scores = std::is_same<Codes, I8>::value && d % 64 == 0;
+    if (i8_scores) quantize_query_rows(sc, reinterpret_cast<const uint16_t*>(qraw), rows, d);
+#else
+    constexpr bool i8_scores = false;
+#endif
     const T* kr[VBLK];
+    [[maybe_unused]] const P* kp[VBLK];
     alignas(64) float ks[VBLK];
     [[maybe_unused]] const CodesBf16<Codes> bf16;
     prefetch_rows(kpool, slots, 0, std::min<int64_t>(n, 2 * VBLK), kvh, h, d);
@@ -300,10 +309,14 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;
                 if constexpr (kCodes) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-                    uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
-                    for (int e = 0; e < d; e += 32)
-                        _mm512_storeu_si512(kc + e, bf16(kpool + row * d + e));
-                    kr[j] = kc;
+                    if (i8_scores) {
+                        kp[j] = kpool + row * d;
+                    } else {
+                        uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
+                        for (int e = 0; e < d; e += 32)
+                            _mm512_storeu_si512(kc + e, bf16(kpool + row * d + e));
+                        kr[j] = kc;
+                    }
                     ks[j] = row_scale(kscale, row) * code_unit<Codes>;
                     sc.vsc[j0 + j] = row_scale(vscale, row) * code_unit<Codes>;
 #endif
@@ -313,8 +326,16 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             }
             static_assert(VBLK == ReadAhead::kBlock, "an issue per block of keys");
             sc.ahead.issue();
-            block_scores(sc, qraw, first, rows, kr, d, j0);
-            if constexpr (kCodes) {  // the keys' scales
+#if defined(BANYAN_I8_SCORES)
+            if (i8_scores) {
+                block_scores_i8(sc, first, rows, reinterpret_cast<const int8_t* const*>(kp), ks,
+                                d, j0);  // (the keys' scales with the query's)
+            } else
+#endif
+            {
+                block_scores(sc, qraw, first, rows, kr, d, j0);
+            }
+            if (kCodes && !i8_scores) {  // the keys' scales
                 const __m512 kv = _mm512_load_ps(ks);
                 for (int r = first; r < rows; ++r) {
                     float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK + j0;
