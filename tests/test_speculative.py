@@ -32,7 +32,8 @@ def spec_engine(model: Path, algo: str, draft: Path | None = None, **kwargs: obj
     # the draft model's own guesses (a random model repeats itself: lookups would stand in for
     # many of them; test_a_lookup_stands_in_for_the_draft_where_the_text_repeats has them)
     kwargs.setdefault("spec_draft_no_lookup", True)
-    engine = Engine(str(model), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
+    kwargs.setdefault("dtype", "float32")
+    engine = Engine(str(model), device="cpu", disable_tqdm=True, overlap="off",
                     speculative_algorithm=algo, speculative_max_step_tokens=64,
                     spec_ngram_min=1, **extra, **kwargs)
     engine.core.scheduler.config.check_integrity = True
@@ -78,20 +79,22 @@ def test_greedy_identical_to_transformers(model_dirs: dict[str, Path], arch: str
         assert not engine.core.scheduler.speculation._state  # every request forgotten
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv,dtype", [("int8", "float32"), ("fp8_e4m3", "float32"),
+                                      ("int8", "bfloat16")])
 def test_speculation_over_a_quantized_pool_changes_no_token(model_dirs: dict[str, Path],
-                                                            kv: str) -> None:
+                                                            kv: str, dtype: str) -> None:
     """Checks store and read a quantized pool's codes (and roll rejected ones back) as decodes
-    do: the same greedy tokens with speculation as without, over the same storage."""
+    do: the same greedy tokens with speculation as without, over the same storage (a bf16
+    model's int8 pool: its scores and values in int8 on VNNI, where the CPU has it)."""
     target = model_dirs["llama"]
     prompts = prompts_1_to_300(5, seed=4)
     max_new = [8 + (7 * i) % 19 for i in range(len(prompts))]
-    with Engine(str(target), dtype="float32", device="cpu", disable_tqdm=True, overlap="off",
+    with Engine(str(target), dtype=dtype, device="cpu", disable_tqdm=True, overlap="off",
                 kv_cache_dtype=kv) as plain:
         want = run_greedy(plain, prompts, max_new)
     # the target as its own draft: most guesses accepted (its own pool is unquantized: with
     # fp8 not all), so checks keep tokens and roll rejected ones back
-    with spec_engine(target, "draft", target, kv_cache_dtype=kv) as engine:
+    with spec_engine(target, "draft", target, kv_cache_dtype=kv, dtype=dtype) as engine:
         assert run_greedy(engine, prompts, max_new) == want
         assert engine.core.scheduler.speculation.stats.acceptance_rate > 0.5
         check_pool_empty(engine)

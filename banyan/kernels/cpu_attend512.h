@@ -23,20 +23,6 @@
 
 namespace {
 
-// Prefetch one KV head's rows of slots [j0, j1) of a pool: the block after next, while this one
-// is computed (one block ahead: 64 x 192-key decodes 1.1x slower on Zen 5; one line of a
-// 128-byte row instead of both: 1.3x slower).
-template <typename T, int kHint = _MM_HINT_T0>
-inline void prefetch_rows(const T* pool, const int32_t* slots, int64_t j0, int64_t j1,
-                          int64_t kvh, int64_t h, int d) {
-    const int64_t width = d * static_cast<int64_t>(sizeof(T));
-    for (int64_t j = j0; j < j1; ++j) {
-        const char* p = reinterpret_cast<const char*>(pool + (slots[j] * kvh + h) * d);
-        for (int64_t off = 0; off < width; off += 64)
-            _mm_prefetch(p + off, static_cast<_mm_hint>(kHint));
-    }
-}
-
 // Rows from which the scores of a block of keys take long enough to cover the loads of the
 // chunk's values for that block, requested then (a decode group's shared prefix, a check).
 constexpr int kFarRows = 8;
@@ -351,13 +337,25 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                                                                      0, sc.lim[rr] - c0)));
             sc.vis[r] = seen;
             if (seen == 0) continue;
-            chunk_softmax(sc, rr, sc.s.data() + static_cast<size_t>(r) * CHUNK, seen,
-                          (seen + VBLK - 1) / VBLK, scale, d,
+            float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK;
+            const int blocks = (seen + VBLK - 1) / VBLK;
+            if (i8_scores) {  // (an int8 pool: the probabilities as 8-bit codes)
+                chunk_softmax(sc, rr, sr, seen, blocks, scale, d, nullptr);
+#if defined(BANYAN_I8_SCORES)
+                probability_codes(sc, r, sr, blocks);
+#endif
+                continue;
+            }
+            chunk_softmax(sc, rr, sr, seen, blocks, scale, d,
                           kPairs ? sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2) : nullptr,
                           kCodes ? sc.vsc.data() : nullptr);
         }
         // 3. the chunk's values, converted once, into every row's accumulator
-        if constexpr (kPairs) {
+        if (i8_scores) {
+#if defined(BANYAN_I8_SCORES)
+            add_values_i8(sc, reinterpret_cast<const int8_t*>(vpool), cs, cn, kvh, h, d, r0, rows);
+#endif
+        } else if constexpr (kPairs) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             const __m512i* vi = interleave_values<P, Codes>(sc, vpool, cs, cn, kvh, h, d, bf16);
             const int words = d / 16;
