@@ -39,7 +39,7 @@ from banyan.kernels import native
 from decode_attention import decode_step, workload_rows  # (this folder's)
 from two_builds import typed_libraries
 
-A512, ATT = "cpu_attend512.h", "cpu_attend.h"
+A512, ATT, I8 = "cpu_attend512.h", "cpu_attend.h", "cpu_attend512_i8.h"
 # phase -> (file, text, the same text with the phase switched off by a condition never true)
 PHASES: dict[str, tuple[str, str, str]] = {
     "scores": (A512, "                block_scores(sc, qraw, first, rows, kr, d, j0);",
@@ -48,8 +48,12 @@ PHASES: dict[str, tuple[str, str, str]] = {
         A512, "                transpose16(r);\n                for (int i = 0; i < 16; ++i)",
         "                if (d < 0) transpose16(r);\n"
         "                for (int i = 0; i < 16 && d < 0; ++i)"),
-    "softmax": (A512, "            chunk_softmax(sc, rr,",
-                "            if (seen < 0) chunk_softmax(sc, rr,"),
+    "softmax": (A512, "\n            chunk_softmax(sc, rr,",
+                "\n            if (seen < 0) chunk_softmax(sc, rr,"),
+    "int8 softmax": (A512, "                chunk_softmax(sc, rr, sr, seen, blocks, scale, d, "
+                           "nullptr);",
+                     "                if (d < 0) chunk_softmax(sc, rr, sr, seen, blocks, scale, d,"
+                     " nullptr);"),
     "value interleave": (A512, "    for (int jp = 0; jp < (cn + 1) / 2; ++jp) {",
                          "    for (int jp = 0; jp < (cn + 1) / 2 && d < 0; ++jp) {"),
     "value products": (A512, "                for (int c0 = 0; c0 < words; c0 += 4)\n",
@@ -64,6 +68,12 @@ PHASES: dict[str, tuple[str, str, str]] = {
         "                            _mm512_storeu_si512(kc + e, bf16("),
     "int8 scores": (A512, "                block_scores_i8(sc, first, rows,",
                     "                if (d < 0) block_scores_i8(sc, first, rows,"),
+    "probability codes": (A512, "                probability_codes(sc, r, sr, blocks);",
+                          "                if (d < 0) probability_codes(sc, r, sr, blocks);"),
+    "int8 value interleave": (I8, "    for (int q = 0; q < (cn + 3) / 4; ++q) {",
+                              "    for (int q = 0; q < (cn + 3) / 4 && d < 0; ++q) {"),
+    "int8 value products": (I8, "        for (int q = 0; q < quads; q += S) {",
+                            "        for (int q = 0; q < quads && d < 0; q += S) {"),
     "row scales read": (
         A512, "                    ks[j] = row_scale(kscale, row) * code_unit<Codes>;\n"
               "                    sc.vsc[j0 + j] = row_scale(vscale, row) * code_unit<Codes>;",

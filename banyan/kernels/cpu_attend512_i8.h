@@ -36,11 +36,13 @@
 namespace {
 
 // Rows [0, rows) of a call's bf16 queries (d values each, d % 16 == 0) -> sc.qi8 codes,
-// sc.qsc scales, sc.qsum the codes' sums.
+// sc.qsc scales, sc.qsum the codes' sums; the rows' probability codes sized.
 inline void quantize_query_rows(Scratch& sc, const uint16_t* qraw, int rows, int d) {
     sc.qi8.resize(static_cast<size_t>(rows) * d);
     sc.qsc.resize(rows);
     sc.qsum.resize(rows);
+    sc.pc.resize(static_cast<size_t>(rows) * CHUNK);
+    sc.psc.resize(rows);
     const __m512 sign = _mm512_set1_ps(-0.0f);
     auto load = [](const uint16_t* p) {  // 16 bf16 -> float32, exactly
         return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -118,8 +120,6 @@ inline void block_scores_i8(Scratch& sc, int lo, int rows, const int8_t* const* 
 // blocks of 16) times the value rows' scales (sc.vsc) -> sc.pc[r] codes 0..255, sc.psc[r] the
 // scale: the largest / 255.
 inline void probability_codes(Scratch& sc, int r, const float* sr, int blocks) {
-    sc.pc.resize(sc.s.size());
-    sc.psc.resize(sc.s.size() / CHUNK);
     __m512 top = _mm512_setzero_ps();
     for (int v = 0; v < blocks; ++v)
         top = _mm512_max_ps(top, _mm512_mul_ps(_mm512_loadu_ps(sr + v * VBLK),
