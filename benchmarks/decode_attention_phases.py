@@ -12,8 +12,9 @@ A phase's cost is the base build's time minus the time without it. The phases: t
 (block_scores: key transposes and dot products), the key transposes alone, the softmax, the
 values' pair interleaving, their products (add_pairs_rows), the software prefetches, and
 stream_in (each request's own K/V read in slot order first); over a quantized pool
-(--kv-cache-dtype int8 / fp8_*) also the keys' codes made bf16, the rows' scales read from
-their table, and the keys' scales applied to the scores.
+(--kv-cache-dtype int8 / fp8_*) also the keys' codes made bf16 and the rows' scales read from
+their table, and over a bf16 model's int8 pool on VNNI (cpu_attend512_i8.h) its own phases:
+scores, softmax, probability codes, value interleave and products.
 
     python benchmarks/decode_attention_phases.py [--rounds 9] [--kv-cache-dtype int8]
         [--phases scores,softmax] [--out FILE]
@@ -79,8 +80,6 @@ PHASES: dict[str, tuple[str, str, str]] = {
               "                    sc.vsc[j0 + j] = row_scale(vscale, row) * code_unit<Codes>;",
         "                    ks[j] = code_unit<Codes>;  // (no scale table read)\n"
         "                    sc.vsc[j0 + j] = code_unit<Codes>;"),
-    "key scales applied": (A512, "            if (kCodes && !i8_scores) {  // the keys' scales",
-                           "            if (kCodes && d < 0) {  // the keys' scales"),
     "stream_in": (ATT, "    for (int64_t j = 0; j < n; ++j) {\n        const int64_t at = slots[j]",
                   "    for (int64_t j = 0; j < n && row_bytes < 0; ++j) {\n"
                   "        const int64_t at = slots[j]"),
