@@ -110,13 +110,13 @@ def test_a_token_has_the_same_bits_alone_batched_or_checked_on_tiles(
         tile_mode: int, heads: int, kv_heads: int, dim: int) -> None:
     """The row kernel's rule with its products on tiles: a 13-token check's rows, the same
     tokens as decodes of one step and each decoded alone, on 1 and 2 threads, bit for bit."""
-    check_bits(heads, kv_heads, dim, torch.bfloat16)
+    check_bits(heads, kv_heads, dim, torch.bfloat16, False)  # (tiles: bf16 pools only)
 
 
 @pytest.mark.parametrize("shared", [300, 1061])
 def test_a_grouped_decode_has_the_bits_it_has_alone_on_tiles(tile_mode: int, shared: int) -> None:
     """... and a decode group's members over their shared prefix (and own keys of 1 to 700)."""
-    grouped_bits(9, 3, 64, torch.bfloat16, shared)
+    grouped_bits(9, 3, 64, torch.bfloat16, shared, False)
 
 
 @pytest.mark.parametrize("layout", ["run", "strided", "shuffled"])
