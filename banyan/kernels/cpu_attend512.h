@@ -260,12 +260,12 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
     constexpr bool kPairs = kPairsFor<T>;
     constexpr bool kCodes = !std::is_same<Codes, void>::value;
     static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "codes: bf16 pairs only");
-#if defined(BANYAN_I8_SCORES)
-    // an int8 pool's scores in int8 (cpu_attend512_i8.h), its keys read in place
-    const bool i8_scores = std::is_same<Codes, I8>::value && d % 64 == 0;
-    if (i8_scores) quantize_query_rows(sc, reinterpret_cast<const uint16_t*>(qraw), rows, d);
+#if defined(BANYAN_I8_ATTENTION)
+    // an int8 pool's scores and values in integers (cpu_attend512_i8.h), its codes in place
+    const bool in_integers = std::is_same<Codes, I8>::value && d % 64 == 0;
+    if (in_integers) quantize_query_rows(sc, reinterpret_cast<const uint16_t*>(qraw), rows, d);
 #else
-    constexpr bool i8_scores = false;
+    constexpr bool in_integers = false;
 #endif
     const T* kr[VBLK];
     [[maybe_unused]] const P* kp[VBLK];
@@ -299,7 +299,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;
                 if constexpr (kCodes) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-                    if (i8_scores) {
+                    if (in_integers) {
                         kp[j] = kpool + row * d;
                     } else {
                         uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
@@ -316,8 +316,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             }
             static_assert(VBLK == ReadAhead::kBlock, "an issue per block of keys");
             sc.ahead.issue();
-#if defined(BANYAN_I8_SCORES)
-            if (i8_scores) {
+#if defined(BANYAN_I8_ATTENTION)
+            if (in_integers) {
                 block_scores_i8(sc, first, rows, reinterpret_cast<const int8_t* const*>(kp), ks,
                                 d, j0);  // (the keys' scales with the query's)
             } else
@@ -336,9 +336,9 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             if (seen == 0) continue;
             float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK;
             const int blocks = (seen + VBLK - 1) / VBLK;
-            if (i8_scores) {  // (an int8 pool: the probabilities as 8-bit codes)
+            if (in_integers) {  // (an int8 pool: the probabilities as 8-bit codes)
                 chunk_softmax(sc, rr, sr, seen, blocks, scale, d, nullptr);
-#if defined(BANYAN_I8_SCORES)
+#if defined(BANYAN_I8_ATTENTION)
                 probability_codes(sc, r, sr, blocks);
 #endif
                 continue;
@@ -348,8 +348,8 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                           kCodes ? sc.vsc.data() : nullptr);
         }
         // 3. the chunk's values, converted once, into every row's accumulator
-        if (i8_scores) {
-#if defined(BANYAN_I8_SCORES)
+        if (in_integers) {
+#if defined(BANYAN_I8_ATTENTION)
             add_values_i8(sc, reinterpret_cast<const int8_t*>(vpool), cs, cn, kvh, h, d, r0, rows);
 #endif
         } else if constexpr (kPairs) {

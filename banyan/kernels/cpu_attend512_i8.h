@@ -1,6 +1,7 @@
-// An int8 KV pool's scores on VNNI (vpdpbusd), for attend512 (cpu_attend512.h): each query
-// row as int8 codes with one scale (q ~ code x qs, codes = round(q x 127 / max|q|)), each key
-// row's codes as they are in the pool, their products summed in int32.
+// An int8 KV pool's attention in integers on VNNI (vpdpbusd), for attend512 (cpu_attend512.h):
+// each query row as int8 codes with one scale (q ~ code x qs, codes = round(q x 127 /
+// max|q|)), each key row's codes as they are in the pool, their products summed in int32; the
+// values likewise (below).
 //
 // Why: the bf16 route made every key's 64 codes bf16 first (eight instructions and two stores
 // a key) and then paired them with the bf16 query, two vdpbf16ps and a tree of sums a row and
@@ -9,8 +10,9 @@
 // .. 4i + 3 of key j), and each row takes one vpdpbusd per four dims for all 16 keys, with no
 // tree: integer sums are exact in any order, so a row's scores are the same bits alone, among
 // other rows or in a speculative check. The query's rounding to int8 (at most half a step of
-// max|q| / 127 a dim, the error llama.cpp's q8_0 caches take too) is the only change from the
-// bf16 route; perplexity with the int8 cache is measured in benchmarks/kv_quant.py.
+// max|q| / 127 a dim, as llama.cpp's q8_0 caches round their queries) and the probabilities'
+// to 8 bits are the only changes from the bf16 route (perplexity of a bf16 model with the int8
+// cache, every token through this kernel: within 0.3% of that route's, docs/performance.md).
 //
 // vpdpbusd multiplies unsigned by signed bytes: the keys go in as code + 128 (their top bit
 // flipped), and 128 x sum(query codes) comes off each sum.
@@ -22,7 +24,7 @@
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define BANYAN_I8_SCORES 1
+#define BANYAN_I8_ATTENTION 1
 
 #include <immintrin.h>
 
