@@ -39,7 +39,7 @@ constexpr int kFarRows = 8;
 // dims of no instance). The 16 lanes go 4 at a time (one 128-bit block of reduce16's), each
 // key word loaded once for the NR rows. Out of line: inlined into block_scores, it cost the
 // few-row loop there its register allocation (64 x 192-key decodes 1.10x slower, Zen 4).
-template <int W, int NR>
+template <int W, int NR, bool kScaled>
 __attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16_t* qraw, int r,
                                                  int d, float* s, __m512 ks) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -66,10 +66,11 @@ __attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16
             if (b == 0) low[t] = block;
             else if (b == 1) low[t] = _mm512_add_ps(low[t], block);
             else if (b == 2) high[t] = block;
-            else
-                _mm512_storeu_ps(
-                    s + static_cast<size_t>(r + t) * CHUNK,
-                    _mm512_mul_ps(_mm512_add_ps(low[t], _mm512_add_ps(high[t], block)), ks));
+            else {
+                const __m512 sum = _mm512_add_ps(low[t], _mm512_add_ps(high[t], block));
+                _mm512_storeu_ps(s + static_cast<size_t>(r + t) * CHUNK,
+                                 kScaled ? _mm512_mul_ps(sum, ks) : sum);
+            }
         }
     }
 #else
@@ -78,24 +79,25 @@ __attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16
 }
 
 // The rows [r, r + nr) of a pass (nr <= 4), through the instance of exactly nr rows.
-template <int W, int NR = 4>
+template <int W, bool kScaled, int NR = 4>
 inline void transposed_rows(int nr, const __m512i* kt, const uint16_t* qraw, int r, int d,
                             float* s, __m512 ks) {
     if constexpr (NR > 1) {
-        if (nr < NR) return transposed_rows<W, NR - 1>(nr, kt, qraw, r, d, s, ks);
+        if (nr < NR) return transposed_rows<W, kScaled, NR - 1>(nr, kt, qraw, r, d, s, ks);
     }
-    transposed_scores<W, NR>(kt, qraw, r, d, s, ks);
+    transposed_scores<W, NR, kScaled>(kt, qraw, r, d, s, ks);
 }
 
 // Raw scores of rows [lo, rows) against the 16 keys kr (the block at j0 of the chunk), times
-// the keys' scales ks (a quantized pool's; null: 1, a product that changes no bit):
-// s[r * CHUNK + j0 + j]. (A pass of their own over the rows' scores after took ~1 ms of a 64 x
-// 192-key decode step over an int8 pool on Zen 4.)
-template <typename T>
-inline void block_scores(Scratch& sc, const T* qraw, int lo, int rows, const T* const* kr,
-                         int d, int j0, const float* ks) {
+// the keys' scales ks where kScaled (a quantized pool's): s[r * CHUNK + j0 + j]. (A pass of
+// their own over the rows' scores after took ~1 ms of a 64 x 192-key decode step over an int8
+// pool on Zen 4.) Out of line, as GCC left it before it had two instances: inlined into a bf16
+// pool's attend512, shared-prefix 8 x 8 and 64 x 192-key decode steps ran 1.03-1.06x slower.
+template <typename T, bool kScaled>
+__attribute__((noinline)) void block_scores(Scratch& sc, const T* qraw, int lo, int rows,
+                                            const T* const* kr, int d, int j0, const float* ks) {
     float* s = sc.s.data() + j0;
-    const __m512 kv = ks != nullptr ? _mm512_loadu_ps(ks) : _mm512_set1_ps(1.0f);
+    const __m512 kv = kScaled ? _mm512_loadu_ps(ks) : _mm512_set1_ps(1.0f);
     if constexpr (kPairsFor<T>) {
         // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
         // = dims 2i, 2i + 1 of key j), so each vdpbf16ps gives 16 keys' partial scores of one
@@ -113,11 +115,11 @@ inline void block_scores(Scratch& sc, const T* qraw, int lo, int rows, const T* 
             for (int r = lo; r < rows; r += 4) {
                 const int nr = std::min(4, rows - r);
                 if (d == 64)
-                    transposed_rows<2>(nr, kt, qraw, r, d, s, kv);
+                    transposed_rows<2, kScaled>(nr, kt, qraw, r, d, s, kv);
                 else if (d == 128)
-                    transposed_rows<4>(nr, kt, qraw, r, d, s, kv);
+                    transposed_rows<4, kScaled>(nr, kt, qraw, r, d, s, kv);
                 else
-                    transposed_rows<0>(nr, kt, qraw, r, d, s, kv);
+                    transposed_rows<0, kScaled>(nr, kt, qraw, r, d, s, kv);
             }
             return;
         }
@@ -131,7 +133,9 @@ inline void block_scores(Scratch& sc, const T* qraw, int lo, int rows, const T* 
             scores_fixed<128>(qr, kr, part);
         else
             for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
-        _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK, _mm512_mul_ps(reduce16(part), kv));
+        const __m512 sum = reduce16(part);
+        _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK,
+                         kScaled ? _mm512_mul_ps(sum, kv) : sum);
     }
 }
 
@@ -191,7 +195,9 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // Row r's values of the chunk (vi: bf16 pairs of keys, `words` 16-lane words a pair) added
 // into its accumulator, weighted by its probabilities as bf16 pairs (sc.pp): alone.
-inline void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r, int d, int words) {
+// (Out of line, as GCC chose before the int8 route joined attend512: see block_scores.)
+__attribute__((noinline)) void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r,
+                                             int d, int words) {
     float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
     const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
     const int pairs = (sc.vis[r] + 1) / 2;
@@ -260,13 +266,18 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
     constexpr bool kPairs = kPairsFor<T>;
     constexpr bool kCodes = !std::is_same<Codes, void>::value;
     static_assert(std::is_same<P, T>::value || (kCodes && kPairs), "codes: bf16 pairs only");
+    // an int8 pool's scores and values in integers (cpu_attend512_i8.h), its codes in place;
+    // every branch of it under `if constexpr (kI8)`, so the other instances compile as before
+    // (their register allocation moved with a run-time flag: bf16 pools 1.02-1.06x the time)
 #if defined(BANYAN_I8_ATTENTION)
-    // an int8 pool's scores and values in integers (cpu_attend512_i8.h), its codes in place
-    const bool in_integers = std::is_same<Codes, I8>::value && d % 64 == 0;
-    if (in_integers) quantize_query_rows(sc, reinterpret_cast<const uint16_t*>(qraw), rows, d);
+    constexpr bool kI8 = std::is_same<Codes, I8>::value;
 #else
-    constexpr bool in_integers = false;
+    constexpr bool kI8 = false;
 #endif
+    [[maybe_unused]] const bool in_integers = kI8 && d % 64 == 0;
+    if constexpr (kI8) {
+        if (in_integers) quantize_query_rows(sc, reinterpret_cast<const uint16_t*>(qraw), rows, d);
+    }
     const T* kr[VBLK];
     [[maybe_unused]] const P* kp[VBLK];
     alignas(64) float ks[VBLK];
@@ -299,7 +310,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;
                 if constexpr (kCodes) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-                    if (in_integers) {
+                    if (kI8 && in_integers) {
                         kp[j] = kpool + row * d;
                     } else {
                         uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
@@ -316,15 +327,14 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             }
             static_assert(VBLK == ReadAhead::kBlock, "an issue per block of keys");
             sc.ahead.issue();
-#if defined(BANYAN_I8_ATTENTION)
-            if (in_integers) {
-                block_scores_i8(sc, first, rows, reinterpret_cast<const int8_t* const*>(kp), ks,
-                                d, j0);  // (the keys' scales with the query's)
-            } else
-#endif
-            {
-                block_scores(sc, qraw, first, rows, kr, d, j0, kCodes ? ks : nullptr);
+            if constexpr (kI8) {
+                if (in_integers) {  // (the keys' scales with the query's)
+                    block_scores_i8(sc, first, rows, reinterpret_cast<const int8_t* const*>(kp),
+                                    ks, d, j0);
+                    continue;
+                }
             }
+            block_scores<T, kCodes>(sc, qraw, first, rows, kr, d, j0, kCodes ? ks : nullptr);
         }
         // 2. each row's softmax over the keys it sees (a causal extend's rows: up to their own)
         for (int r = 0; r < rows; ++r) {
@@ -334,25 +344,29 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                                                                      0, sc.lim[rr] - c0)));
             sc.vis[r] = seen;
             if (seen == 0) continue;
-            float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK;
-            const int blocks = (seen + VBLK - 1) / VBLK;
-            if (in_integers) {  // (an int8 pool: the probabilities as 8-bit codes)
-                chunk_softmax(sc, rr, sr, seen, blocks, scale, d, nullptr);
-#if defined(BANYAN_I8_ATTENTION)
-                probability_codes(sc, r, sr, blocks);
-#endif
-                continue;
+            if constexpr (kI8) {
+                if (in_integers) {  // (the probabilities as 8-bit codes)
+                    float* sr = sc.s.data() + static_cast<size_t>(r) * CHUNK;
+                    const int blocks = (seen + VBLK - 1) / VBLK;
+                    chunk_softmax(sc, rr, sr, seen, blocks, scale, d, nullptr);
+                    probability_codes(sc, r, sr, blocks);
+                    continue;
+                }
             }
-            chunk_softmax(sc, rr, sr, seen, blocks, scale, d,
+            chunk_softmax(sc, rr, sc.s.data() + static_cast<size_t>(r) * CHUNK, seen,
+                          (seen + VBLK - 1) / VBLK, scale, d,
                           kPairs ? sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2) : nullptr,
                           kCodes ? sc.vsc.data() : nullptr);
         }
         // 3. the chunk's values, converted once, into every row's accumulator
-        if (in_integers) {
-#if defined(BANYAN_I8_ATTENTION)
-            add_values_i8(sc, reinterpret_cast<const int8_t*>(vpool), cs, cn, kvh, h, d, r0, rows);
-#endif
-        } else if constexpr (kPairs) {
+        if constexpr (kI8) {
+            if (in_integers) {
+                add_values_i8(sc, reinterpret_cast<const int8_t*>(vpool), cs, cn, kvh, h, d, r0,
+                              rows);
+                continue;
+            }
+        }
+        if constexpr (kPairs) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             const __m512i* vi = interleave_values<P, Codes>(sc, vpool, cs, cn, kvh, h, d, bf16);
             const int words = d / 16;

@@ -23,16 +23,18 @@
 // and paired), summed in int32 over the chunk and added to the row's float32 accumulator.
 #pragma once
 
+#include <cstdint>
+
+#include "cpu_attend.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define BANYAN_I8_ATTENTION 1
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
 
-#include "cpu_attend.h"
 #include "cpu_avx512.h"
 
 namespace {
@@ -240,4 +242,14 @@ inline void add_values_i8(Scratch& sc, const int8_t* vpool, const int32_t* cs, i
 
 }  // namespace
 
+#else
+namespace {
+// Never called: attend512 names them in `if constexpr` branches that a build without VNNI
+// discards.
+inline void quantize_query_rows(Scratch&, const uint16_t*, int, int) {}
+inline void block_scores_i8(Scratch&, int, int, const int8_t* const*, const float*, int, int) {}
+inline void probability_codes(Scratch&, int, const float*, int) {}
+inline void add_values_i8(Scratch&, const int8_t*, const int32_t*, int, int64_t, int64_t, int,
+                          int, int) {}
+}  // namespace
 #endif
