@@ -191,8 +191,10 @@ def run_workload(engine: Any, workload: Workload, history: str = "model",
                     outputs[i].extend(u.new_token_ids)
                     if rec.ttft is None:
                         rec.ttft = now - t0 - rec.start
-                    else:
-                        rec.itl.append(now - last_token[i])
+                    else:  # a gap a token, as the server's metrics count them: an update of
+                        # several (a burst of decode steps, accepted guesses) shares its gap
+                        n = len(u.new_token_ids)
+                        rec.itl.extend([(now - last_token[i]) / n] * n)
                     last_token[i] = now
                 if u.finish_reason is None:
                     continue
