@@ -349,7 +349,9 @@ def test_metrics_move(server: ServerProcess, client: OpenAI) -> None:
     assert delta("banyan:e2e_request_latency_seconds_count") == 1
     assert delta("banyan:inter_token_latency_seconds_count") == 8
     assert delta("banyan:request_queue_time_seconds_count") == 1
-    assert delta("banyan:engine_steps_total") >= 9
+    # a prefill and at least one decode step; 9 only where each step decodes one token (a
+    # burst of decode steps, where the layer stack runs this model, is one engine step)
+    assert delta("banyan:engine_steps_total") >= 2
     assert delta("banyan:step_phase_seconds_total", (("phase", "forward"),)) > 0
     wall = after[("banyan:step_wall_seconds_total", ())]
     busy = after[("banyan:device_busy_seconds_total", ())]
