@@ -43,8 +43,8 @@ from two_builds import typed_libraries
 A512, ATT, I8 = "cpu_attend512.h", "cpu_attend.h", "cpu_attend512_i8.h"
 # phase -> (file, text, the same text with the phase switched off by a condition never true)
 PHASES: dict[str, tuple[str, str, str]] = {
-    "scores": (A512, "                block_scores(sc, qraw, first, rows, kr, d, j0);",
-               "                if (d < 0) block_scores(sc, qraw, first, rows, kr, d, j0);"),
+    "scores": (A512, "            block_scores<T, kCodes>(sc, qraw,",
+               "            if (d < 0) block_scores<T, kCodes>(sc, qraw,"),
     "key transposes": (
         A512, "                transpose16(r);\n                for (int i = 0; i < 16; ++i)",
         "                if (d < 0) transpose16(r);\n"
@@ -59,7 +59,7 @@ PHASES: dict[str, tuple[str, str, str]] = {
                          "    for (int jp = 0; jp < (cn + 1) / 2 && d < 0; ++jp) {"),
     "value products": (A512, "                for (int c0 = 0; c0 < words; c0 += 4)\n",
                        "                for (int c0 = 0; c0 < words && d < 0; c0 += 4)\n"),
-    "prefetches": (A512, "    for (int64_t j = j0; j < j1; ++j) {",
+    "prefetches": (ATT, "    for (int64_t j = j0; j < j1; ++j) {",
                    "    for (int64_t j = j0; j < j1 && d < 0; ++j) {"),
     # a quantized pool's own (--kv-cache-dtype int8 / fp8_*: no effect on a bf16 pool)
     "key codes to bf16": (

@@ -276,7 +276,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
 #endif
     [[maybe_unused]] const bool in_integers = kI8 && d % 64 == 0;
     if constexpr (kI8) {
-        if (in_integers) quantize_query_rows(sc, reinterpret_cast<const uint16_t*>(qraw), rows, d);
+        if (in_integers) quantize_query_rows(sc, qraw, rows, d);
     }
     const T* kr[VBLK];
     [[maybe_unused]] const P* kp[VBLK];
@@ -310,7 +310,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
                 const int64_t row = static_cast<int64_t>(cs[j0 + std::min(j, nb - 1)]) * kvh + h;
                 if constexpr (kCodes) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-                    if (kI8 && in_integers) {
+                    if (in_integers) {
                         kp[j] = kpool + row * d;
                     } else {
                         uint16_t* kc = sc.kc.data() + static_cast<size_t>(j) * d;
@@ -329,8 +329,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
             sc.ahead.issue();
             if constexpr (kI8) {
                 if (in_integers) {  // (the keys' scales with the query's)
-                    block_scores_i8(sc, first, rows, reinterpret_cast<const int8_t* const*>(kp),
-                                    ks, d, j0);
+                    block_scores_i8(sc, first, rows, kp, ks, d, j0);
                     continue;
                 }
             }
@@ -361,8 +360,7 @@ void attend512(Scratch& sc, const T* qraw, int r0, int rows, const int32_t* slot
         // 3. the chunk's values, converted once, into every row's accumulator
         if constexpr (kI8) {
             if (in_integers) {
-                add_values_i8(sc, reinterpret_cast<const int8_t*>(vpool), cs, cn, kvh, h, d, r0,
-                              rows);
+                add_values_i8(sc, vpool, cs, cn, kvh, h, d, r0, rows);
                 continue;
             }
         }

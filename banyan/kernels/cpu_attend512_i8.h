@@ -48,22 +48,18 @@ inline void quantize_query_rows(Scratch& sc, const uint16_t* qraw, int rows, int
     sc.pc.resize(static_cast<size_t>(rows) * CHUNK);
     sc.psc.resize(rows);
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    auto load = [](const uint16_t* p) {  // 16 bf16 -> float32, exactly
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-    };
     for (int r = 0; r < rows; ++r) {
         const uint16_t* q = qraw + static_cast<size_t>(r) * d;
         __m512 top = _mm512_setzero_ps();
         for (int e = 0; e < d; e += 16)
-            top = _mm512_max_ps(top, _mm512_andnot_ps(sign, load(q + e)));
+            top = _mm512_max_ps(top, _mm512_andnot_ps(sign, load16(q + e)));
         const float mx = _mm512_reduce_max_ps(top);
         const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
         __m512i sum = _mm512_setzero_si512();
         int8_t* codes = sc.qi8.data() + static_cast<size_t>(r) * d;
         for (int e = 0; e < d; e += 16) {  // (round to nearest even, clamped to +-127)
             const __m512i c = _mm512_max_epi32(
-                _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load(q + e), inv)),
+                _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(q + e), inv)),
                                  _mm512_set1_epi32(127)),
                 _mm512_set1_epi32(-127));
             sum = _mm512_add_epi32(sum, c);
@@ -121,22 +117,23 @@ inline void block_scores_i8(Scratch& sc, int lo, int rows, const int8_t* const* 
 }
 
 // Row r's probabilities of the chunk (sr: float32, 0 past the keys it sees, up to `blocks`
-// blocks of 16) times the value rows' scales (sc.vsc) -> sc.pc[r] codes 0..255, sc.psc[r] the
-// scale: the largest / 255.
-inline void probability_codes(Scratch& sc, int r, const float* sr, int blocks) {
+// blocks of 16) times the value rows' scales (sc.vsc; the products left in sr) -> sc.pc[r]
+// codes 0..255, sc.psc[r] the scale: the largest / 255.
+inline void probability_codes(Scratch& sc, int r, float* sr, int blocks) {
     __m512 top = _mm512_setzero_ps();
-    for (int v = 0; v < blocks; ++v)
-        top = _mm512_max_ps(top, _mm512_mul_ps(_mm512_loadu_ps(sr + v * VBLK),
-                                               _mm512_loadu_ps(sc.vsc.data() + v * VBLK)));
-    const float mx = _mm512_reduce_max_ps(top);
-    const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);
-    uint8_t* pc = sc.pc.data() + static_cast<size_t>(r) * CHUNK;
     for (int v = 0; v < blocks; ++v) {
         const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(sr + v * VBLK),
                                        _mm512_loadu_ps(sc.vsc.data() + v * VBLK));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(pc + v * VBLK),
-                         _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(p, inv))));
+        _mm512_storeu_ps(sr + v * VBLK, p);
+        top = _mm512_max_ps(top, p);
     }
+    const float mx = _mm512_reduce_max_ps(top);
+    const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);
+    uint8_t* pc = sc.pc.data() + static_cast<size_t>(r) * CHUNK;
+    for (int v = 0; v < blocks; ++v)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pc + v * VBLK),
+                         _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(
+                             _mm512_mul_ps(_mm512_loadu_ps(sr + v * VBLK), inv))));
     sc.psc[r] = mx / 255.0f;
 }
 
@@ -248,7 +245,7 @@ namespace {
 // discards.
 inline void quantize_query_rows(Scratch&, const uint16_t*, int, int) {}
 inline void block_scores_i8(Scratch&, int, int, const int8_t* const*, const float*, int, int) {}
-inline void probability_codes(Scratch&, int, const float*, int) {}
+inline void probability_codes(Scratch&, int, float*, int) {}
 inline void add_values_i8(Scratch&, const int8_t*, const int32_t*, int, int64_t, int64_t, int,
                           int, int) {}
 }  // namespace
