@@ -10,15 +10,18 @@ Medians of --rounds calls.
 Build the other checkout's kernels (any Banyan call that loads them writes the library into
 ~/.cache/banyan/kernels, named by a hash of the sources), then:
 
-    python benchmarks/attention_ab.py A.so B.so [--rounds 41] [--out F] [--tiles]
+    python benchmarks/attention_ab.py A.so B.so [--rounds 41] [--out F] [--tiles] [--only S,...]
 
 --tiles: the row kernel's products on AMX tiles in both builds (cpu_attend_tiles.h; a CPU with
 AMX); the int8 / fp8 pools' cases keep the vector loops (the tiles read bf16 pools only); the
 prefill cases run the prefill kernel's tile path (cpu_prefill_tiles.h), its pair path without.
+--only: the cases whose names contain one of these strings ("shared,check": more rounds of a
+few cases in the same time).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -77,8 +80,13 @@ def cases(tiles: bool) -> dict[str, Callable[[], None]]:
 
 
 def main() -> int:
-    ns = parse_args(__doc__, "1", 41, lambda ap: ap.add_argument(
-        "--tiles", action="store_true", help="both builds' row kernel on AMX tiles (bf16 pools)"))
+    def more(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--tiles", action="store_true",
+                        help="both builds' row kernel on AMX tiles (bf16 pools)")
+        ap.add_argument("--only", default="", help="comma-separated parts of case names")
+
+    ns = parse_args(__doc__, "1", 41, more)
+    wanted = [part for part in ns.only.split(",") if part]
     libs = native_libraries(ns.a, ns.b)
     load = native.load
     results = []
@@ -89,6 +97,8 @@ def main() -> int:
                 raise SystemExit("--tiles: AMX tiles refused here")
         with torch.inference_mode():
             for name, run in cases(ns.tiles).items():
+                if wanted and not any(part in name for part in wanted):
+                    continue
                 seconds: dict[str, list[float]] = {"a": [], "b": []}
                 for r in range(ns.rounds):
                     for lib in ("a", "b") if r % 2 == 0 else ("b", "a"):
@@ -106,7 +116,7 @@ def main() -> int:
     if ns.out:
         ns.out.write_text(json.dumps({"command": ns.command,
                                       "machine": machine_info(), "rounds": ns.rounds,
-                                      "tiles": ns.tiles,
+                                      "tiles": ns.tiles, "only": ns.only,
                                       "a": ns.a.name, "b": ns.b.name, "cases": results},
                                      indent=2) + "\n")
     return 0
