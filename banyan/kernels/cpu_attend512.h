@@ -41,7 +41,7 @@ constexpr int kFarRows = 8;
 // few-row loop there its register allocation (64 x 192-key decodes 1.10x slower, Zen 4).
 template <int W, int NR, bool kScaled>
 __attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16_t* qraw, int r,
-                                                 int d, float* s, __m512 ks) {
+                                                 int d, float* s, const float* ks) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int words = W > 0 ? W : d / 32;
     const int32_t* qw[NR];
@@ -69,7 +69,7 @@ __attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16
             else {
                 const __m512 sum = _mm512_add_ps(low[t], _mm512_add_ps(high[t], block));
                 _mm512_storeu_ps(s + static_cast<size_t>(r + t) * CHUNK,
-                                 kScaled ? _mm512_mul_ps(sum, ks) : sum);
+                                 kScaled ? _mm512_mul_ps(sum, _mm512_load_ps(ks)) : sum);
             }
         }
     }
@@ -81,7 +81,7 @@ __attribute__((noinline)) void transposed_scores(const __m512i* kt, const uint16
 // The rows [r, r + nr) of a pass (nr <= 4), through the instance of exactly nr rows.
 template <int W, bool kScaled, int NR = 4>
 inline void transposed_rows(int nr, const __m512i* kt, const uint16_t* qraw, int r, int d,
-                            float* s, __m512 ks) {
+                            float* s, const float* ks) {
     if constexpr (NR > 1) {
         if (nr < NR) return transposed_rows<W, kScaled, NR - 1>(nr, kt, qraw, r, d, s, ks);
     }
@@ -97,7 +97,6 @@ template <typename T, bool kScaled>
 __attribute__((noinline)) void block_scores(Scratch& sc, const T* qraw, int lo, int rows,
                                             const T* const* kr, int d, int j0, const float* ks) {
     float* s = sc.s.data() + j0;
-    const __m512 kv = kScaled ? _mm512_loadu_ps(ks) : _mm512_set1_ps(1.0f);
     if constexpr (kPairsFor<T>) {
         // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
         // = dims 2i, 2i + 1 of key j), so each vdpbf16ps gives 16 keys' partial scores of one
@@ -115,11 +114,11 @@ __attribute__((noinline)) void block_scores(Scratch& sc, const T* qraw, int lo, 
             for (int r = lo; r < rows; r += 4) {
                 const int nr = std::min(4, rows - r);
                 if (d == 64)
-                    transposed_rows<2, kScaled>(nr, kt, qraw, r, d, s, kv);
+                    transposed_rows<2, kScaled>(nr, kt, qraw, r, d, s, ks);
                 else if (d == 128)
-                    transposed_rows<4, kScaled>(nr, kt, qraw, r, d, s, kv);
+                    transposed_rows<4, kScaled>(nr, kt, qraw, r, d, s, ks);
                 else
-                    transposed_rows<0, kScaled>(nr, kt, qraw, r, d, s, kv);
+                    transposed_rows<0, kScaled>(nr, kt, qraw, r, d, s, ks);
             }
             return;
         }
@@ -135,7 +134,7 @@ __attribute__((noinline)) void block_scores(Scratch& sc, const T* qraw, int lo, 
             for (int j = 0; j < VBLK; ++j) part[j] = dot_partial(qr, kr[j], d);
         const __m512 sum = reduce16(part);
         _mm512_storeu_ps(s + static_cast<size_t>(r) * CHUNK,
-                         kScaled ? _mm512_mul_ps(sum, kv) : sum);
+                         kScaled ? _mm512_mul_ps(sum, _mm512_load_ps(ks)) : sum);
     }
 }
 
