@@ -10,6 +10,10 @@ rounds); each round runs one untimed 128/128 request (the tok/s) and one timed t
 (the split; its clock reads cost ~1%).
 
     python benchmarks/batch1_split.py [--configs none,int8,int4] [--rounds 5] [--out FILE]
+        [--input-len 128] [--output-len 128]
+
+--input-len / --output-len: the request's lengths (attention's share of a step grows with the
+keys it reads: 128/128 decodes over 129-256).
 """
 
 from __future__ import annotations
@@ -80,12 +84,16 @@ def timed_split(engine: Engine, vocab: int) -> dict[str, float]:
 
 
 def main() -> None:
+    global IN_LEN, OUT_LEN  # (timed_split's request)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="none,int8,int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--input-len", type=int, default=IN_LEN)
+    ap.add_argument("--output-len", type=int, default=OUT_LEN)
     ns = ap.parse_args()
+    IN_LEN, OUT_LEN = ns.input_len, ns.output_len
     configs = ns.configs.split(",")
     engines = {q: Engine(str(resolve_model_dir(None)), dtype=ns.dtype, device="cpu",
                          quantization=q, disable_tqdm=True, kv_cache_memory="512MiB")

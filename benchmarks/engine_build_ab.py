@@ -9,7 +9,7 @@ grounded: `banyan bench`'s grounded workload at batch 1 with ngram speculation (
 up to 16 tokens in the stack), output tok/s, the prefix cache flushed before each run.
 
     python benchmarks/engine_build_ab.py A.so B.so [--quantization int4,int8,none]
-        [--workload batch1|random64|random16|random8] [--rounds 16] [--out F]
+        [--workload batch1|random64|random16|random8] [--rounds 16] [--out F] [--input-len N]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def main() -> int:
         ap.add_argument("--quantization", default="int4,int8,none")
         ap.add_argument("--workload", default="batch1",
                         choices=["batch1", "random64", "random16", "random8", "grounded"])
+        ap.add_argument("--input-len", type=int, default=128,
+                        help="batch1's prompt (over 256 tokens its decodes read keys in parts)")
 
     ns = parse_args(__doc__, "128", 16, more)
     cases = []
@@ -58,7 +60,7 @@ def main() -> int:
 
         def speed(engine: Engine, run: int) -> float:
             if ns.workload == "batch1":
-                return batch1(engine, 128, 128, vocab)["decode_tok_s"]
+                return batch1(engine, ns.input_len, 128, vocab)["decode_tok_s"]
             if grounded is not None:
                 engine.flush_cache()
                 return run_workload(engine, grounded)["output_tok_s"]
@@ -72,7 +74,7 @@ def main() -> int:
                 tok_s[name].append(speed(engine, 2 * r + i))
         stack._call = entry
         ratios = [b / a for a, b in zip(tok_s["a"], tok_s["b"])]
-        case = {"quantization": q, "workload": ns.workload,
+        case = {"quantization": q, "workload": ns.workload, "input_len": ns.input_len,
                 "a_tok_s": statistics.median(tok_s["a"]),
                 "b_tok_s": statistics.median(tok_s["b"]),
                 "b_over_a_tok_s": statistics.median(ratios),
