@@ -106,7 +106,7 @@ def test_tile_rows_match_float64(tile_mode: int, heads: int, kv_heads: int, dim:
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128)])
-@pytest.mark.parametrize("n", [420, 600, 1000])
+@pytest.mark.parametrize("n", [200, 420, 600, 1000])
 def test_a_token_has_the_same_bits_alone_batched_or_checked_on_tiles(
         tile_mode: int, heads: int, kv_heads: int, dim: int, n: int) -> None:
     """The row kernel's rule with its products on tiles: a 13-token check's rows, the same

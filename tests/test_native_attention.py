@@ -253,7 +253,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (6, 2, 64), (5, 5, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8", [False, True], ids=["pool-as-dtype", "int8-pool"])
-@pytest.mark.parametrize("n", [420, 600, 1000])
+@pytest.mark.parametrize("n", [200, 420, 600, 1000])
 def test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check(
         heads: int, kv_heads: int, dim: int, dtype: torch.dtype, int8: bool, n: int) -> None:
     """The bits of a query row's attention depend only on its query and its keys: decoded alone
@@ -263,8 +263,9 @@ def test_a_token_gets_the_same_bits_decoded_alone_in_a_batch_or_in_a_check(
     parts, and bf16 rows of a KV head fewer than 4 took scores by another summation (each
     gave other last bits, and greedy text with speculation on parted from it off). So over an
     int8 pool (its bf16 queries' scores in int8 on VNNI: 4 or more rows and fewer take them
-    alike). n keys: 2 parts (a decode's whole from the first of them on, by head before: its
-    short last part), 3 (whole decodes, a check's by head) and 4 (whole parts for both)."""
+    alike). n keys: 1 part (decodes by KV head), 2 (a decode's whole from the first of them
+    on, by head before: its short last part), 3 (whole decodes, a check's by head) and 4
+    (whole parts for both)."""
     gen = torch.Generator().manual_seed(heads * dim)
     e = 13
     k, v, ks, vs = _pool(gen, n + 1, kv_heads, dim, dtype, int8)
