@@ -79,7 +79,7 @@ struct ReadAhead {
         per_issue = (count * ((row_bytes + 63) / 64) + issues - 1) / issues;
     }
     void stop() { n = 0; }
-    __attribute__((always_inline)) void issue() {  // (inline in every loop that issues)
+    void issue() {
         for (int64_t i = 0; i < per_issue && j < n; ++i) {
             const int64_t at = slots[j] * row_bytes + off;
             __builtin_prefetch(k + at, 0, 2);

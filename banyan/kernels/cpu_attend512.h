@@ -91,11 +91,10 @@ inline void transposed_rows(int nr, const __m512i* kt, const uint16_t* qraw, int
 // Raw scores of rows [lo, rows) against the 16 keys kr (the block at j0 of the chunk), times
 // the keys' scales ks where kScaled (a quantized pool's): s[r * CHUNK + j0 + j]. (A pass of
 // their own over the rows' scores after took ~1 ms of a 64 x 192-key decode step over an int8
-// pool on Zen 4.) Out of line, as GCC left it before it had two instances: inlined into a bf16
-// pool's attend512, shared-prefix 8 x 8 and 64 x 192-key decode steps ran 1.03-1.06x slower.
+// pool on Zen 4.)
 template <typename T, bool kScaled>
-__attribute__((noinline)) void block_scores(Scratch& sc, const T* qraw, int lo, int rows,
-                                            const T* const* kr, int d, int j0, const float* ks) {
+inline void block_scores(Scratch& sc, const T* qraw, int lo, int rows, const T* const* kr,
+                         int d, int j0, const float* ks) {
     float* s = sc.s.data() + j0;
     if constexpr (kPairsFor<T>) {
         // bf16 with several rows: the block's keys transposed by bf16 pairs (lane j of word i
@@ -194,9 +193,7 @@ inline void chunk_softmax(Scratch& sc, int rr, float* sr, int seen, int blocks, 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // Row r's values of the chunk (vi: bf16 pairs of keys, `words` 16-lane words a pair) added
 // into its accumulator, weighted by its probabilities as bf16 pairs (sc.pp): alone.
-// (Out of line, as GCC chose before the int8 route joined attend512: see block_scores.)
-__attribute__((noinline)) void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r,
-                                             int d, int words) {
+inline void add_row_pairs(Scratch& sc, const __m512i* vi, int r0, int r, int d, int words) {
     float* ar = sc.acc.data() + static_cast<size_t>(r0 + r) * d;
     const uint32_t* pp = sc.pp.data() + static_cast<size_t>(r) * (CHUNK / 2);
     const int pairs = (sc.vis[r] + 1) / 2;
