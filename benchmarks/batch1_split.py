@@ -47,7 +47,8 @@ def projection_bytes(engine: Engine) -> dict[str, int]:
     return out
 
 
-def timed_split(engine: Engine, vocab: int) -> dict[str, float]:
+def timed_split(engine: Engine, vocab: int, input_len: int = IN_LEN,
+                output_len: int = OUT_LEN) -> dict[str, float]:
     """One request's decode steps (its prefill left out) with the stack's ops and the LM head
     timed: ms a step each, "rest" what the step spent outside both."""
     runner = engine.core.scheduler.runner.model_runner
@@ -68,7 +69,7 @@ def timed_split(engine: Engine, vocab: int) -> dict[str, float]:
 
     model.compute_logits = compute_logits
     try:
-        one = batch1(engine, IN_LEN, OUT_LEN, vocab, on_first_token=start_clocks)
+        one = batch1(engine, input_len, output_len, vocab, on_first_token=start_clocks)
         ops = stack.op_seconds()
     finally:
         stack.time_ops(False)
@@ -84,7 +85,6 @@ def timed_split(engine: Engine, vocab: int) -> dict[str, float]:
 
 
 def main() -> None:
-    global IN_LEN, OUT_LEN  # (timed_split's request)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="none,int8,int4")
     ap.add_argument("--dtype", default="bfloat16")
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=IN_LEN)
     ap.add_argument("--output-len", type=int, default=OUT_LEN)
     ns = ap.parse_args()
-    IN_LEN, OUT_LEN = ns.input_len, ns.output_len
+    lengths = ns.input_len, ns.output_len
     configs = ns.configs.split(",")
     engines = {q: Engine(str(resolve_model_dir(None)), dtype=ns.dtype, device="cpu",
                          quantization=q, disable_tqdm=True, kv_cache_memory="512MiB")
@@ -106,8 +106,8 @@ def main() -> None:
     for r in range(ns.rounds):
         order = configs if r % 2 == 0 else configs[::-1]
         for q in order:
-            split = timed_split(engines[q], vocab)
-            split["decode_tok_s"] = batch1(engines[q], IN_LEN, OUT_LEN, vocab)["decode_tok_s"]
+            split = timed_split(engines[q], vocab, *lengths)
+            split["decode_tok_s"] = batch1(engines[q], *lengths, vocab)["decode_tok_s"]
             rounds[q].append(split)
     results: dict[str, Any] = {}
     for q, runs in rounds.items():
@@ -123,8 +123,8 @@ def main() -> None:
             "rounds": runs}
     base = rounds[configs[0]]
     out = {"command": command_line(), "machine": machine_info(),
-           "copy_bandwidth_gb_s": memory_bandwidth_gbs(), "input_len": IN_LEN,
-           "output_len": OUT_LEN, "results": results,
+           "copy_bandwidth_gb_s": memory_bandwidth_gbs(), "input_len": ns.input_len,
+           "output_len": ns.output_len, "results": results,
            "ratio_to_first_by_round": {
                q: [round(run["decode_tok_s"] / b["decode_tok_s"], 3)
                    for run, b in zip(rounds[q], base, strict=True)] for q in configs[1:]}}
