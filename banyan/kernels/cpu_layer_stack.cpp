@@ -369,6 +369,9 @@ int64_t run_layers(const StackModel* m, const StackStep* s) {
     b.xsum.resize(T_ * (std::max(H, m->intermediate) / 16 + 1));  // int4 group sums (group >= 16)
     gather_inputs(m, s, b);
     T* stream = b.stream.data();
+    const int64_t value_bytes = m->kv.codes == kKvPlain ? int64_t{sizeof(T)} : 1;
+    KvAhead kv_ahead(s, m->kv_heads * D * value_bytes, m->kv_heads);
+    banyan_team::Team* team = banyan_team::active;
     OpClock clock(s->op_seconds);
     for (int64_t i = 0; i < m->layers; ++i) {
         const StackLayer& L = m->layer[i];
@@ -405,7 +408,11 @@ int64_t run_layers(const StackModel* m, const StackStep* s) {
         clock.lap(kOpGateUp);
         K::silu_and_mul(b.gate_up.data(), b.act.data(), T_, m->intermediate, nt);
         clock.lap(kOpSilu);
+        // the next layer's K/V fetched beside down's weights (the last loop before its attention
+        // but the small qkv: what is fetched earlier leaves the L2 with the weights after it)
+        if (team != nullptr && i + 1 < m->layers) team->set_side(kv_ahead.of(m->layer[i + 1]));
         linear(L.down, b.act.data(), T_, b.mlp.data(), b.xsum.data(), nt);
+        if (team != nullptr) team->set_side(nullptr);
         clock.lap(kOpDown);
     }
     K::add_rms_norm(stream, m->layers ? b.mlp.data() : nullptr,

@@ -1,7 +1,8 @@
 // How the layer stack (cpu_layer_stack.cpp) stores a token's K and V rows into the pool: as
 // they are, or as int8 / fp8 codes with a float32 scale per (slot, KV head) row, each exactly
 // as mem/kv_pool.py's store makes them from the same values (a bf16 row widened to float32 as
-// its `x.float()` does), so the pool holds what the per-op path would have stored, bit for bit.
+// its `x.float()` does), so the pool holds what the per-op path would have stored, bit for bit;
+// and which of a layer's K/V rows a step will read (KvAhead).
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include "cpu_dtypes.h"
 #include "cpu_stack_api.h"
+#include "cpu_team.h"
 
 namespace {
 
@@ -65,5 +67,60 @@ void store_row(const T* x, int64_t slot, int64_t kvh, int64_t d, void* pool, flo
         row_scales[h] = scale;
     }
 }
+
+// The row kernel's requests' cached K/V (all but their new tokens) of a layer, for the layer
+// stack to fetch during the layer before (banyan_team::SideReads): none where K and V
+// together pass kSideBytes (each core fetches them all: more would evict what they lead; a
+// lone decode of SmolLM2 over 341 keys of a bf16 pool fills it).
+class KvAhead {
+  public:
+    static constexpr int64_t kSideBytes = 256 << 10;
+
+    // slot_bytes: a slot's K (or V) bytes in the pool, its KV heads' rows of codes or values
+    template <typename Step>  // (StackStep)
+    KvAhead(const Step* s, int64_t slot_bytes, int64_t kvh) : slot_bytes_(slot_bytes), kvh_(kvh) {
+        if (s->n_groups == 0) return;
+        const int64_t* first = s->order + s->group_start[0];
+        const int64_t* last = s->order + s->group_start[s->n_groups];
+        int64_t total = 0;
+        for (const int64_t* r = first; r < last; ++r) total += s->req_len[*r] - s->n_new[*r];
+        if (2 * total * slot_bytes > kSideBytes) return;
+        for (const int64_t* r = first; r < last; ++r) {  // runs of consecutive slots
+            const int32_t* slots = s->table + s->req_row[*r] * s->table_stride;
+            for (int64_t j = 0; j < s->req_len[*r] - s->n_new[*r]; ++j) {
+                if (!runs_.empty() && runs_.back().first + runs_.back().count == slots[j])
+                    ++runs_.back().count;
+                else
+                    runs_.push_back(Run{slots[j], 1});
+            }
+        }
+    }
+
+    // Layer L's K and V (and their scales) at those slots, or null where there are none.
+    template <typename Layer>  // (StackLayer)
+    const banyan_team::SideReads* of(const Layer& L) {
+        if (runs_.empty()) return nullptr;
+        reads_.clear();
+        const int64_t scale_bytes = kvh_ * int64_t{sizeof(float)};
+        for (const Run& run : runs_) {
+            reads_.add(static_cast<const char*>(L.k_pool) + run.first * slot_bytes_,
+                       run.count * slot_bytes_);
+            reads_.add(static_cast<const char*>(L.v_pool) + run.first * slot_bytes_,
+                       run.count * slot_bytes_);
+            if (L.k_scale == nullptr) continue;
+            reads_.add(L.k_scale + run.first * kvh_, run.count * scale_bytes);
+            reads_.add(L.v_scale + run.first * kvh_, run.count * scale_bytes);
+        }
+        return &reads_;
+    }
+
+  private:
+    struct Run {
+        int64_t first, count;
+    };
+    int64_t slot_bytes_, kvh_;
+    std::vector<Run> runs_;
+    banyan_team::SideReads reads_;
+};
 
 }  // namespace

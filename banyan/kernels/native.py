@@ -47,7 +47,7 @@ SOURCES = ("cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_quant_linear.cpp
            "cpu_layer_stack.cpp", "cpu_int8act_linear.cpp", "cpu_prefill_attention.cpp",
            "cpu_quant_gemm_bf16.cpp", "cpu_int4_bf16_linear.cpp", "cpu_kv_quant.cpp",
            "cpu_draft_pick.cpp", "cpu_argmax.cpp", "cpu_head_screen.cpp", "cpu_amx_check.cpp",
-           "cpu_int8_tiles.cpp", "cpu_int8_bf16_linear.cpp")
+           "cpu_int8_tiles.cpp", "cpu_int8_bf16_linear.cpp", "cpu_team_check.cpp")
 # -fno-trapping-math lets loops with floor() vectorise; -ffp-contract=off keeps every product
 # rounded where torch rounds it (no silent fused multiply-adds).
 FLAGS = (
