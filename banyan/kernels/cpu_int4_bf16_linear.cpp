@@ -85,6 +85,7 @@ void panel_bf16(const uint16_t* x, const float* xsum, int64_t K, int64_t group, 
             for (int u = 0; u < 4; ++u) part[t][u] = _mm512_setzero_ps();
         for (int64_t j = 0; j < group / 2; j += 4) {
             fetch_codes_ahead(wg, j * PANEL);
+            if constexpr (TB == 1) banyan_team::side_tick();  // (a line of a later op's)
             for (int u = 0; u < 4; ++u) {
                 const __m512i bytes = _mm512_broadcast_i32x4(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (j + u) * PANEL)));

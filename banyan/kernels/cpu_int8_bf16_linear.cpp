@@ -111,6 +111,7 @@ void panel_bf16(const CodePairs& pairs, const uint16_t* x, int64_t K, int64_t gr
         for (int t = 0; t < TB; ++t) part[t][0] = part[t][1] = _mm512_setzero_ps();
         for (int64_t k = g * span; k < (g + 1) * span; k += 4) {  // word u: k + 2u, k + 2u + 1
             fetch_codes_ahead(w, k * PANEL);
+            if constexpr (TB == 1) banyan_team::side_tick();  // (a line of a later op's)
             pairs(w + k * PANEL, word[0], word[1]);
             for (int t = 0; t < TB; ++t)
                 for (int u = 0; u < 2; ++u)

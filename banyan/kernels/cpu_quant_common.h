@@ -13,8 +13,6 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_team.h"
-
 namespace {
 
 constexpr int PANEL = 16;  // output rows side by side per input (banyan/layers/quant.py packs)
@@ -37,9 +35,7 @@ inline void fetch_ahead(const void* p, int64_t bytes = kAheadBytes) {
 
 // Once per 64-byte line of a panel's codes: `offset` bytes into the stream.
 inline void fetch_codes_ahead(const void* base, int64_t offset) {
-    if (offset % 64 != 0) return;
-    fetch_ahead(static_cast<const char*>(base) + offset);
-    banyan_team::side_tick();  // (a later op's line, where the loop carries some)
+    if (offset % 64 == 0) fetch_ahead(static_cast<const char*>(base) + offset);
 }
 
 // A group's scales as many groups ahead as the codes are fetched.

@@ -68,10 +68,11 @@ void store_row(const T* x, int64_t slot, int64_t kvh, int64_t d, void* pool, flo
     }
 }
 
-// The row kernel's requests' cached K/V (all but their new tokens) of a layer, for the layer
-// stack to fetch during the layer before (banyan_team::SideReads): none where K and V
-// together pass kSideBytes (each core fetches them all: more would evict what they lead; a
-// lone decode of SmolLM2 over 341 keys of a bf16 pool fills it).
+// A one-token step's cached K/V (all but its new token's) of a layer, for the layer stack to
+// fetch during the layer before (banyan_team::SideReads); none where K and V together pass
+// kSideBytes (each core fetches them all: more would evict what they lead; SmolLM2 over 341
+// keys of a bf16 pool fills it). Only one token: steps of 4 and 13 (speculative checks over
+// 192 keys, Zen 4) ran 1.3-1.4% slower with them, their attention a smaller share.
 class KvAhead {
   public:
     static constexpr int64_t kSideBytes = 256 << 10;
@@ -79,7 +80,7 @@ class KvAhead {
     // slot_bytes: a slot's K (or V) bytes in the pool, its KV heads' rows of codes or values
     template <typename Step>  // (StackStep)
     KvAhead(const Step* s, int64_t slot_bytes, int64_t kvh) : slot_bytes_(slot_bytes), kvh_(kvh) {
-        if (s->n_groups == 0) return;
+        if (s->tokens != 1 || s->n_groups == 0) return;
         const int64_t* first = s->order + s->group_start[0];
         const int64_t* last = s->order + s->group_start[s->n_groups];
         int64_t total = 0;

@@ -93,7 +93,9 @@ class SideReads {
 // block"), and the call is ~5 ns a panel of 4.6-24 KB.
 inline thread_local SideReads::Cursor* side_cursor = nullptr;
 
-// Called by kernels as they fetch their own data ahead (once per 64-byte line of weights).
+// Called by kernels as they fetch their own data ahead, once per 64-byte line of weights: the
+// one-token loops of the int4 / int8 bf16 kernels (their other loops would carry the check for
+// nothing, and steps of 4 / 13 tokens measured 3-4.5% slower with it there).
 inline void side_tick() {
     if (side_cursor != nullptr) side_cursor->fetch_one();
 }
