@@ -3,7 +3,7 @@ beside an earlier loop's weight stream): the cursor gives every line of every ra
 order, from each range's first line to the line holding its last byte; and a step's next
 parallel loop takes the reads (every item of it runs with a cursor), the one after does not.
 Prefetches change no value, so this is where a walk that skipped lines would show (the layer
-stack's equality with the per-op path covers the values, tests/test_layer_stack.py)."""
+stack's equality with the model covers the values with them on, tests/test_native_stack.py)."""
 
 from __future__ import annotations
 
