@@ -97,13 +97,15 @@ def main() -> int:
         for r in range(ns.rounds):
             for name in ("a", "b") if r % 2 else ("b", "a"):
                 stack._call = calls[name]
-                stack.time_ops(ns.ops)  # (from zero)
+                if ns.ops:
+                    stack.time_ops()  # (from zero)
                 t0 = time.perf_counter()
                 runner.forward(step(tokens, ns.context))
                 seconds[name].append(time.perf_counter() - t0)
                 if ns.ops:
                     ops[name].append(stack.op_seconds())
-        stack.time_ops(False)
+        if ns.ops:
+            stack.time_ops(False)
         a, b = (statistics.median(seconds[n]) for n in ("a", "b"))
         same = torch.equal(logits["a"], logits["b"])
         case = {"tokens": tokens, "a_median_ms": a * 1e3, "b_median_ms": b * 1e3,

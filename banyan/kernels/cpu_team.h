@@ -13,7 +13,6 @@
 
 #include <omp.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
@@ -60,7 +59,6 @@ class SideReads {
         ranges_.push_back(Range{reinterpret_cast<const char*>(first),
                                 reinterpret_cast<const char*>((end + 63) & ~uintptr_t{63})});
     }
-    bool empty() const { return ranges_.empty(); }
 
     // One thread's walk over the lines, range by range.
     class Cursor {
@@ -203,7 +201,7 @@ void parallel_for(int64_t count, int64_t threads, F&& body) {
     const SideReads* side = active != nullptr ? active->take_side() : nullptr;
     parallel_team(threads < count ? threads : count, [&](int tid, int n) {
         const Share share(count, tid, n);
-        if (side == nullptr || side->empty()) {
+        if (side == nullptr) {
             for (int64_t i = share.begin; i < share.end; ++i) body(i);
             return;
         }
