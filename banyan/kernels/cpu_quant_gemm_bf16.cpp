@@ -50,12 +50,14 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
     // fetch's lines spread over the pass, a few every pair, not in one burst ahead of it
     const int64_t lines = fetch.bytes / 64, pairs = K / 2;
     const int64_t fills = FILL ? fill->end - fill->done : 0;  // spread over the pass alike
+    Fill here;  // (the pass's own copy: Fill::next)
+    if constexpr (FILL) here = *fill;
     int64_t owed = 0, filled = 0;
     for (int64_t j = 0; j < pairs; ++j) {
         for (owed += lines; owed >= pairs; owed -= pairs, fetch.codes += 64)
             _mm_prefetch(fetch.codes, _MM_HINT_T1);
         if constexpr (FILL)
-            for (filled += fills; filled >= pairs; filled -= pairs) fill->next<FILL>();
+            for (filled += fills; filled >= pairs; filled -= pairs) here.next<FILL>();
         __m512bh wv[N_P];
         for (int q = 0; q < N_P; ++q)
             wv[q] = (__m512bh)_mm512_load_si512(tile.base[q] + j * tile.stride);
@@ -64,6 +66,7 @@ void tile_gemm(const Panels& tile, const uint16_t* x, int64_t K, int64_t t0, int
             for (int q = 0; q < N_P; ++q) acc[t][q] = _mm512_dpbf16_ps(acc[t][q], wv[q], xv);
         }
     }
+    if constexpr (FILL) *fill = here;
     for (int q = 0; q < N_P; ++q) {
         const int64_t n0 = (p0 + q) * PANEL;
         const PanelEnd end(bias, SCALED ? rs : nullptr, n0, N);
@@ -167,6 +170,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
                 case kFillCodes: BANYAN_GROUP(kFillCodes, true); break;
                 case kFillInt8: BANYAN_GROUP(kFillInt8, false); break;
                 case kFillInt4: BANYAN_GROUP(kFillInt4, false); break;
+                case kFillInt4Wide: BANYAN_GROUP(kFillInt4Wide, false); break;
                 default:  // a thread's last group (or pairs read in place)
                     if (rs) BANYAN_GROUP(kFillNone, true);
                     else BANYAN_GROUP(kFillNone, false);
