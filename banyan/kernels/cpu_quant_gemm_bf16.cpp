@@ -130,6 +130,25 @@ __attribute__((noinline, flatten)) void group(int np, const Panels& tile, const 
     else panel_group<1, FILL, SCALED>(tile, x, T, K, p0, bias, rs, out, N, next, fill);
 }
 
+// This thread's two tiles (at least `vectors` 64-byte vectors), kept from call to call and
+// grown as needed: allocated and freed each call, a down projection's 295 KB went back to the
+// system and came back as fresh pages (~1.5 page faults a call); kept, int4 64-token steps
+// through SmolLM2's stack took 0.985-0.998x the time (Zen 4).
+__m512i* thread_tiles(int64_t vectors) {
+    struct Buffer {
+        __m512i* at = nullptr;
+        int64_t size = 0;
+        ~Buffer() { std::free(at); }
+    };
+    static thread_local Buffer buf;
+    if (buf.size < vectors) {
+        std::free(buf.at);
+        buf.at = static_cast<__m512i*>(std::aligned_alloc(64, vectors * 64));
+        buf.size = vectors;
+    }
+    return buf.at;
+}
+
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
@@ -147,8 +166,7 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         // std::vector of __m512i drops the alignment attribute); none for pairs read in place
         const int64_t pairs = w.K / 2;
         const bool plain = w.kind == kBf16Pairs || w.kind == kBf16;  // no Fill: kBf16 transposes
-        __m512i* tiles = w.kind == kBf16Pairs ? nullptr : static_cast<__m512i*>(
-            std::aligned_alloc(64, 2 * pairs * NP * 64));
+        __m512i* tiles = w.kind == kBf16Pairs ? nullptr : thread_tiles(2 * pairs * NP);
         if (!plain && a < b) fill_tile(w, a, static_cast<int>(std::min<int64_t>(NP, b - a)), tiles);
         for (int64_t p0 = a, k = 0; p0 < b; p0 += NP, ++k) {
             const int np = static_cast<int>(std::min<int64_t>(NP, b - p0));
@@ -177,7 +195,6 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
 #undef BANYAN_GROUP
             }
         }
-        std::free(tiles);
     });
 }
 
