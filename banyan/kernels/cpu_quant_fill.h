@@ -192,7 +192,8 @@ struct Fill {
         const QuantWeight& W = *w;
         if (left == 0) {
             s = scale16(W.scale, at, kHalf);
-            if constexpr (KIND >= kFillInt4) m = scale16(W.mins, at, kHalf);
+            if constexpr (KIND == kFillInt4 || KIND == kFillInt4Wide)
+                m = scale16(W.mins, at, kHalf);
             at += PANEL;
             left = group_pairs;
         }
