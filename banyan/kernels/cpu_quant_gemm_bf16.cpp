@@ -130,25 +130,6 @@ __attribute__((noinline, flatten)) void group(int np, const Panels& tile, const 
     else panel_group<1, FILL, SCALED>(tile, x, T, K, p0, bias, rs, out, N, next, fill);
 }
 
-// This thread's two tiles (at least `vectors` 64-byte vectors), kept from call to call and
-// grown as needed: allocated and freed each call, a down projection's 295 KB went back to the
-// system and came back as fresh pages (~1.5 page faults a call); kept, int4 64-token steps
-// through SmolLM2's stack took 0.985-0.998x the time (Zen 4).
-__m512i* thread_tiles(int64_t vectors) {
-    struct Buffer {
-        __m512i* at = nullptr;
-        int64_t size = 0;
-        ~Buffer() { std::free(at); }
-    };
-    static thread_local Buffer buf;
-    if (buf.size < vectors) {
-        std::free(buf.at);
-        buf.at = static_cast<__m512i*>(std::aligned_alloc(64, vectors * 64));
-        buf.size = vectors;
-    }
-    return buf.at;
-}
-
 void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float* bias,
                 uint16_t* out, int64_t N, int64_t n_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
@@ -162,8 +143,8 @@ void quant_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
 #endif
     banyan_team::parallel_team(threads_for(panels / NP, n_threads), [&](int64_t i, int64_t n) {
         const int64_t a = panels * i / n, b = panels * (i + 1) / n;
-        // two tiles, this group's and the next's (filled meanwhile: Fill); 64-byte aligned (a
-        // std::vector of __m512i drops the alignment attribute); none for pairs read in place
+        // two tiles, this group's and the next's (filled meanwhile: Fill); none for pairs read
+        // in place
         const int64_t pairs = w.K / 2;
         const bool plain = w.kind == kBf16Pairs || w.kind == kBf16;  // no Fill: kBf16 transposes
         __m512i* tiles = w.kind == kBf16Pairs ? nullptr : thread_tiles(2 * pairs * NP);
@@ -205,7 +186,7 @@ void dequant_rows(const QuantWeight& w, uint16_t* out, int64_t n_threads) {
     const int64_t panels = (w.N + PANEL - 1) / PANEL, pairs = w.K / 2;
 #pragma omp parallel num_threads(threads_for(panels, n_threads))
     {
-        __m512i* tile = static_cast<__m512i*>(std::aligned_alloc(64, pairs * 64));
+        __m512i* tile = thread_tiles(pairs);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
             fill_tile(w, p, 1, tile, /*values=*/true);
@@ -225,7 +206,6 @@ void dequant_rows(const QuantWeight& w, uint16_t* out, int64_t n_threads) {
                     std::memcpy(out + (p * PANEL + i) * w.K + 2 * j0, &lanes[i], 4);
             }
         }
-        std::free(tile);
     }
 }
 #else

@@ -118,9 +118,7 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         const int64_t a = groups * i / n * kGroup;
         const int64_t b = std::min(panels, groups * (i + 1) / n * kGroup);
         // (a group's dequantized panels; none for pairs read in place)
-        auto* tile = w.kind == kBf16Pairs
-                         ? nullptr
-                         : static_cast<__m512i*>(std::aligned_alloc(64, pairs * kGroup * 64));
+        __m512i* tile = w.kind == kBf16Pairs ? nullptr : thread_tiles(pairs * kGroup);
         // A last block of fewer than 32 tokens (tile loads read 16 whole rows), zeros past T:
         // copied once a call into this thread's buffer, which is all zeros between calls (its
         // rows are cleared after use), not once a group: at a decode's one token the copy and
@@ -158,7 +156,6 @@ void tiles_gemm(const uint16_t* x, int64_t T, const QuantWeight& w, const float*
         }
         tl.end();
         if (tail) std::memset(pad.data(), 0, tail * K * sizeof(uint16_t));
-        std::free(tile);
     });
 }
 
